@@ -1,0 +1,44 @@
+"""
+cache.py: the block-wise approximate KV cache of Fast-dLLM (arXiv 2505.22618, section 3.2, Figure 2).
+
+A diffusion LM attends bidirectionally, so strictly every key changes whenever any token is unmasked and
+nothing can be cached. Fast-dLLM's observation is that keys/values barely move *within* one block's
+denoising steps, so they are computed once per block (the "refresh" forward over the whole canvas) and
+reused for the block's remaining steps:
+
+- prefix mode: later steps feed the current block *and everything after it*; only the prefix [0, s) is
+  reused from the refresh.
+- dual mode (DualCache): later steps feed only the current block [s, e); both the prefix and the masked
+  suffix [e, L) are reused from the refresh.
+
+Both are one operation here: write the fed chunk's keys/values at their canvas positions, then attend over
+the whole canvas. In prefix mode the fed chunk covers [s, L), so every stale entry is overwritten; in dual
+mode it covers [s, e) and the suffix stays as the refresh left it (Fast-dLLM's `replace_position`).
+
+This file holds only the storage. When to refresh is decided by the generation loop (fastdllm.py), and
+the cache never advances itself: every write names its position.
+"""
+import torch
+
+
+class KVCache:
+    """Preallocated keys/values for every layer over the whole canvas: (n_layers, B, n_kv_heads, L, head_dim)."""
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, length: int, head_dim: int, device, dtype):
+        shape = (n_layers, batch, n_kv_heads, length, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+
+    @classmethod
+    def for_model(cls, model, batch: int, length: int) -> "KVCache":
+        cfg = model.config
+        p = model.lm_head.weight
+        return cls(cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim, p.device, p.dtype)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int):
+        """Write k, v (B, n_kv_heads, T, head_dim) at canvas positions [start, start+T) in place and return
+        this layer's keys/values over the whole canvas (views, no copy)."""
+        T = k.shape[2]
+        self.k[layer, :, :, start:start + T] = k
+        self.v[layer, :, :, start:start + T] = v
+        return self.k[layer], self.v[layer]

@@ -1,0 +1,390 @@
+"""
+fastdllm.py: fast inference for masked-diffusion LLMs (LLaDA-8B, Dream-7B), the one generation loop and
+its command line.
+
+A diffusion LM generates by denoising: the answer starts as gen_length [MASK] tokens, and each model call
+("step", counted as NFE) predicts every masked position at once and commits some of them. This file runs:
+- semi-autoregressive *blocks* (LLaDA): the canvas is filled block by block, left to right;
+- Fast-dLLM (arXiv 2505.22618): the block-wise approximate KV cache, `cache="prefix"` / `"dual"` (section
+  3.2, cache.py) and confidence-aware parallel decoding, `threshold=` / `factor=` (section 3.3, sampler.py);
+- Dream's own whole-canvas sampler (`block_length=None`) and Fast-dLLM's Dream block sampler.
+
+    python fastdllm.py --prompt "What is 7 * 8?"                    # LLaDA-8B-Instruct, dual cache, tau 0.9
+    python fastdllm.py --model demo/llada-arith --prompt "..."      # the tiny model we ship, on a CPU
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import sampler as S
+from cache import KVCache
+from model import load_model, resolve_model_dir
+
+CACHE_MODES = ("none", "prefix", "dual")
+LLADA_REMASKING = ("low_confidence", "random")
+DREAM_REMASKING = ("origin", "maskgit_plus", "topk_margin", "entropy")
+
+
+def check_args(cfg, prompt, gen_length, block_length, steps, cache, threshold, factor, temperature,
+               remasking, top_p, top_k, alg_temp):
+    """Every impossible request fails here, in one line that names the fix, before any model call."""
+    def bad(msg):
+        raise ValueError(msg)
+    if prompt.ndim != 2 or prompt.shape[1] == 0:
+        bad("the prompt is empty: pass at least one token (a (batch, length) tensor of ids)")
+    if (prompt == cfg.mask_id).any():
+        bad(f"the prompt contains the mask token id {cfg.mask_id}: masks are reserved for the answer; "
+            f"remove them (infilling inside the prompt is not supported)")
+    if gen_length < 1 or block_length < 1:
+        bad(f"gen_length ({gen_length}) and block_length ({block_length}) must be positive")
+    if gen_length % block_length:
+        bad(f"gen_length {gen_length} is not a multiple of block_length {block_length}: "
+            f"pick a block_length that divides it, e.g. {next(b for b in range(block_length, 0, -1) if gen_length % b == 0)}")
+    if steps < 1:
+        bad(f"steps must be >= 1 (got {steps})")
+    if steps % (gen_length // block_length):
+        bad(f"steps {steps} is not divisible by the number of blocks {gen_length // block_length} "
+            f"(gen_length / block_length): use a multiple, e.g. steps={gen_length}")
+    if prompt.shape[1] + gen_length > cfg.max_seq_len:
+        bad(f"prompt ({prompt.shape[1]} tokens) + gen_length ({gen_length}) exceeds the model's "
+            f"{cfg.max_seq_len} positions: shorten the prompt or lower gen_length")
+    if cache not in CACHE_MODES:
+        bad(f"unknown cache mode {cache!r}: use one of {', '.join(CACHE_MODES)}")
+    if threshold is not None and threshold <= 0:
+        bad(f"threshold must be in (0, 1] (got {threshold}); above 1 means one token per step, None turns it off")
+    if factor is not None and factor <= 0:
+        bad(f"factor must be > 0 (got {factor})")
+    if threshold is not None and factor is not None:
+        bad("pass threshold or factor, not both: they are two parallel-decoding rules")
+    if temperature < 0:
+        bad(f"temperature must be >= 0 (got {temperature}); 0 is greedy")
+    names = LLADA_REMASKING if cfg.family == "llada" else DREAM_REMASKING
+    if remasking not in names:
+        bad(f"unknown remasking {remasking!r} for {cfg.family}: use one of {', '.join(names)}")
+    if cfg.family == "llada" and (top_p is not None or top_k is not None or alg_temp):
+        bad("top_p, top_k and alg_temp are Dream options; LLaDA samples with temperature only")
+    if top_p is not None and not 0 < top_p <= 1:
+        bad(f"top_p must be in (0, 1] (got {top_p})")
+    if top_k is not None and top_k < 1:
+        bad(f"top_k must be >= 1 (got {top_k})")
+    if alg_temp is not None and alg_temp < 0:
+        bad(f"alg_temp must be >= 0 (got {alg_temp})")
+
+
+@torch.inference_mode()
+def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: int | None = 32,
+             steps: int | None = None, cache: str = "none", threshold: float | None = None,
+             factor: float | None = None, temperature: float = 0.0, remasking: str | None = None,
+             top_p: float | None = None, top_k: int | None = None, alg_temp: float | None = None,
+             eps: float = 1e-3, attention_mask: torch.Tensor | None = None,
+             generator: torch.Generator | None = None, refresh_every_step: bool = False, on_step=None):
+    """
+    Decode gen_length tokens after `prompt` (B, P). Returns (ids (B, P + gen_length), stats) with stats
+    {"nfe": model calls, "fed": tokens fed per call, "seconds", "tokens_per_s"}.
+
+    block_length: semi-autoregressive block size. None = one block over the whole answer; for Dream it
+        selects Dream's own `diffusion_generate` rules instead of Fast-dLLM's block sampler.
+    steps: denoising steps over the whole answer (default gen_length: one token per step); with a
+        threshold or factor the step count is decided by confidence and steps is only checked.
+    cache: "none" | "prefix" | "dual" (Fast-dLLM section 3.2). The cache is refreshed by a full forward
+        at each block's first step; refresh_every_step=True refreshes before every step too (a check of
+        the cache plumbing: the decode then equals cache="none").
+    threshold / factor: confidence-aware parallel decoding (section 3.3).
+    remasking: LLaDA "low_confidence" (default) | "random"; Dream "entropy" (default) | "maskgit_plus" |
+        "topk_margin" | "origin" (Dream's `alg`; the block sampler ranks by entropy only).
+    top_p, top_k, alg_temp, eps: Dream's sampling options. attention_mask: (B, P) 1/0 for left-padded
+        Dream prompts (LLaDA's official model ignores masks and attends to pads; so do we).
+    generator: the only source of randomness (default: a fresh one seeded 0). on_step(x, stats) is called
+        after every step with the live canvas.
+    """
+    cfg = model.config
+    dream = cfg.family == "dream"
+    whole_canvas = dream and block_length is None     # Dream's own diffusion_generate
+    remasking = remasking or ("entropy" if dream else "low_confidence")
+    block_length = block_length or gen_length
+    steps = gen_length if steps is None else steps
+    check_args(cfg, prompt, gen_length, block_length, steps, cache, threshold, factor, temperature,
+               remasking, top_p, top_k, alg_temp)
+    parallel = threshold is not None or factor is not None
+    if whole_canvas and (cache != "none" or parallel):
+        raise ValueError("Dream's whole-canvas sampler (block_length=None) has no cache or threshold/factor: "
+                         "pass a block_length to use Fast-dLLM's block sampler")
+    if dream and not whole_canvas and remasking != "entropy" and not parallel:
+        raise ValueError(f"Fast-dLLM's Dream block sampler ranks tokens by entropy; remasking={remasking!r} "
+                         f"needs Dream's whole-canvas sampler (block_length=None)")
+    n_blocks = gen_length // block_length
+    steps_per_block = steps // n_blocks
+    if dream and not whole_canvas and not parallel and steps_per_block < 2:
+        raise ValueError(f"Dream's block sampler needs >= 2 steps per block (got {steps_per_block}): "
+                         f"raise steps to at least {2 * n_blocks} or use threshold/factor")
+
+    device = model.lm_head.weight.device
+    prompt = prompt.to(device)
+    B, P = prompt.shape
+    L = P + gen_length
+    generator = generator or torch.Generator(device).manual_seed(0)
+    x = F.pad(prompt, (0, gen_length), value=cfg.mask_id)
+    pos = mask = None
+    if dream and attention_mask is not None and (attention_mask == 0).any():
+        # Dream's left padding: real tokens count positions from 0, pads neither attend nor are attended.
+        m = F.pad(attention_mask.to(device).bool(), (0, gen_length), value=True)
+        pos = (m.long().cumsum(-1) - 1).masked_fill(~m, 1)
+        mask = m[:, None, None, :] & m[:, None, :, None]          # (B, 1, L, L)
+    kv = KVCache.for_model(model, B, L) if cache != "none" else None
+    timesteps = torch.linspace(1, eps, steps_per_block + 1, device=device)   # Dream: t from 1 down to eps
+    stats = {"nfe": 0, "fed": []}
+    t0 = time.perf_counter()
+
+    def forward(a, b, s, e):
+        """Feed canvas positions [a, b), return logits for [s, e) and where they sit in the chunk."""
+        stats["nfe"] += 1
+        stats["fed"].append(b - a)
+        logits = model(x[:, a:b], None if pos is None else pos[:, a:b], kv, a,
+                       None if mask is None else mask[:, :, a:b], (s - a, e - a))
+        return logits, (s - a, b - a)
+
+    for s in range(P, L, block_length):
+        e = s + block_length
+        budget = S.num_transfer_tokens((x[:, s:e] == cfg.mask_id).sum(-1), steps_per_block)
+        step = 0
+        # Dream's own sampler always runs its `steps` calls; everything else stops when the block is full.
+        while step < steps_per_block if whole_canvas else (x[:, s:e] == cfg.mask_id).any():
+            if step == 0 or kv is None or refresh_every_step:
+                # Refresh: a full forward over the canvas. With a cache it also (re)fills every position's
+                # keys/values, and its logits decode the block's first step (Fast-dLLM fuses the two).
+                logits, span = forward(0, L, s, e)
+            if kv is not None and step > 0:
+                # Cached step: prefix mode feeds the block and everything after it, dual mode the block only.
+                logits, span = forward(s, L if cache == "prefix" else e, s, e)
+            cand = x[:, s:e] == cfg.mask_id
+            last = step == steps_per_block - 1
+            if not dream:
+                x0, conf = S.llada_predict(logits, temperature, remasking, generator, span)
+                conf = conf.masked_fill(~cand, S.NEG_INF)
+                transfer = (S.select_threshold(conf, cand, threshold) if threshold is not None else
+                            S.select_factor(conf, cand, factor) if factor is not None else
+                            S.select_topk(conf, cand, budget[:, min(step, steps_per_block - 1)]))
+            elif not whole_canvas and step == 0:
+                # Fast-dLLM's Dream block sampler decodes the block's first token at the refresh, whatever
+                # its confidence (spec/dream.md 7.3); the shifted logits of cached chunks never serve it.
+                x0 = S.dream_sample(logits[:, :1], temperature, top_p, top_k, generator)[1]
+                x0 = F.pad(x0, (0, block_length - 1))
+                transfer = cand & (torch.arange(block_length, device=device) == 0)
+            elif remasking == "origin":
+                p = 1 if last else 1 - timesteps[step + 1] / timesteps[step]
+                x0, transfer = S.dream_origin(logits, cand, p, temperature, top_p, top_k, generator)
+            else:
+                conf, x0, probs = S.dream_sample(logits[cand], temperature, top_p, top_k, generator)
+                score = S.dream_confidence(remasking if not parallel else "maskgit_plus", conf, probs)
+                x0 = torch.zeros_like(x[:, s:e]).masked_scatter_(cand, x0)
+                score = torch.full(cand.shape, S.NEG_INF, device=device).masked_scatter_(cand, score)
+                if threshold is not None:
+                    transfer = S.select_threshold(score, cand, threshold)
+                elif factor is not None:
+                    transfer = S.select_factor(score, cand, factor)
+                else:
+                    k = S.dream_num_transfer(cand.sum() / B, timesteps[step], timesteps[step + 1], last)
+                    transfer = (torch.zeros_like(cand) if k == 0 else
+                                S.select_sampled(score, cand, k, alg_temp, generator, P if whole_canvas else 0)
+                                if alg_temp else S.select_topk(score, cand, torch.full((B,), k, device=device)))
+            x[:, s:e] = torch.where(transfer, x0, x[:, s:e])
+            step += 1
+            if on_step is not None:
+                on_step(x, stats)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    stats["seconds"] = time.perf_counter() - t0
+    stats["tokens_per_s"] = B * gen_length / max(stats["seconds"], 1e-9)
+    return x, stats
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tokenizer and chat templates (written out here, from the models' tokenizer_config.json templates).
+
+class Chat:
+    """tokenizer.json through `tokenizers`, plus each family's chat template. Special ids are looked up in
+    the checkpoint's own tokenizer, never hard-coded."""
+
+    def __init__(self, model_dir: str, cfg, chat: bool = True):
+        from tokenizers import Tokenizer
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path} is missing: the CLI needs the model's tokenizer.json "
+                                    f"(the Python API generate() works on ids without it)")
+        self.tok = Tokenizer.from_file(path)
+        self.family = cfg.family
+        header = "<|start_header_id|>" if cfg.family == "llada" else "<|im_start|>"
+        # A tokenizer without the chat tokens (our demo model) gets the raw prompt.
+        self.chat = chat and self.tok.token_to_id(header) is not None
+        ends = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
+        self.stop_ids = {cfg.eos_id} | {self.tok.token_to_id(t) for t in ends} - {None}
+
+    def render(self, messages: list[dict]) -> str:
+        if not self.chat:
+            return "\n".join(m["content"] for m in messages if m["role"] == "user")
+        if self.family == "llada":
+            # LLaDA-8B-Instruct: bos, then header/content/<|eot_id|> per message; the assistant header is
+            # always appended (its template ignores add_generation_prompt).
+            turns = "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
+                            for m in messages)
+            return "<|startoftext|>" + turns + "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        # Dream-v0-Instruct: Qwen2.5's template with its default system prompt.
+        if messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": "You are a helpful assistant."}] + messages
+        turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return turns + "<|im_start|>assistant\n"
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def answer(self, ids: list[int]) -> str:
+        """The answer text: cut at the first end-of-turn / end-of-text token, specials dropped."""
+        cut = next((i for i, t in enumerate(ids) if t in self.stop_ids), len(ids))
+        return self.tok.decode(ids[:cut], skip_special_tokens=True).strip()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line
+
+def pick_device_dtype(device: str | None, dtype: str | None):
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but CUDA is not available here: use --device cpu")
+    if device not in ("cpu", "mps") and not device.startswith("cuda"):
+        raise ValueError(f"unknown --device {device!r}: use cpu or cuda (cuda:N)")
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
+    if dtype not in dtypes:
+        raise ValueError(f"unknown --dtype {dtype!r}: use float32, bfloat16 or float16")
+    if device == "cpu" and dtype == "float16":
+        raise ValueError("--dtype float16 is not supported on CPU: use float32 (or bfloat16)")
+    if device.startswith("cuda") and dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
+        raise ValueError("this GPU does not support bfloat16: use --dtype float16 or float32")
+    return torch.device(device), dtypes[dtype]
+
+
+def optional_float(text: str):
+    return None if text.lower() in ("none", "off") else float(text)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Fast-dLLM inference for LLaDA and Dream. Defaults are the method's headline setting: "
+                    "--cache dual --threshold 0.9 --block-length 32 --gen-length 256. The plain baseline is "
+                    "--cache none --threshold none.")
+    p.add_argument("--model", default="GSAI-ML/LLaDA-8B-Instruct", help="Hugging Face repo id or local folder")
+    p.add_argument("--prompt", help="the user message (omit with --interactive or --bench uses a default)")
+    p.add_argument("--gen-length", type=int, default=256, help="tokens to generate")
+    p.add_argument("--block-length", type=int, default=32, help="semi-autoregressive block size; 0 = one block "
+                   "(for Dream: Dream's own whole-canvas sampler)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: gen-length)")
+    p.add_argument("--cache", default="dual", help="KV cache: none | prefix | dual")
+    p.add_argument("--threshold", type=optional_float, default=0.9,
+                   help="parallel decoding: unmask every token with confidence >= this (none = off)")
+    p.add_argument("--factor", type=float, default=None, help="factor-based parallel decoding (replaces threshold)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--remasking", default=None, help="LLaDA: low_confidence|random; Dream: entropy|maskgit_plus|"
+                   "topk_margin|origin")
+    p.add_argument("--top-p", type=float, default=None, help="Dream only")
+    p.add_argument("--top-k", type=int, default=None, help="Dream only")
+    p.add_argument("--alg-temp", type=float, default=None, help="Dream only: randomness of the position choice")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    p.add_argument("--no-chat", action="store_true", help="raw prompt, no chat template (base models)")
+    p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin")
+    p.add_argument("--bench", action="store_true", help="speed-up table: baseline vs caches vs parallel decoding")
+    args = p.parse_args(argv)
+    if args.factor is not None:
+        args.threshold = None      # --factor replaces the default threshold
+    return args
+
+
+def settings(args, **override):
+    kw = dict(gen_length=args.gen_length, block_length=args.block_length or None, steps=args.steps,
+              cache=args.cache, threshold=args.threshold, factor=args.factor, temperature=args.temperature,
+              remasking=args.remasking, top_p=args.top_p, top_k=args.top_k, alg_temp=args.alg_temp)
+    kw.update(override)
+    return kw
+
+
+def run_once(model, chat, ids, args, device, **kw):
+    gen = torch.Generator(device).manual_seed(args.seed)
+    prompt = torch.tensor([ids], device=device)
+    out, stats = generate(model, prompt, generator=gen, **settings(args, **kw))
+    return out[0].tolist(), stats
+
+
+def bench(model, chat, ids, args, device):
+    """One table: every mode side by side on the same prompt, after one warm-up call."""
+    tau = args.threshold if args.threshold is not None else 0.9
+    rows = [("baseline", "none", None), ("+prefix cache", "prefix", None), ("+dual cache", "dual", None),
+            ("+parallel", "none", tau), ("+prefix+parallel", "prefix", tau), ("+dual+parallel", "dual", tau)]
+    run_once(model, chat, ids, args, device, cache="none", threshold=None, factor=None)   # warm-up
+    print(f"| mode | NFE | tokens/s | speed-up | same answer as baseline |\n|---|---|---|---|---|")
+    base = None
+    for name, cache, thr in rows:
+        out, st = run_once(model, chat, ids, args, device, cache=cache, threshold=thr, factor=None)
+        base = base or (out, st["tokens_per_s"])
+        print(f"| {name} | {st['nfe']} | {st['tokens_per_s']:.1f} | {st['tokens_per_s'] / base[1]:.2f}x | "
+              f"{'yes' if out == base[0] else 'no'} |", flush=True)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device, dtype = pick_device_dtype(args.device, args.dtype)
+    model_dir = resolve_model_dir(args.model)
+    model = load_model(model_dir, device=device, dtype=dtype)
+    chat = Chat(model_dir, model.config, chat=not args.no_chat)
+    if args.bench:
+        prompt = args.prompt or "Tom has 23 apples and buys 45 more. How many apples does he have?"
+        return bench(model, chat, chat.encode(chat.render([{"role": "user", "content": prompt}])), args, device)
+    if not args.interactive and not args.prompt:
+        raise ValueError("no prompt: pass --prompt \"...\" (or --interactive)")
+    messages, ids = [], []
+    while True:
+        text = args.prompt if not args.interactive else input("user> ").strip()
+        if args.interactive and text in ("", "exit", "quit"):
+            return
+        messages.append({"role": "user", "content": text})
+        if ids and chat.chat and chat.family == "llada":
+            # LLaDA's chat.py keeps the previous turns as ids, with every <|endoftext|> filler removed, and
+            # appends the new turn without its bos.
+            ids = [t for t in ids if t != model.config.eos_id] + chat.encode(chat.render(messages[-1:]))[1:]
+        else:
+            ids = chat.encode(chat.render(messages))
+        live = {}
+        try:
+            gen = torch.Generator(device).manual_seed(args.seed)
+            x, stats = generate(model, torch.tensor([ids], device=device), generator=gen,
+                                on_step=lambda x, st: live.update(x=x, nfe=st["nfe"]), **settings(args))
+            out = x[0].tolist()
+        except KeyboardInterrupt:
+            partial = live["x"][0, len(ids):].tolist() if "x" in live else []
+            partial = [t for t in partial if t != model.config.mask_id]
+            print(f"\n[interrupted after {live.get('nfe', 0)} steps] {chat.answer(partial)}")
+            return 130
+        answer = chat.answer(out[len(ids):])
+        print(answer if not args.interactive else f"assistant> {answer}")
+        peak = f" | peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else ""
+        print(f"NFE {stats['nfe']} | {stats['tokens_per_s']:.1f} tokens/s | {stats['seconds']:.2f} s{peak}")
+        if not args.interactive:
+            return
+        messages.append({"role": "assistant", "content": answer})
+        ids = out
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,350 @@
+"""
+model.py: tokens -> logits for the two masked-diffusion LLM families we run, and nothing else.
+
+- LLaDA-8B (config.json `model_type: "llada"`): a Llama-style "llama" block model, plain multi-head
+  attention, no biases, SwiGLU MLP, untied LM head, RMSNorm, rotate-half RoPE (theta 500000).
+- Dream-7B (`model_type: "Dream"`): the Qwen2.5-7B layout with grouped-query attention and q/k/v biases,
+  and a next-token LM head, hence the one-position logits shift (see `Transformer.forward`).
+
+Both are run *bidirectionally*: a diffusion LM predicts every masked position from the whole canvas, so
+attention has no causal mask. Weights are read straight from the Hugging Face safetensors with one explicit
+name table per family (`WEIGHT_MAP`); there is no `transformers` and no remote code. Decoding policies live
+in sampler.py, the loop in fastdllm.py, the KV cache in cache.py.
+"""
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ModelConfig:
+    family: str = "llada"      # "llada" | "dream": which weight table, RoPE precision and logits alignment
+    vocab_size: int = 1024     # rows of the embedding / LM head (LLaDA: `embedding_size`, larger than the tokenizer)
+    dim: int = 32
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 4        # < n_heads means grouped-query attention (Dream-7B: 28 query heads, 4 kv heads)
+    ffn_dim: int = 64
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False     # Dream's q/k/v projections have biases, LLaDA's do not
+    max_seq_len: int = 4096    # LLaDA `max_sequence_length`, Dream `max_position_embeddings`
+    mask_id: int = 1000        # the [MASK] token the diffusion process denoises
+    eos_id: int | None = None
+    pad_id: int | None = None
+    bos_id: int | None = None
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def shift_logits(self) -> bool:
+        # Dream keeps Qwen's next-token head: hidden state i predicts token i+1 (spec/dream.md section 4).
+        return self.family == "dream"
+
+    @property
+    def rope_fp32(self) -> bool:
+        # LLaDA rotates q/k in float32 (`rope_full_precision`); Dream casts cos/sin to the activation dtype.
+        return self.family == "llada"
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Translate a Hugging Face config.json dict. Dispatch is on `model_type`, never on a folder name."""
+        kind = str(hf.get("model_type", "")).lower()
+        if kind == "llada":
+            return cls(family="llada", vocab_size=hf.get("embedding_size") or hf["vocab_size"], dim=hf["d_model"],
+                       n_layers=hf["n_layers"], n_heads=hf["n_heads"], n_kv_heads=hf.get("n_kv_heads") or hf["n_heads"],
+                       ffn_dim=hf["mlp_hidden_size"], rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"],
+                       qkv_bias=bool(hf.get("include_qkv_bias") or hf.get("include_bias")),
+                       max_seq_len=hf["max_sequence_length"], mask_id=hf.get("mask_token_id", 126336),
+                       eos_id=hf.get("eos_token_id"), pad_id=hf.get("pad_token_id"), bos_id=hf.get("bos_token_id"))
+        if kind == "dream":
+            return cls(family="dream", vocab_size=hf["vocab_size"], dim=hf["hidden_size"],
+                       n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
+                       n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                       ffn_dim=hf["intermediate_size"], rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"],
+                       qkv_bias=True, max_seq_len=hf["max_position_embeddings"], mask_id=hf["mask_token_id"],
+                       eos_id=hf.get("eos_token_id"), pad_id=hf.get("pad_token_id"), bos_id=hf.get("bos_token_id"))
+        raise ValueError(f"unknown model_type {hf.get('model_type')!r} in config.json: fastdllm runs LLaDA "
+                         f"(model_type 'llada') and Dream (model_type 'Dream') checkpoints only")
+
+
+# Our parameter name -> checkpoint name, one table per family ({} = layer index). Mirrors the checkpoints;
+# the traps are LLaDA's `ff_out` (MLP down-proj inside a block, LM head at top level) and `ff_proj` (= gate).
+WEIGHT_MAP = {
+    "llada": {
+        "embed.weight": "model.transformer.wte.weight",
+        "layers.{}.attn_norm.weight": "model.transformer.blocks.{}.attn_norm.weight",
+        "layers.{}.attn.wq.weight": "model.transformer.blocks.{}.q_proj.weight",
+        "layers.{}.attn.wk.weight": "model.transformer.blocks.{}.k_proj.weight",
+        "layers.{}.attn.wv.weight": "model.transformer.blocks.{}.v_proj.weight",
+        "layers.{}.attn.wo.weight": "model.transformer.blocks.{}.attn_out.weight",
+        "layers.{}.mlp_norm.weight": "model.transformer.blocks.{}.ff_norm.weight",
+        "layers.{}.mlp.w_gate.weight": "model.transformer.blocks.{}.ff_proj.weight",
+        "layers.{}.mlp.w_up.weight": "model.transformer.blocks.{}.up_proj.weight",
+        "layers.{}.mlp.w_down.weight": "model.transformer.blocks.{}.ff_out.weight",
+        "norm.weight": "model.transformer.ln_f.weight",
+        "lm_head.weight": "model.transformer.ff_out.weight",
+    },
+    "dream": {
+        "embed.weight": "model.embed_tokens.weight",
+        "layers.{}.attn_norm.weight": "model.layers.{}.input_layernorm.weight",
+        "layers.{}.attn.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
+        "layers.{}.attn.wq.bias": "model.layers.{}.self_attn.q_proj.bias",
+        "layers.{}.attn.wk.weight": "model.layers.{}.self_attn.k_proj.weight",
+        "layers.{}.attn.wk.bias": "model.layers.{}.self_attn.k_proj.bias",
+        "layers.{}.attn.wv.weight": "model.layers.{}.self_attn.v_proj.weight",
+        "layers.{}.attn.wv.bias": "model.layers.{}.self_attn.v_proj.bias",
+        "layers.{}.attn.wo.weight": "model.layers.{}.self_attn.o_proj.weight",
+        "layers.{}.mlp_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+        "layers.{}.mlp.w_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
+        "layers.{}.mlp.w_up.weight": "model.layers.{}.mlp.up_proj.weight",
+        "layers.{}.mlp.w_down.weight": "model.layers.{}.mlp.down_proj.weight",
+        "norm.weight": "model.norm.weight",
+        "lm_head.weight": "lm_head.weight",
+    },
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # Both official models normalise in float32, cast back, *then* scale by the weight.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float):
+    """cos/sin of shape (B, 1, T, head_dim) in float32 for integer positions `pos` (B, T)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim))
+    angles = pos.float()[..., None] * inv_freq                      # (B, T, head_dim/2)
+    emb = torch.cat((angles, angles), dim=-1)[:, None]               # (B, 1, T, head_dim): rotate-half layout
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x, cos, sin, fp32: bool):
+    # Rotate-half (NeoX / HF Llama) convention, as both checkpoints were trained: no weight permutation needed.
+    dtype = x.dtype
+    if fp32:
+        x = x.float()
+    else:
+        cos, sin = cos.to(dtype), sin.to(dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        hd = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=cfg.qkv_bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+
+    def forward(self, x, cos, sin, kv=None, start=0, mask=None):
+        B, T, _ = x.shape
+        hd = self.cfg.head_dim
+        q = self.wq(x).view(B, T, -1, hd).transpose(1, 2)            # (B, nh, T, hd)
+        k = self.wk(x).view(B, T, -1, hd).transpose(1, 2)            # (B, nkv, T, hd)
+        v = self.wv(x).view(B, T, -1, hd).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin, self.cfg.rope_fp32), apply_rope(k, cos, sin, self.cfg.rope_fp32)
+        if kv is not None:
+            # Keys are stored after RoPE: a position's rotation never changes, so this equals the official
+            # "store raw, rotate every call" bit for bit and saves the re-rotation. kv = (KVCache, layer).
+            cache, layer = kv
+            k, v = cache.update(layer, k, v, start)                  # (B, nkv, L, hd): the whole canvas
+        # No causal mask: every position sees the whole canvas (the masked diffusion model is bidirectional).
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+        if mask is not None:
+            # A query row with nothing to attend to (a left pad under Dream's 4D mask) is defined as zero,
+            # as torch's CPU kernel returns; some GPU kernels return NaN there instead.
+            y = y.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w_up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))    # SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, kv=None, start=0, mask=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv, start, mask)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, idx, pos=None, cache=None, start=0, mask=None, logits_range=None):
+        """
+        idx: (B, T) token ids that sit at canvas positions [start, start+T).
+        pos: (B, T) RoPE positions; default start..start+T-1 (Dream's padded batches pass their own).
+        cache: a cache.KVCache; the chunk's keys/values are written at [start, start+T) and the queries
+            attend over the whole cached canvas. None = attend over the chunk alone.
+        mask: optional bool (B, 1, T, keys) attention mask, True = attend (Dream's left padding).
+        logits_range: (a, b) to return logits for chunk positions [a, b) only (the LM head is the largest
+            matmul of a step, and the decoder only needs the current block).
+        Returns logits (B, T', vocab) where row i predicts the token *at* position i, for both families.
+        """
+        B, T = idx.shape
+        if pos is None:
+            pos = torch.arange(start, start + T, device=idx.device).expand(B, T)
+        cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta)
+        x = self.embed(idx)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, None if cache is None else (cache, i), start, mask)
+        x = self.norm(x)
+        if self.config.shift_logits:
+            # Dream's logits shift, the one place it happens: the prediction for position i comes from hidden
+            # state i-1; position 0 keeps its own (spec/dream.md section 4). Applied within the fed chunk, as
+            # Fast-dLLM does in its cached calls (the chunk's first position is never decoded there).
+            x = torch.cat((x[:, :1], x[:, :-1]), dim=1)
+        if logits_range is not None:
+            x = x[:, logits_range[0]:logits_range[1]]
+        return self.lm_head(x)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loading: a local folder or a Hugging Face repo id -> Transformer, strict, shard by shard, no float32 copy.
+
+def resolve_model_dir(name_or_path: str) -> str:
+    """A local folder as is; otherwise a Hugging Face repo id, fetched (json, safetensors, tokenizer only)."""
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1 or os.path.exists(name_or_path)
+    if looks_local:
+        raise FileNotFoundError(f"model folder {name_or_path!r} not found: pass an existing folder with config.json "
+                                f"and *.safetensors, or a Hugging Face repo id such as GSAI-ML/LLaDA-8B-Instruct")
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "tokenizer*"])
+    except Exception as e:  # network, auth or a missing repo: one line, not a stack of HTTP frames
+        raise FileNotFoundError(f"could not fetch {name_or_path!r} from the Hugging Face Hub "
+                                f"({type(e).__name__}): check the repo id and your network, or pass a local folder") from None
+
+
+def read_config(model_dir: str) -> ModelConfig:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} is missing: {model_dir!r} is not a Hugging Face model folder "
+                                f"(it needs config.json and *.safetensors)")
+    try:
+        with open(path) as f:
+            hf = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}): re-download the checkpoint") from None
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path} is not a config object: re-download the checkpoint")
+    try:
+        return ModelConfig.from_hf(hf)
+    except KeyError as e:
+        raise ValueError(f"{path} lacks the field {e.args[0]!r} that a {hf.get('model_type')} config has: "
+                         f"re-download the checkpoint") from None
+
+
+def shard_files(model_dir: str) -> list[str]:
+    """The safetensors files, in the order the index names them (or the single model.safetensors)."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError, TypeError):
+            raise ValueError(f"{index} is not a valid safetensors index (no weight_map): re-download it") from None
+        files = [os.path.join(model_dir, n) for n in names]
+        for p in files:
+            if not os.path.isfile(p):
+                raise FileNotFoundError(f"shard {os.path.basename(p)} named in {index} is missing: "
+                                        f"re-download the checkpoint")
+        return files
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir!r}: "
+                            f"fastdllm loads safetensors checkpoints only")
+
+
+def checkpoint_names(cfg: ModelConfig) -> dict[str, str]:
+    """checkpoint tensor name -> our parameter name, every layer expanded."""
+    out = {}
+    for ours, theirs in WEIGHT_MAP[cfg.family].items():
+        for i in range(cfg.n_layers) if "{}" in ours else [None]:
+            out[theirs.format(i)] = ours.format(i)
+    return out
+
+
+def load_model(name_or_path: str, device=None, dtype=None) -> Transformer:
+    """
+    Build the model on the meta device (no memory), then read the safetensors shard by shard, tensor by
+    tensor, converting each one straight to `dtype` on `device`: an 8B bf16 checkpoint never exists twice,
+    nor as a float32 copy. Strict: a missing, unexpected or misshapen tensor is an error naming it.
+    Default: bfloat16 on CUDA, float32 on CPU.
+    """
+    from safetensors import safe_open
+    from safetensors import SafetensorError
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model_dir = resolve_model_dir(name_or_path)
+    cfg = read_config(model_dir)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = {n: p.shape for n, p in model.named_parameters()}
+    names = checkpoint_names(cfg)
+    state = {}
+    for path in shard_files(model_dir):
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    ours = names.get(key)
+                    if ours is None:
+                        raise ValueError(f"unexpected tensor {key!r} in {os.path.basename(path)}: this is not a "
+                                         f"{cfg.family} checkpoint of the layout config.json describes")
+                    t = f.get_tensor(key)
+                    if t.shape != expected[ours]:
+                        raise ValueError(f"tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
+                                         f"{tuple(expected[ours])}: the checkpoint and its config disagree")
+                    state[ours] = t.to(device=device, dtype=dtype)
+                    del t
+        except SafetensorError as e:
+            raise ValueError(f"{os.path.basename(path)} is not a readable safetensors file ({e}): "
+                             f"it is truncated or corrupt, re-download it") from None
+    missing = [theirs for theirs, ours in names.items() if ours not in state]
+    if missing:
+        raise ValueError(f"tensor {missing[0]!r} is missing from the checkpoint ({len(missing)} missing in all): "
+                         f"re-download the checkpoint")
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.eval()

@@ -1,0 +1,157 @@
+"""
+sampler.py: the decoding policies, logits -> which masked tokens to unmask this step. Pure functions: no
+model, no cache, no loop state; randomness only through an explicit torch.Generator.
+
+Shapes: logits (B, N, V) and boolean candidate masks `cand` (B, N) over the N positions of the current
+block; confidences (B, N) hold -inf at non-candidates so they can never be chosen.
+
+- LLaDA (ML-GSAI/LLaDA, Fast-dLLM `v1/llada/generate.py`): Gumbel-max sampling in float64, confidence =
+  the un-tempered probability of the chosen token (`low_confidence`) or uniform noise (`random`), and a
+  per-step token budget from `num_transfer_tokens` (spec/llada.md section 3).
+- Dream (`diffusion_generate`): top-p/top-k/temperature sampling, confidence = max prob (`maskgit_plus`),
+  top1-top2 margin (`topk_margin`) or negative entropy (`entropy`), a float32 cosine-free linear schedule
+  (`dream_num_transfer`), or MaskGIT-style random unmasking (`origin`) (spec/dream.md section 5).
+- Fast-dLLM's parallel decoding (paper section 3.3): `select_threshold` (Theorem 1: unmask every token
+  whose confidence clears tau, and always the most confident) and `select_factor`.
+"""
+import torch
+import torch.nn.functional as F
+
+NEG_INF = float("-inf")
+
+
+# ---------------------------------------------------------------------------------------- LLaDA
+def add_gumbel_noise(logits, temperature: float, generator=None):
+    """argmax(exp(l) / (-log u)^T) == argmax(l/T + Gumbel), a sample from softmax(l/T). In float64 on purpose:
+    low-precision Gumbel noise hurts generation quality (arXiv 2409.02908). T == 0 draws nothing."""
+    if temperature == 0:
+        return logits
+    logits = logits.double()
+    u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+    return logits.exp() / (-torch.log(u)) ** temperature
+
+
+def num_transfer_tokens(mask_count: torch.Tensor, steps: int) -> torch.Tensor:
+    """How many tokens each step of a block unmasks: (B,) masked counts -> (B, steps). LLaDA's schedule is
+    linear in t, so the count is even; the remainder goes to the earliest steps (8 masks, 3 steps -> 3,3,2)."""
+    base, rem = mask_count[:, None] // steps, mask_count[:, None] % steps
+    return base + (torch.arange(steps, device=mask_count.device) < rem).long()
+
+
+def llada_predict(logits, temperature: float, remasking: str, generator=None, rand_span=None):
+    """-> (x0, conf): the proposed token and its confidence at every position, float64.
+    rand_span=(offset, width): `random` remasking draws its uniforms over the whole fed chunk, as the
+    official code does, so a seeded run draws the same numbers; we keep the block's columns."""
+    x0 = add_gumbel_noise(logits, temperature, generator).argmax(-1)
+    if remasking == "low_confidence":
+        # The *un-tempered, noise-free* probability of the chosen token, even when sampling.
+        p = F.softmax(logits.double(), dim=-1)
+        conf = p.gather(-1, x0[..., None]).squeeze(-1)
+    elif remasking == "random":
+        B, N = x0.shape
+        offset, width = rand_span or (0, N)
+        conf = torch.rand((B, width), dtype=torch.float64, device=x0.device, generator=generator)[:, offset:offset + N]
+    else:
+        raise ValueError(f"unknown LLaDA remasking {remasking!r}: use 'low_confidence' or 'random'")
+    return x0, conf
+
+
+# ---------------------------------------------------------------------------------------- Dream
+def dream_sample(logits, temperature: float = 0.0, top_p=None, top_k=None, generator=None):
+    """Dream's `sample_tokens`: -> (conf, x0, probs). conf is the max prob, or at T > 0 the prob of the
+    drawn token. Computed in float32 whatever the model dtype."""
+    logits = logits.float()
+    if temperature > 0:
+        logits = logits / temperature
+    if top_p is not None and top_p < 1:
+        # nucleus: drop tokens once the cumulative prob exceeds top_p, always keeping the first
+        sorted_logits, order = logits.sort(-1, descending=True)
+        drop = sorted_logits.softmax(-1).cumsum(-1) > top_p
+        drop[..., 1:] = drop[..., :-1].clone()
+        drop[..., 0] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), torch.finfo(logits.dtype).min)
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]))[0][..., -1:]
+        logits = logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
+    probs = logits.softmax(-1)
+    if temperature > 0:
+        # what torch.distributions.Categorical(probs).sample() does, with our generator
+        flat = probs.reshape(-1, probs.shape[-1])
+        x0 = torch.multinomial(flat / flat.sum(-1, keepdim=True), 1, True, generator=generator).view(probs.shape[:-1])
+        conf = probs.gather(-1, x0[..., None]).squeeze(-1)
+    else:
+        conf, x0 = probs.max(-1)
+    return conf, x0, probs
+
+
+def dream_confidence(alg: str, conf, probs):
+    """Rank score for Dream's confidence algorithms (higher = decode sooner)."""
+    if alg == "maskgit_plus":
+        return conf
+    if alg == "topk_margin":
+        top2 = probs.topk(2, dim=-1)[0]
+        return top2[..., 0] - top2[..., 1]
+    if alg == "entropy":
+        return (probs * torch.log(probs + 1e-10)).sum(-1)       # negative entropy
+    raise ValueError(f"unknown Dream remasking {alg!r}: use 'origin', 'maskgit_plus', 'topk_margin' or 'entropy'")
+
+
+def dream_num_transfer(num_mask: torch.Tensor, t: torch.Tensor, s: torch.Tensor, last: bool) -> int:
+    """Tokens to unmask going from time t to s: the expected share (1 - s/t) of the masks left, everything
+    at the last step. Kept in float32 tensors on purpose: the official floors come from float32 rounding
+    (64 masks, 64 steps: step 0 decodes 0 tokens since 64 * (1 - s/t) = 0.999...)."""
+    return int(num_mask) if last else int(num_mask * (1 - s / t))
+
+
+def dream_origin(logits, cand, p, temperature=0.0, top_p=None, top_k=None, generator=None):
+    """Dream's `origin` (MaskGIT-style) rule: each masked position is decoded with probability p = 1 - s/t,
+    independently; one uniform per masked position, row-major over the batch. -> (x0, transfer)."""
+    rows, cols = cand.nonzero(as_tuple=True)
+    take = torch.rand(rows.numel(), device=cand.device, generator=generator) < p
+    transfer = torch.zeros_like(cand)
+    transfer[rows[take], cols[take]] = True
+    x0 = torch.zeros(cand.shape, dtype=torch.long, device=cand.device)
+    x0[transfer] = dream_sample(logits[rows[take], cols[take]], temperature, top_p, top_k, generator)[1]
+    return x0, transfer
+
+
+# ---------------------------------------------------------------------------------------- selection
+def select_topk(conf, cand, k: torch.Tensor):
+    """The k[b] most confident candidates of each row b. Vectorised: rank every position by confidence."""
+    order = conf.argsort(-1, descending=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(conf.shape[-1], device=conf.device).expand_as(order))
+    return cand & (rank < k[:, None])
+
+
+def select_sampled(conf, cand, k: int, alg_temp: float, generator=None, pad_left: int = 0):
+    """Dream's `alg_temp` > 0: draw k positions without replacement from softmax(conf / alg_temp).
+    pad_left: the official draws over the whole canvas (prompt columns at -inf), so the same generator state
+    draws the same positions only if our tensor has that width too."""
+    scores = F.pad(conf / alg_temp, (pad_left, 0), value=NEG_INF).softmax(-1)
+    picked = torch.multinomial(scores, k, generator=generator) - pad_left
+    return cand & torch.zeros_like(cand).scatter_(-1, picked.clamp_(min=0), True)
+
+
+def select_threshold(conf, cand, threshold: float):
+    """Fast-dLLM threshold decoding (Theorem 1): every candidate with confidence >= tau, plus always the
+    single most confident one, so each step unmasks at least one token and decoding terminates.
+    A tau above 1 can never be reached, which makes it plain one-token-per-step decoding."""
+    best = torch.zeros_like(cand).scatter_(-1, conf.argmax(-1, keepdim=True), True)
+    return cand & ((conf >= threshold) | best)
+
+
+def select_factor(conf, cand, factor: float):
+    """Fast-dLLM factor decoding: sort the N candidates by confidence c(1) >= ... >= c(N) and take the top
+    n-1, where n is the first rank with c(n) < 1 - f/(n+1), i.e. (n+1)(1-c(n)) >= f (paper section 3.3);
+    rank 1 always passes, and all N if none fails. Official quirk kept for parity: a first failure at the
+    very last candidate still takes all N."""
+    N = cand.sum(-1, keepdim=True)                                         # (B, 1)
+    sorted_conf, order = conf.sort(-1, descending=True)
+    n = torch.arange(1, conf.shape[-1] + 1, device=conf.device)             # 1-based rank
+    bar = (1 - factor / (n + 1)).to(torch.float64)
+    bar[0] = -1.0
+    fail = (sorted_conf.double() < bar) & (n <= N)
+    first = torch.where(fail.any(-1, keepdim=True), fail.long().argmax(-1, keepdim=True), N)  # 0-based index
+    count = torch.where(first == N - 1, N, first)
+    rank = torch.empty_like(order).scatter_(-1, order, (n - 1).expand_as(order))
+    return cand & (rank < count)
