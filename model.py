@@ -243,8 +243,12 @@ class Transformer(nn.Module):
 
 def resolve_model_dir(name_or_path: str) -> str:
     """A local folder as is; otherwise a Hugging Face repo id, fetched (json, safetensors, tokenizer only)."""
-    if os.path.isdir(name_or_path):
-        return name_or_path
+    path = os.path.expanduser(name_or_path)
+    if os.path.isdir(path):
+        return path
+    if os.path.isfile(path):
+        raise FileNotFoundError(f"{name_or_path!r} is a file: pass the model folder (the one with config.json "
+                                f"and *.safetensors)")
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1 or os.path.exists(name_or_path)
     if looks_local:
         raise FileNotFoundError(f"model folder {name_or_path!r} not found: pass an existing folder with config.json "
@@ -270,10 +274,23 @@ def read_config(model_dir: str) -> ModelConfig:
     if not isinstance(hf, dict):
         raise ValueError(f"{path} is not a config object: re-download the checkpoint")
     try:
-        return ModelConfig.from_hf(hf)
+        cfg = ModelConfig.from_hf(hf)
     except KeyError as e:
         raise ValueError(f"{path} lacks the field {e.args[0]!r} that a {hf.get('model_type')} config has: "
                          f"re-download the checkpoint") from None
+    # A size that is not a positive int would fail later as a TypeError deep inside torch.
+    for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_len"):
+        value = getattr(cfg, name)
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{path} gives the model {name} = {value!r}, not a positive integer: "
+                             f"re-download the checkpoint")
+    if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
+        raise ValueError(f"{path}: a width of {cfg.dim} does not split into {cfg.n_heads} heads, or {cfg.n_heads} "
+                         f"heads into {cfg.n_kv_heads} key/value heads: re-download the checkpoint")
+    if type(cfg.mask_id) is not int or not 0 <= cfg.mask_id < cfg.vocab_size:
+        raise ValueError(f"{path}: mask_token_id {cfg.mask_id!r} is not a token id below {cfg.vocab_size}: "
+                         f"re-download the checkpoint")
+    return cfg
 
 
 def shard_files(model_dir: str) -> list[str]:
@@ -316,7 +333,12 @@ def load_model(name_or_path: str, device=None, dtype=None) -> Transformer:
     """
     from safetensors import safe_open
     from safetensors import SafetensorError
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError):   # torch's words for "not built with it" / "no such device"
+        raise ValueError(f"device {str(device)!r} is not available here: use 'cpu' (or 'cuda' on a machine "
+                         f"with CUDA)") from None
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model_dir = resolve_model_dir(name_or_path)
     cfg = read_config(model_dir)
@@ -333,10 +355,16 @@ def load_model(name_or_path: str, device=None, dtype=None) -> Transformer:
                     if ours is None:
                         raise ValueError(f"unexpected tensor {key!r} in {os.path.basename(path)}: this is not a "
                                          f"{cfg.family} checkpoint of the layout config.json describes")
+                    if ours in state:
+                        raise ValueError(f"tensor {key!r} is stored twice (again in {os.path.basename(path)}): "
+                                         f"the checkpoint is inconsistent, re-download it")
                     t = f.get_tensor(key)
                     if t.shape != expected[ours]:
                         raise ValueError(f"tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
                                          f"{tuple(expected[ours])}: the checkpoint and its config disagree")
+                    if not t.is_floating_point():
+                        raise ValueError(f"tensor {key!r} has dtype {t.dtype}, not a float: this checkpoint is "
+                                         f"quantized or corrupt; fastdllm loads float16/bfloat16/float32 weights")
                     state[ours] = t.to(device=device, dtype=dtype)
                     del t
         except SafetensorError as e:

@@ -1,0 +1,219 @@
+"""
+demo/train.py: train a tiny LLaDA-format masked-diffusion model on one-step arithmetic word problems, on a CPU.
+
+The point is a model small enough to train in ~20 minutes on 2 cores that still shows what Fast-dLLM's
+confidence-aware parallel decoding does: at threshold 0.9 several tokens are unmasked per step and the
+answers stay right; at 0.5 the model commits to mutually inconsistent tokens and they break. For that to be
+visible every solution must have *more than one* valid written form (23 + 45 or 45 + 23): a position whose
+token depends on a choice made at another position is exactly what unmasking in parallel gets wrong.
+
+Everything here writes the real LLaDA on-disk format (config.json with LLaDA's fields, bf16 safetensors with
+LLaDA's tensor names, tokenizer.json), so the model loads through model.load_model and fastdllm.py's CLI:
+
+    python demo/train.py                       # ~20 min on 2 cores -> demo/llada-arith/
+    python demo/train.py --smoke --out /tmp/m  # a few steps of a tiny config, seconds
+"""
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
+from model import ModelConfig, Transformer, checkpoint_names
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ANSWER_LEN = 32          # the answer is padded with eos to this many tokens: the model learns where to stop
+HELDOUT_SEED = 1234      # eval/test problems; their (template, a, b) triples never appear in training
+
+# ----------------------------------------------------------------------------------------------------------
+# The task. Every template is 18 tokens long (names, pronouns and objects are one token each, numbers are
+# always two digits), so any set of prompts can be batched without padding (LLaDA ignores attention masks).
+NAMES = [("Tom", "he"), ("Sam", "he"), ("Anna", "she"), ("Mia", "she")]
+OBJECTS = ["apples", "books", "coins", "cards"]
+TEMPLATES = [  # (operation, question)
+    ("+", "{n} has {a} {o} and buys {b} more. How many {o} does {p} have?"),
+    ("+", "A box has {a} {o}. {n} adds {b}. How many {o} are there?"),
+    ("-", "{n} has {a} {o} and sells {b}. How many {o} does {p} have left?"),
+    ("-", "A box has {a} {o}. {n} takes {b}. How many {o} are left?"),
+]
+
+
+def solutions(op: str, a: int, b: int) -> list[str]:
+    """Every valid worked answer. Two forms each, so a token's value depends on a choice made elsewhere."""
+    if op == "+":
+        c = a + b
+        eqs = [f"{a} + {b} = {c}", f"{b} + {a} = {c}"]
+    else:
+        c = a - b
+        eqs = [f"{a} - {b} = {c}", f"{b} + {c} = {a}"]      # take away, or count up from b
+    return [f"{eq}. The answer is {c}." for eq in eqs]
+
+
+def problem(rng: random.Random, template: int | None = None):
+    """-> (question, answer forms, key). Numbers are 10..99, with a >= b for subtraction."""
+    t = rng.randrange(len(TEMPLATES)) if template is None else template
+    op, text = TEMPLATES[t]
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    if op == "-" and a < b:
+        a, b = b, a
+    (n, p), o = rng.choice(NAMES), rng.choice(OBJECTS)
+    return text.format(n=n, p=p, o=o, a=a, b=b), solutions(op, a, b), (t, a, b)
+
+
+def heldout(n: int = 500) -> list[tuple[str, list[str], tuple]]:
+    """The fixed evaluation problems (distinct triples), shared by eval.py and the tests."""
+    rng, out, seen = random.Random(HELDOUT_SEED), [], set()
+    while len(out) < n:
+        q, sols, key = problem(rng)
+        if key not in seen:
+            seen.add(key)
+            out.append((q, sols, key))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tokenizer: word level, every digit its own token (so 2-3 digit sums are learnable without a huge vocab).
+SPECIALS = ["<|endoftext|>", "<|startoftext|>", "<unk>"]   # eos/pad = 0, bos = 1 (unused), unk = 2
+MASK = "<|mdm_mask|>"                                      # LLaDA's mask token name; the last id
+
+
+def build_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    words = {w for _, text in TEMPLATES for w in text.replace(".", " ").replace("?", " ").split()}
+    words |= {n for n, p in NAMES} | {p for n, p in NAMES} | set(OBJECTS) | {"The", "answer", "is"}
+    words = sorted(w for w in words if not w.startswith("{"))
+    vocab = SPECIALS + list("0123456789") + list(".?+-=") + words + [MASK]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation(),
+                                                 pre_tokenizers.Digits(individual_digits=True)])
+    # Decoding: words joined by spaces with no space before "." / "?" (WordPiece's cleanup), then the digits
+    # of a number joined back together ("6 8" -> "68"), so decode() gives the text we trained on.
+    tok.decoder = decoders.Sequence([decoders.WordPiece(prefix="##", cleanup=True), decoders.Fuse(),
+                                     decoders.Replace(Regex(r"(?<=\d) (?=\d)"), "")])
+    tok.add_special_tokens(SPECIALS + [MASK])
+    return tok
+
+
+def encode_batch(tok, problems, rng: random.Random):
+    """-> (B, P + ANSWER_LEN) ids and P. One of the valid answer forms is drawn 50/50 per problem.
+    No bos: the CLI encodes the raw prompt with add_special_tokens=False, so training does the same."""
+    prompts = [e.ids for e in tok.encode_batch([q for q, _, _ in problems], add_special_tokens=False)]
+    answers = [e.ids for e in tok.encode_batch([rng.choice(s) for _, s, _ in problems], add_special_tokens=False)]
+    P = len(prompts[0])
+    assert all(len(p) == P for p in prompts), "templates must all have the same token length"
+    rows = [p + a + [0] * (ANSWER_LEN - len(a)) for p, a in zip(prompts, answers)]
+    return torch.tensor(rows), P
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training: LLaDA's SFT objective.
+
+def sft_loss(model, x, P: int, mask_id: int, gen: torch.Generator, eps: float = 1e-3):
+    """The prompt is never masked; each answer token (eos padding included, so the model learns to stop) is
+    masked with probability t ~ U(eps, 1), one t per sample. The cross-entropy on masked tokens is weighted
+    by 1/t, which makes it an upper bound on the negative log-likelihood (LLaDA eq. 5), and normalised by
+    the answer length as in LLaDA's SFT."""
+    B, T = x.shape
+    t = (1 - eps) * torch.rand(B, 1, generator=gen) + eps                       # (B, 1)
+    masked = torch.rand(B, T, generator=gen) < t
+    masked[:, :P] = False
+    logits = model(torch.where(masked, mask_id, x))                            # (B, T, V): no shift in LLaDA
+    ce = F.cross_entropy(logits[masked], x[masked], reduction="none")
+    return (ce / t.expand(B, T)[masked]).sum() / (B * (T - P))
+
+
+def init_weights(model, gen: torch.Generator):
+    # nanoGPT's init: N(0, 0.02) everywhere (nn.Embedding's default N(0, 1) is far too large here).
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+
+
+def save(model, tok, out: str):
+    """Write the folder exactly as LLaDA's checkpoints look: config.json, model.safetensors, tokenizer.json."""
+    from safetensors.torch import save_file
+    cfg = model.config
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(HERE, "..", "tests", "golden", "llada-tiny", "config.json")) as f:
+        hf = json.load(f)                                    # LLaDA's full field set; we set the sizes below
+    hf.update(d_model=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+              mlp_hidden_size=cfg.ffn_dim, vocab_size=cfg.vocab_size, embedding_size=cfg.vocab_size,
+              mask_token_id=cfg.mask_id, eos_token_id=cfg.eos_id, pad_token_id=cfg.pad_id,
+              max_sequence_length=cfg.max_seq_len, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2, sort_keys=True)
+    ours = {v: k for k, v in checkpoint_names(cfg).items()}   # our parameter name -> LLaDA tensor name
+    state = {ours[n]: p.detach().to(torch.bfloat16).contiguous() for n, p in model.named_parameters()}
+    save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    tok.save(os.path.join(out, "tokenizer.json"))
+
+
+def train(out: str, steps: int = 8000, batch: int = 64, lr: float = 2e-3, dim: int = 128, n_layers: int = 4,
+          n_heads: int = 4, ffn_dim: int = 384, seed: int = 0, threads: int = 2, log_every: int = 100):
+    torch.set_num_threads(threads)
+    torch.manual_seed(seed)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    tok = build_tokenizer()
+    V = tok.get_vocab_size()
+    cfg = ModelConfig(family="llada", vocab_size=V, dim=dim, n_layers=n_layers, n_heads=n_heads,
+                      n_kv_heads=n_heads, ffn_dim=ffn_dim, max_seq_len=128, mask_id=V - 1, eos_id=0, pad_id=0)
+    assert tok.token_to_id(MASK) == V - 1 and tok.token_to_id("<|endoftext|>") == 0
+    model = Transformer(cfg)
+    init_weights(model, gen)
+    print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocab {V}, {steps} steps")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    warmup = min(200, steps // 10)
+    excluded = {key for _, _, key in heldout()}
+    t0, smooth = time.time(), None
+    for step in range(steps):
+        # linear warm-up, then cosine decay to 10% of lr
+        frac = (step - warmup) / max(1, steps - warmup)
+        for g in opt.param_groups:
+            g["lr"] = lr * (step + 1) / warmup if step < warmup else lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+        probs = []
+        while len(probs) < batch:
+            pr = problem(rng)
+            if pr[2] not in excluded:             # held-out triples are never trained on
+                probs.append(pr)
+        x, P = encode_batch(tok, probs, rng)
+        loss = sft_loss(model, x, P, cfg.mask_id, gen)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        smooth = loss.item() if smooth is None else 0.98 * smooth + 0.02 * loss.item()
+        if step % log_every == 0 or step == steps - 1:
+            print(f"step {step:5d} | loss {loss.item():.4f} (smoothed {smooth:.4f}) | "
+                  f"lr {opt.param_groups[0]['lr']:.2e} | {time.time() - t0:.0f}s", flush=True)
+    print(f"final loss {smooth:.4f} (smoothed) | wall time {time.time() - t0:.0f}s")
+    save(model.eval(), tok, out)
+    print(f"wrote {out}")
+    return model
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Train the tiny LLaDA-format arithmetic model of the demo.")
+    p.add_argument("--out", default=os.path.join(HERE, "llada-arith"), help="output model folder")
+    p.add_argument("--steps", type=int, default=8000, help="optimizer steps")
+    p.add_argument("--batch", type=int, default=64, help="problems per step")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine schedule)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data, masking and init")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--smoke", action="store_true", help="a few steps of a tiny config (a quick plumbing check)")
+    args = p.parse_args(argv)
+    if args.smoke:
+        return train(args.out, steps=20, batch=16, dim=32, n_layers=2, n_heads=2, ffn_dim=64, seed=args.seed,
+                     threads=args.threads, log_every=5)
+    return train(args.out, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed, threads=args.threads)
+
+
+if __name__ == "__main__":
+    main()

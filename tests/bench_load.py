@@ -1,0 +1,130 @@
+"""
+bench_load.py: how much memory load_model needs, measured. A benchmark to run by hand, not a test (it
+writes about 1 GB to a temp folder and takes a minute on a laptop CPU).
+
+    python tests/bench_load.py            # ~1 GB checkpoint, 6 shards
+    python tests/bench_load.py --gb 4     # bigger
+
+It writes a synthetic checkpoint with LLaDA's layout (its tensor names, config.json fields and sharding
+into model-0000i-of-00006.safetensors + model.safetensors.index.json, only smaller and random), then loads
+it in a fresh Python process, so that nothing but the load counts, with
+`model.load_model(path, device="cpu", dtype=...)`. That process reads its RSS just before the call and its
+peak RSS (VmHWM in /proc/self/status) just after. The goal for bf16 -> bf16 is a peak of at most 1.2x the
+checkpoint: the weights once, plus the pages of the one shard being read (safetensors maps it). Loading the
+same bf16 file as float32 needs 2x by construction; it is reported, not judged. Linux only.
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+from safetensors.torch import save_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GB = 1e9
+
+CHILD = """
+import json, sys, torch
+sys.path.insert(0, {root!r})
+import model
+
+def status(field):   # kB -> bytes
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(field + ":"))
+
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")       # reset VmHWM to the current RSS (Linux >= 4.0), so import spikes do not count
+except OSError:
+    pass
+before = status("VmRSS")
+m = model.load_model({path!r}, device="cpu", dtype=getattr(torch, {dtype!r}))
+print(json.dumps(dict(before=before, peak=status("VmHWM"), after=status("VmRSS"),
+                      params=sum(p.numel() * p.element_size() for p in m.parameters()))))
+"""
+
+
+def llada_config(d_model: int, n_layers: int, vocab: int) -> dict:
+    """LLaDA-8B's config.json fields (from our tiny LLaDA fixture, itself a copy of the real one), resized."""
+    with open(os.path.join(ROOT, "tests", "golden", "llada-tiny", "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(d_model=d_model, n_heads=d_model // 128, n_kv_heads=d_model // 128, mlp_hidden_size=3 * d_model,
+               mlp_ratio=3, n_layers=n_layers, embedding_size=vocab, vocab_size=vocab, mask_token_id=vocab - 128,
+               eos_token_id=vocab - 2, pad_token_id=vocab - 2, max_sequence_length=4096)
+    return cfg
+
+
+def llada_shapes(cfg: dict) -> dict:
+    """checkpoint name -> shape, in the order the real checkpoint stores them."""
+    d, f, v = cfg["d_model"], cfg["mlp_hidden_size"], cfg["embedding_size"]
+    shapes = {"model.transformer.wte.weight": (v, d)}
+    for i in range(cfg["n_layers"]):
+        b = f"model.transformer.blocks.{i}."
+        shapes.update({b + "attn_norm.weight": (d,), b + "q_proj.weight": (d, d), b + "k_proj.weight": (d, d),
+                       b + "v_proj.weight": (d, d), b + "attn_out.weight": (d, d), b + "ff_norm.weight": (d,),
+                       b + "ff_proj.weight": (f, d), b + "up_proj.weight": (f, d), b + "ff_out.weight": (d, f)})
+    shapes["model.transformer.ln_f.weight"] = (d,)
+    shapes["model.transformer.ff_out.weight"] = (v, d)
+    return shapes
+
+
+def write_checkpoint(folder: str, gb: float, n_shards: int = 6) -> int:
+    """A random bf16 LLaDA-layout checkpoint of about `gb` GB; returns its size in bytes."""
+    d_model, vocab = 1536, 32768
+    per_layer = (4 * d_model * d_model + 9 * d_model * d_model + 2 * d_model) * 2
+    n_layers = max(1, round((gb * GB - 2 * vocab * d_model * 2) / per_layer))
+    cfg = llada_config(d_model, n_layers, vocab)
+    shapes = llada_shapes(cfg)
+    sizes = {k: torch.Size(s).numel() * 2 for k, s in shapes.items()}
+    total = sum(sizes.values())
+    # Shard i holds the tensors whose middle falls in the i-th sixth of the bytes, as HF's sharding does.
+    shard_of, offset = {}, 0
+    for k, n in sizes.items():
+        shard_of[k] = min(n_shards - 1, int((offset + n / 2) / total * n_shards))
+        offset += n
+    names = [f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors" for i in range(n_shards)]
+    gen = torch.Generator().manual_seed(0)
+    for i, name in enumerate(names):
+        tensors = {k: (torch.randn(shapes[k], generator=gen) * 0.02).to(torch.bfloat16)
+                   for k in shapes if shard_of[k] == i}
+        save_file(tensors, os.path.join(folder, name), metadata={"format": "pt"})
+        del tensors
+    index = {"metadata": {"total_size": total}, "weight_map": {k: names[shard_of[k]] for k in shapes}}
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+    return total
+
+
+def measure(folder: str, dtype: str) -> dict:
+    code = CHILD.format(root=ROOT, path=folder, dtype=dtype)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    p = argparse.ArgumentParser(description="peak RSS of model.load_model on a synthetic LLaDA checkpoint")
+    p.add_argument("--gb", type=float, default=1.0, help="checkpoint size in GB (bf16)")
+    p.add_argument("--dir", default=None, help="where to write it (default: a temp folder, removed after)")
+    args = p.parse_args()
+    folder = tempfile.mkdtemp(prefix="bench_load_", dir=args.dir)
+    try:
+        size = write_checkpoint(folder, args.gb)
+        n = len([f for f in os.listdir(folder) if f.endswith(".safetensors")])
+        for dtype in ("bfloat16", "float32"):
+            r = measure(folder, dtype)
+            delta = r["peak"] - r["before"]
+            print(f"checkpoint {size / GB:.2f} GB (bf16, {n} shards) -> {dtype} | peak RSS during load "
+                  f"+{delta / GB:.2f} GB = {delta / size:.2f}x (raw: {r['before'] / GB:.2f} GB before, "
+                  f"{r['peak'] / GB:.2f} GB peak, {r['after'] / GB:.2f} GB after; params {r['params'] / GB:.2f} GB)",
+                  flush=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

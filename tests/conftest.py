@@ -1,0 +1,59 @@
+"""Shared fixtures: the golden checkpoints and outputs of the official code (copied from shared/spec/golden),
+loaded once per session, and a helper that gives a checkpoint folder a tiny word-level tokenizer."""
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN = os.path.join(ROOT, "tests", "golden")
+sys.path.insert(0, ROOT)
+
+from model import load_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def llada_golden():
+    with open(os.path.join(GOLDEN, "llada-golden.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def dream_golden():
+    with open(os.path.join(GOLDEN, "dream-golden.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def llada():
+    return load_model(os.path.join(GOLDEN, "llada-tiny"), device="cpu", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def dream():
+    return load_model(os.path.join(GOLDEN, "dream-tiny"), device="cpu", dtype=torch.float32)
+
+
+def copy_checkpoint(name: str, dest) -> str:
+    """A writable copy of a golden checkpoint folder (tests never modify tests/golden)."""
+    out = os.path.join(str(dest), name)
+    shutil.copytree(os.path.join(GOLDEN, name), out)
+    return out
+
+
+def write_tokenizer(model_dir: str, specials: dict[int, str]):
+    """A word-level tokenizer.json over the config's vocab: token i is "w{i}", except `specials`, which are
+    registered as special tokens at the checkpoint's own ids (mask, eos, ...). Id 0 must not be special."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    n = cfg.get("embedding_size") or cfg["vocab_size"]
+    vocab = {specials.get(i, f"w{i}"): i for i in range(n)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))   # unknown words -> id 0, never a special
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()   # joins words with spaces
+    tok.add_special_tokens(list(specials.values()))
+    tok.save(os.path.join(model_dir, "tokenizer.json"))

@@ -1,0 +1,61 @@
+"""The command line end to end on the fixture checkpoints, as a user runs it (a subprocess, no test-only
+branch): the same path a GPU user takes with the real 8B checkpoint, minus the download."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, copy_checkpoint, write_tokenizer
+
+LLADA_CHAT = {1000: "<|mdm_mask|>", 1022: "<|endoftext|>", 1019: "<|startoftext|>",
+              1020: "<|start_header_id|>", 1021: "<|end_header_id|>", 1023: "<|eot_id|>"}
+DREAM_CHAT = {1023: "<|mask|>", 1000: "<|endoftext|>", 1001: "<|im_start|>", 1002: "<|im_end|>"}
+
+
+def cli(*args, stdin=None):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "fastdllm.py"), *args], input=stdin,
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def llada_dir(tmp_path_factory):
+    d = copy_checkpoint("llada-tiny", tmp_path_factory.mktemp("cli"))
+    write_tokenizer(d, LLADA_CHAT)
+    return d
+
+
+@pytest.mark.parametrize("name,specials", [("llada-tiny", LLADA_CHAT), ("dream-tiny", DREAM_CHAT)])
+def test_cli_prints_answer_and_stats(tmp_path, name, specials):
+    d = copy_checkpoint(name, tmp_path)
+    write_tokenizer(d, specials)
+    r = cli("--model", d, "--prompt", "w5 w6 w7", "--gen-length", "32", "--block-length", "8")
+    assert r.returncode == 0, r.stderr
+    answer, stats = r.stdout.strip().splitlines()[-2:]
+    assert answer.strip() and all(w.startswith("w") for w in answer.split())   # decoded words, specials dropped
+    assert stats.startswith("NFE ") and "tokens/s" in stats
+
+
+def test_cli_modes_and_baseline(llada_dir):
+    """--cache none --threshold none is the plain baseline: NFE = steps = gen_length."""
+    r = cli("--model", llada_dir, "--prompt", "w1 w2", "--gen-length", "16", "--block-length", "8",
+            "--cache", "none", "--threshold", "none")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().splitlines()[-1].startswith("NFE 16 ")
+
+
+def test_cli_interactive_two_turns(llada_dir):
+    r = cli("--model", llada_dir, "--interactive", "--gen-length", "16", "--block-length", "8",
+            stdin="w1 w2\nw3\nexit\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("assistant>") == 2 and r.stdout.count("NFE") == 2
+
+
+def test_cli_bench_table(llada_dir):
+    r = cli("--model", llada_dir, "--bench", "--prompt", "w1 w2 w3", "--gen-length", "32", "--block-length", "8")
+    assert r.returncode == 0, r.stderr
+    rows = [l for l in r.stdout.splitlines() if l.startswith("| +") or l.startswith("| baseline")]
+    assert [l.split("|")[1].strip() for l in rows] == ["baseline", "+prefix cache", "+dual cache", "+parallel",
+                                                       "+prefix+parallel", "+dual+parallel"]
+    assert rows[0].split("|")[5].strip() == "yes"      # the baseline agrees with itself
+    assert int(rows[0].split("|")[2]) == 32 and int(rows[-1].split("|")[2]) < 32

@@ -1,0 +1,127 @@
+"""model.py: forward logits against the official code's golden summaries, and the strict, lean loader."""
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import GOLDEN, copy_checkpoint
+from model import load_model
+
+ATOL = 1e-4   # spec: logits within 1e-4 of the official float32 run
+
+
+def check_summary(logits, ref):
+    """Compare our (B, T, V) logits with a golden summary: argmax, logsumexp, top-5 and probe columns."""
+    logits = logits.double()
+    assert list(logits.shape) == ref["shape"]
+    assert logits.argmax(-1).tolist() == ref["argmax"]
+    lse = torch.tensor(ref["logsumexp"], dtype=torch.float64)
+    assert (logits.logsumexp(-1) - lse).abs().max() < ATOL
+    top_val = torch.tensor(ref["top_val"], dtype=torch.float64)
+    assert (logits.topk(5, dim=-1).values - top_val).abs().max() < ATOL
+    col_val = torch.tensor(ref["col_val"], dtype=torch.float64)
+    assert (logits[..., ref["cols"]] - col_val).abs().max() < ATOL
+
+
+def test_llada_forward_matches_golden(llada, llada_golden):
+    f = llada_golden["forward"]
+    with torch.no_grad():
+        logits = llada(torch.tensor(f["input_ids"]))
+    check_summary(logits, f["no_mask"])
+    # The official LLaDA model ignores the attention mask (pads are attended): both summaries are the same run.
+    check_summary(logits, f["with_mask"])
+
+
+@pytest.mark.parametrize("case", ["plain", "padded"])
+def test_dream_forward_matches_golden(dream, dream_golden, case):
+    ref = dream_golden["logits"][case]
+    ids = torch.tensor(ref["input_ids"])
+    kw = {}
+    if case == "padded":   # what Dream's sampler passes for a left-padded batch: 4D mask + position ids
+        m = torch.tensor(ref["attention_mask_1d"]).bool()
+        kw = dict(pos=torch.tensor(ref["position_ids"]), mask=m[:, None, None, :] & m[:, None, :, None])
+    with torch.no_grad():
+        ours = dream(ids, **kw).double()
+    # The golden logits are raw (unshifted); ours are aligned (row i predicts token i), so ours[:, i+1] is
+    # raw[:, i]. The last raw row has no aligned twin; row 0 of ours must be raw row 0 itself.
+    raw_from_ours = ours[:, 1:]
+    probe = torch.tensor(ref["probe_values"], dtype=torch.float64)[:, :-1]
+    assert (raw_from_ours[..., ref["probe_ids"]] - probe).abs().max() < ATOL
+    assert raw_from_ours.argmax(-1).tolist() == [row[:-1] for row in ref["argmax"]]
+    lse = torch.tensor(ref["logsumexp"], dtype=torch.float64)
+    assert (raw_from_ours.logsumexp(-1) - lse[:, :-1]).abs().max() < ATOL
+    assert (ours[:, 0].logsumexp(-1) - lse[:, 0]).abs().max() < ATOL
+    assert torch.isfinite(ours).all()
+
+
+# --------------------------------------------------------------------------------------------- loader
+def single_file_copy(tmp_path, name):
+    """The golden sharded checkpoint rewritten as one model.safetensors (no index)."""
+    d = copy_checkpoint(name, tmp_path)
+    state = {}
+    for f in sorted(os.listdir(d)):
+        if f.endswith(".safetensors"):
+            state.update(load_file(os.path.join(d, f)))
+            os.remove(os.path.join(d, f))
+    os.remove(os.path.join(d, "model.safetensors.index.json"))
+    save_file(state, os.path.join(d, "model.safetensors"))
+    return d
+
+
+@pytest.mark.parametrize("name", ["llada-tiny", "dream-tiny"])
+def test_sharded_and_single_file_load_the_same(tmp_path, name):
+    sharded = load_model(os.path.join(GOLDEN, name), device="cpu")
+    single = load_model(single_file_copy(tmp_path, name), device="cpu")
+    a, b = sharded.state_dict(), single.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # every tensor the index names became exactly one parameter
+    with open(os.path.join(GOLDEN, name, "model.safetensors.index.json")) as f:
+        assert len(json.load(f)["weight_map"]) == len(a)
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in sharded.parameters())
+
+
+def test_bf16_checkpoint_loads_as_bf16():
+    m = load_model(os.path.join(GOLDEN, "llada-tiny"), device="cpu", dtype=torch.bfloat16)
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    assert not any(p.is_meta for p in m.parameters())
+
+
+def edit_single_file(tmp_path, edit):
+    d = single_file_copy(tmp_path, "llada-tiny")
+    path = os.path.join(d, "model.safetensors")
+    state = load_file(path)
+    edit(state)
+    save_file(state, path)
+    return d
+
+
+def test_missing_tensor_is_named(tmp_path):
+    d = edit_single_file(tmp_path, lambda s: s.pop("model.transformer.blocks.1.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"model\.transformer\.blocks\.1\.up_proj\.weight.*missing"):
+        load_model(d)
+
+
+def test_unexpected_tensor_is_named(tmp_path):
+    d = edit_single_file(tmp_path, lambda s: s.update({"model.transformer.blocks.0.q_proj.bias": torch.zeros(32)}))
+    with pytest.raises(ValueError, match=r"unexpected tensor 'model\.transformer\.blocks\.0\.q_proj\.bias'"):
+        load_model(d)
+
+
+def test_wrong_shape_is_named(tmp_path):
+    def shrink(s):
+        s["model.transformer.ln_f.weight"] = torch.ones(31, dtype=torch.bfloat16)
+    d = edit_single_file(tmp_path, shrink)
+    with pytest.raises(ValueError, match=r"model\.transformer\.ln_f\.weight.*shape \(31,\)"):
+        load_model(d)
+
+
+def test_config_dispatch_is_on_model_type_not_folder_name(tmp_path):
+    d = copy_checkpoint("dream-tiny", tmp_path)
+    renamed = os.path.join(str(tmp_path), "LLaDA-8B-looking-name")
+    os.rename(d, renamed)
+    assert load_model(renamed).config.family == "dream"
+    with open(os.path.join(renamed, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["model_type"] == "Dream"
