@@ -167,7 +167,7 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
                 conf = conf.masked_fill(~cand, S.NEG_INF)
                 transfer = (S.select_threshold(conf, cand, threshold) if threshold is not None else
                             S.select_factor(conf, cand, factor) if factor is not None else
-                            S.select_topk(conf, cand, budget[:, min(step, steps_per_block - 1)]))
+                            S.select_topk(conf, cand, budget[:, step]))
             elif not whole_canvas and step == 0:
                 # Fast-dLLM's Dream block sampler decodes the block's first token at the refresh, whatever
                 # its confidence (spec/dream.md 7.3); the shifted logits of cached chunks never serve it.

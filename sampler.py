@@ -9,7 +9,7 @@ block; confidences (B, N) hold -inf at non-candidates so they can never be chose
   the un-tempered probability of the chosen token (`low_confidence`) or uniform noise (`random`), and a
   per-step token budget from `num_transfer_tokens` (spec/llada.md section 3).
 - Dream (`diffusion_generate`): top-p/top-k/temperature sampling, confidence = max prob (`maskgit_plus`),
-  top1-top2 margin (`topk_margin`) or negative entropy (`entropy`), a float32 cosine-free linear schedule
+  top1-top2 margin (`topk_margin`) or negative entropy (`entropy`), a linear schedule in float32
   (`dream_num_transfer`), or MaskGIT-style random unmasking (`origin`) (spec/dream.md section 5).
 - Fast-dLLM's parallel decoding (paper section 3.3): `select_threshold` (Theorem 1: unmask every token
   whose confidence clears tau, and always the most confident) and `select_factor`.

@@ -119,3 +119,18 @@ def test_dual_cache_never_returns_masks(llada, llada_golden):
     out, st = generate(llada, prompt, gen_length=32, block_length=8, steps=4, cache="dual", threshold=0.9)
     assert not (out == llada.config.mask_id).any()
     assert st["nfe"] > 4
+
+
+@pytest.mark.parametrize("mode", [dict(block_length=None), dict(cache="none"), dict(cache="prefix"),
+                                  dict(cache="dual"), dict(cache="dual", threshold=0.9)])
+def test_dream_left_padding_equals_unpadded(dream, dream_golden, mode):
+    """Dream's padding (attention mask + position ids counted from the first real token) makes a left-padded
+    row decode exactly as its unpadded prompt alone, in Dream's own sampler and in every block mode (the
+    official block sampler slices the mask on the wrong axis and ignores the positions)."""
+    ids = torch.tensor(dream_golden["meta"]["prompts"]["b2_leftpad"])
+    am = torch.tensor(dream_golden["meta"]["prompts"]["b2_leftpad_attention_mask"])
+    kw = dict(gen_length=32, steps=32, **({"block_length": 16} | mode))
+    padded, _ = generate(dream, ids, attention_mask=am, **kw)
+    for i in range(2):
+        alone, _ = generate(dream, ids[i:i + 1, int((am[i] == 0).sum()):], **kw)
+        assert torch.equal(padded[i, -alone.shape[1]:], alone[0])

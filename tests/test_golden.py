@@ -3,13 +3,14 @@
 LLaDA: NVlabs/Fast-dLLM v1/llada/generate.py (`generate`, `generate_with_prefix_cache`,
 `generate_with_dual_cache`). Dream: Dream's own `diffusion_generate` (impl dream_hf) and Fast-dLLM's Dream
 block sampler (impl fastdllm_block). The README's API table documents this same mapping."""
+import json
+import os
+
 import pytest
 import torch
 
-from fastdllm import generate
-from model import load_model
 from conftest import GOLDEN
-import json, os
+from fastdllm import generate
 
 with open(os.path.join(GOLDEN, "llada-golden.json")) as f:
     LLADA_RUNS = json.load(f)["runs"]
