@@ -186,11 +186,12 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
                     transfer = S.select_threshold(score, cand, threshold)
                 elif factor is not None:
                     transfer = S.select_factor(score, cand, factor)
-                else:
+                else:   # Dream's schedule: the same count k for every row (masks per row are equal)
                     k = S.dream_num_transfer(cand.sum() / B, timesteps[step], timesteps[step + 1], last)
-                    transfer = (torch.zeros_like(cand) if k == 0 else
-                                S.select_sampled(score, cand, k, alg_temp, generator, P if whole_canvas else 0)
-                                if alg_temp else S.select_topk(score, cand, torch.full((B,), k, device=device)))
+                    if alg_temp:
+                        transfer = S.select_sampled(score, cand, k, alg_temp, generator, P if whole_canvas else 0)
+                    else:
+                        transfer = S.select_topk(score, cand, torch.full((B,), k, device=device))
             x[:, s:e] = torch.where(transfer, x0, x[:, s:e])
             step += 1
             if on_step is not None:

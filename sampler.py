@@ -127,6 +127,8 @@ def select_sampled(conf, cand, k: int, alg_temp: float, generator=None, pad_left
     """Dream's `alg_temp` > 0: draw k positions without replacement from softmax(conf / alg_temp).
     pad_left: the official draws over the whole canvas (prompt columns at -inf), so the same generator state
     draws the same positions only if our tensor has that width too."""
+    if k == 0:
+        return torch.zeros_like(cand)
     scores = F.pad(conf / alg_temp, (pad_left, 0), value=NEG_INF).softmax(-1)
     picked = torch.multinomial(scores, k, generator=generator) - pad_left
     return cand & torch.zeros_like(cand).scatter_(-1, picked.clamp_(min=0), True)

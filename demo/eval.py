@@ -1,0 +1,138 @@
+"""
+demo/eval.py: what Fast-dLLM's parallel decoding does to the demo model's answers, on a CPU in seconds.
+
+    python demo/eval.py                 # markdown table: valid accuracy / mean NFE / tokens/s per setting
+    python demo/eval.py --trace         # which tokens each step unmasks, at threshold 0.9 and at 0.5
+
+"valid" checks the whole worked solution, not only the final number: "x op y = z. The answer is z." must
+parse, use each number of the question exactly once, be right, and end with the right answer. Threshold
+decoding at a low tau commits two tokens that are each likely but not jointly (the first number of
+"45 + 23" next to the second of "23 + 45"), which the final answer alone can hide.
+"""
+import argparse
+import os
+import re
+import sys
+
+import torch
+from tokenizers import Tokenizer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))   # the repo root
+sys.path.insert(0, HERE)
+from fastdllm import generate
+from model import load_model
+from train import TEMPLATES, heldout
+
+GEN = dict(gen_length=32, block_length=8)
+SETTINGS = [  # (name, steps, threshold): steps over the whole 32-token answer
+    ("1 token/step", 32, None),
+    ("tau 0.9", 32, 0.9),
+    ("tau 0.7", 32, 0.7),
+    ("tau 0.5", 32, 0.5),
+    ("fixed 4 tokens/step", 8, None),
+]
+SOLUTION = re.compile(r"(\d+) ([+-]) (\d+) = (\d+)\. The answer is (\d+)\.")
+
+
+def is_valid(answer: str, key) -> bool:
+    """The worked solution is complete and right; key = (template, a, b) of the question."""
+    m = SOLUTION.fullmatch(answer)
+    if m is None:
+        return False
+    x, op, y, z, final = int(m[1]), m[2], int(m[3]), int(m[4]), int(m[5])
+    t, a, b = key
+    truth = a + b if TEMPLATES[t][0] == "+" else a - b
+    used = [x, y, z]
+    uses_each_once = used.count(a) == (2 if a == b else 1) and used.count(b) == (2 if a == b else 1)
+    right = (x + y if op == "+" else x - y) == z
+    return uses_each_once and right and final == truth
+
+
+def answer_text(tok, ids: list[int], eos_id: int) -> str:
+    """As the CLI does: cut at the first eos, decode without specials."""
+    cut = ids.index(eos_id) if eos_id in ids else len(ids)
+    return tok.decode(ids[:cut], skip_special_tokens=True).strip()
+
+
+def solve(model, tok, problems, **kw):
+    """Decode a batch of problems (all templates have the same token length, so no padding is needed).
+    -> (answers, per-problem NFE, tokens/s). A batch runs until its slowest row is done; a problem's own
+    NFE counts only the steps that unmasked one of its tokens, i.e. the model calls it would have needed
+    alone (every step unmasks >= 1 token in each row that still has masks)."""
+    cfg = model.config
+    prompt = torch.tensor([e.ids for e in tok.encode_batch([q for q, _, _ in problems], add_special_tokens=False)])
+    masks_left = [torch.full((len(problems),), kw["gen_length"])]
+    nfe = torch.zeros(len(problems))
+
+    def count(x, stats):
+        left = (x == cfg.mask_id).sum(-1)
+        nfe.add_(left < masks_left[0])
+        masks_left[0] = left
+
+    out, stats = generate(model, prompt, on_step=count, **kw)
+    answers = [answer_text(tok, row[prompt.shape[1]:], cfg.eos_id) for row in out.tolist()]
+    return answers, nfe, stats["tokens_per_s"]
+
+
+def table(model, tok, problems, caches):
+    solve(model, tok, problems[:8], steps=32, cache="none", **GEN)     # warm-up, not timed
+    print(f"| decoding | cache | valid | mean NFE | tokens/s (batch {len(problems)}) |\n|---|---|---|---|---|")
+    for name, steps, tau in SETTINGS:
+        for cache in caches:
+            answers, nfe, tps = solve(model, tok, problems, steps=steps, cache=cache, threshold=tau, **GEN)
+            acc = sum(is_valid(a, key) for a, (_, _, key) in zip(answers, problems)) / len(problems)
+            print(f"| {name} | {cache} | {acc:.3f} | {nfe.mean():.1f} | {tps:.0f} |", flush=True)
+
+
+def trace(model, tok, problem, tau: float, cache: str):
+    """Print the answer canvas after every step: _ = still masked, [tok] = unmasked at this step, $ = eos."""
+    cfg = model.config
+    prompt = torch.tensor([tok.encode(problem[0], add_special_tokens=False).ids])
+    P = prompt.shape[1]
+    prev = [prompt.new_full((32,), cfg.mask_id)]
+
+    def show(x, stats):
+        row = x[0, P:]
+        cells = []
+        for i, (t, old) in enumerate(zip(row.tolist(), prev[0].tolist())):
+            s = "_" if t == cfg.mask_id else "$" if t == cfg.eos_id else tok.id_to_token(t)
+            cells.append(f"[{s}]" if t != old else s)
+        print(f"  step {stats['nfe']:2d} | {' '.join(cells)}")
+        prev[0] = row.clone()
+
+    print(f"threshold {tau}, cache {cache}:")
+    out, stats = generate(model, prompt, steps=32, cache=cache, threshold=tau, on_step=show, **GEN)
+    answer = answer_text(tok, out[0, P:].tolist(), cfg.eos_id)
+    print(f"  -> {answer!r} ({'valid' if is_valid(answer, problem[2]) else 'INVALID'}), NFE {stats['nfe']}\n")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Evaluate Fast-dLLM decoding settings on the demo model.")
+    p.add_argument("--model", default=os.path.join(HERE, "llada-arith"), help="model folder")
+    p.add_argument("-n", type=int, default=200, help="held-out problems to evaluate")
+    p.add_argument("--caches", default="none,prefix,dual", help="comma-separated cache modes for the table")
+    p.add_argument("--trace", action="store_true", help="print a decoding trace at threshold 0.9 and 0.5 instead")
+    p.add_argument("--index", type=int, default=None,
+                   help="held-out problem to trace (default: the first that 0.9 solves and 0.5 breaks)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = load_model(args.model, device="cpu", dtype=torch.float32)
+    tok = Tokenizer.from_file(os.path.join(args.model, "tokenizer.json"))
+    problems = heldout(args.n)
+    if not args.trace:
+        return table(model, tok, problems, args.caches.split(","))
+    index = args.index
+    if index is None:
+        good = solve(model, tok, problems, steps=32, cache="dual", threshold=0.9, **GEN)[0]
+        bad = solve(model, tok, problems, steps=32, cache="dual", threshold=0.5, **GEN)[0]
+        index = next((i for i, (g, b, (_, _, k)) in enumerate(zip(good, bad, problems))
+                      if is_valid(g, k) and not is_valid(b, k)), 0)
+    print(f"problem {index}: {problems[index][0]}\n")
+    for tau in (0.9, 0.5):
+        trace(model, tok, problems[index], tau, "dual")
+
+
+if __name__ == "__main__":
+    main()

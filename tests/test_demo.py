@@ -1,0 +1,88 @@
+"""
+The demo model we ship (demo/llada-arith, trained by demo/train.py) must load like a real LLaDA checkpoint
+and must show the method: threshold decoding at 0.9 keeps the worked solutions right with a fraction of the
+model calls. CPU only, no network, seconds.
+"""
+import os
+import sys
+import time
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = os.path.join(ROOT, "demo")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, DEMO)
+import eval as demo_eval   # demo/eval.py
+import train as demo_train  # demo/train.py
+from fastdllm import generate
+from model import load_model
+
+SHIPPED = os.path.join(DEMO, "llada-arith")
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    model = load_model(SHIPPED, device="cpu", dtype=torch.float32)
+    return model, Tokenizer.from_file(os.path.join(SHIPPED, "tokenizer.json"))
+
+
+def test_shipped_model_loads(shipped):
+    model, tok = shipped
+    cfg = model.config
+    assert cfg.family == "llada" and cfg.mask_id == tok.get_vocab_size() - 1 and cfg.eos_id == 0
+    assert tok.id_to_token(cfg.eos_id) == "<|endoftext|>"
+    # The CLI's path: raw prompt, no specials; digits are single tokens and decode back into numbers.
+    ids = tok.encode("Tom has 23 apples and buys 45 more.", add_special_tokens=False).ids
+    assert tok.id_to_token(ids[2]) == "2" and tok.decode(ids + [0], skip_special_tokens=True).endswith("45 more.")
+
+
+def test_threshold_keeps_accuracy_with_few_steps(shipped):
+    """Fast-dLLM's claim on our model: tau 0.9 + DualCache is as right as one token per step, in <= 1/3 NFE."""
+    model, tok = shipped
+    problems = demo_train.heldout(50)
+    base, base_nfe, _ = demo_eval.solve(model, tok, problems, gen_length=32, block_length=8, steps=32, cache="none")
+    fast, fast_nfe, _ = demo_eval.solve(model, tok, problems, gen_length=32, block_length=8, steps=32,
+                                        cache="dual", threshold=0.9)
+    valid = lambda answers: sum(demo_eval.is_valid(a, k) for a, (_, _, k) in zip(answers, problems)) / len(problems)
+    acc_base, acc_fast = valid(base), valid(fast)
+    assert base_nfe.mean() == 32
+    assert acc_fast >= 0.9, f"tau 0.9 dual: valid {acc_fast:.2f} < 0.9; answers: {fast[:3]}"
+    assert acc_fast >= acc_base - 0.02, f"tau 0.9 dual {acc_fast:.2f} vs one token per step {acc_base:.2f}"
+    assert fast_nfe.mean() <= base_nfe.mean() / 3, f"tau 0.9 mean NFE {fast_nfe.mean():.1f}, want <= 32/3"
+
+
+def test_heldout_never_trained_on():
+    """The held-out (template, a, b) triples are filtered out of training, and the filter is needed."""
+    import random
+    held = {k for _, _, k in demo_train.heldout()}
+    assert len(held) == 500
+    rng = random.Random(0)
+    plain = {demo_train.problem(rng)[2] for _ in range(5000)}
+    trained = {k for _, _, k in demo_train.training_problems(random.Random(0), 5000, held)}
+    assert plain & held and not trained & held
+
+
+def test_validity_metric():
+    key = (0, 23, 45)   # "... has 23 ... buys 45 more"
+    assert demo_eval.is_valid("23 + 45 = 68. The answer is 68.", key)
+    assert demo_eval.is_valid("45 + 23 = 68. The answer is 68.", key)
+    assert not demo_eval.is_valid("23 + 23 = 68. The answer is 68.", key)    # a number used twice
+    assert not demo_eval.is_valid("23 + 45 = 69. The answer is 68.", key)    # wrong arithmetic
+    assert not demo_eval.is_valid("23 + 45 = 68. The answer is 69.", key)    # wrong final answer
+    assert demo_eval.is_valid("18 + 23 = 41. The answer is 23.", (2, 41, 18))  # counting up, subtraction
+
+
+def test_train_smoke(tmp_path):
+    out = str(tmp_path / "m")
+    t0 = time.time()
+    demo_train.main(["--smoke", "--out", out, "--threads", "2"])
+    assert time.time() - t0 < 30, "smoke mode should take seconds"
+    model = load_model(out, device="cpu")
+    tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
+    prompt = torch.tensor([tok.encode(demo_train.heldout(1)[0][0], add_special_tokens=False).ids])
+    x, stats = generate(model, prompt, gen_length=32, block_length=8, steps=32, cache="dual", threshold=0.9)
+    assert x.shape == (1, prompt.shape[1] + 32) and not (x == model.config.mask_id).any()
+    assert 1 <= stats["nfe"] <= 32
