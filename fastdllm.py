@@ -29,16 +29,12 @@ LLADA_REMASKING = ("low_confidence", "random")
 DREAM_REMASKING = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
 
-def check_args(cfg, prompt, gen_length, block_length, steps, cache, threshold, factor, temperature,
-               remasking, top_p, top_k, alg_temp):
-    """Every impossible request fails here, in one line that names the fix, before any model call."""
+def check_settings(gen_length, block_length, steps, cache, threshold, factor, temperature, top_p=None,
+                   top_k=None, alg_temp=None):
+    """The checks that need no model (the CLI runs them before loading gigabytes of weights). Every
+    impossible request fails in one line that names the fix, never deep inside torch."""
     def bad(msg):
         raise ValueError(msg)
-    if prompt.ndim != 2 or prompt.shape[1] == 0:
-        bad("the prompt is empty: pass at least one token (a (batch, length) tensor of ids)")
-    if (prompt == cfg.mask_id).any():
-        bad(f"the prompt contains the mask token id {cfg.mask_id}: masks are reserved for the answer; "
-            f"remove them (infilling inside the prompt is not supported)")
     if gen_length < 1 or block_length < 1:
         bad(f"gen_length ({gen_length}) and block_length ({block_length}) must be positive")
     if gen_length % block_length:
@@ -49,30 +45,47 @@ def check_args(cfg, prompt, gen_length, block_length, steps, cache, threshold, f
     if steps % (gen_length // block_length):
         bad(f"steps {steps} is not divisible by the number of blocks {gen_length // block_length} "
             f"(gen_length / block_length): use a multiple, e.g. steps={gen_length}")
-    if prompt.shape[1] + gen_length > cfg.max_seq_len:
-        bad(f"prompt ({prompt.shape[1]} tokens) + gen_length ({gen_length}) exceeds the model's "
-            f"{cfg.max_seq_len} positions: shorten the prompt or lower gen_length")
     if cache not in CACHE_MODES:
         bad(f"unknown cache mode {cache!r}: use one of {', '.join(CACHE_MODES)}")
-    if threshold is not None and threshold <= 0:
+    if threshold is not None and not threshold > 0:      # `not >` also catches NaN
         bad(f"threshold must be in (0, 1] (got {threshold}); above 1 means one token per step, None turns it off")
-    if factor is not None and factor <= 0:
+    if factor is not None and not factor > 0:
         bad(f"factor must be > 0 (got {factor})")
     if threshold is not None and factor is not None:
         bad("pass threshold or factor, not both: they are two parallel-decoding rules")
-    if temperature < 0:
+    if not temperature >= 0:
         bad(f"temperature must be >= 0 (got {temperature}); 0 is greedy")
+    if top_p is not None and not 0 < top_p <= 1:
+        bad(f"top_p must be in (0, 1] (got {top_p})")
+    if top_k is not None and top_k < 1:
+        bad(f"top_k must be >= 1 (got {top_k})")
+    if alg_temp is not None and not alg_temp >= 0:
+        bad(f"alg_temp must be >= 0 (got {alg_temp})")
+
+
+def check_prompt(cfg, prompt, gen_length, remasking, top_p, top_k, alg_temp):
+    """The checks that depend on the model: the prompt's ids and length, and the family's options."""
+    def bad(msg):
+        raise ValueError(msg)
+    if prompt.ndim == 2 and prompt.shape[1] == 0:
+        bad("the prompt is empty: pass at least one token")
+    if prompt.ndim != 2 or prompt.is_floating_point() or prompt.dtype == torch.bool:
+        bad(f"the prompt must be a (batch, length) tensor of integer token ids, not {prompt.dtype} of shape "
+            f"{tuple(prompt.shape)}")
+    if prompt.min() < 0 or prompt.max() >= cfg.vocab_size:
+        bad(f"the prompt has token id {prompt.min() if prompt.min() < 0 else prompt.max()} outside the vocabulary "
+            f"[0, {cfg.vocab_size}): tokenize it with this model's tokenizer")
+    if (prompt == cfg.mask_id).any():
+        bad(f"the prompt contains the mask token id {cfg.mask_id}: masks are reserved for the answer; "
+            f"remove them (infilling inside the prompt is not supported)")
+    if prompt.shape[1] + gen_length > cfg.max_seq_len:
+        bad(f"prompt ({prompt.shape[1]} tokens) + gen_length ({gen_length}) exceeds the model's "
+            f"{cfg.max_seq_len} positions: shorten the prompt or lower gen_length")
     names = LLADA_REMASKING if cfg.family == "llada" else DREAM_REMASKING
     if remasking not in names:
         bad(f"unknown remasking {remasking!r} for {cfg.family}: use one of {', '.join(names)}")
     if cfg.family == "llada" and (top_p is not None or top_k is not None or alg_temp):
         bad("top_p, top_k and alg_temp are Dream options; LLaDA samples with temperature only")
-    if top_p is not None and not 0 < top_p <= 1:
-        bad(f"top_p must be in (0, 1] (got {top_p})")
-    if top_k is not None and top_k < 1:
-        bad(f"top_k must be >= 1 (got {top_k})")
-    if alg_temp is not None and alg_temp < 0:
-        bad(f"alg_temp must be >= 0 (got {alg_temp})")
 
 
 @torch.inference_mode()
@@ -107,8 +120,8 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
     remasking = remasking or ("entropy" if dream else "low_confidence")
     block_length = block_length or gen_length
     steps = gen_length if steps is None else steps
-    check_args(cfg, prompt, gen_length, block_length, steps, cache, threshold, factor, temperature,
-               remasking, top_p, top_k, alg_temp)
+    check_settings(gen_length, block_length, steps, cache, threshold, factor, temperature, top_p, top_k, alg_temp)
+    check_prompt(cfg, prompt, gen_length, remasking, top_p, top_k, alg_temp)
     parallel = threshold is not None or factor is not None
     if whole_canvas and (cache != "none" or parallel):
         raise ValueError("Dream's whole-canvas sampler (block_length=None) has no cache or threshold/factor: "
@@ -216,7 +229,10 @@ class Chat:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path} is missing: the CLI needs the model's tokenizer.json "
                                     f"(the Python API generate() works on ids without it)")
-        self.tok = Tokenizer.from_file(path)
+        try:
+            self.tok = Tokenizer.from_file(path)
+        except Exception as e:  # tokenizers raises a bare Exception with the serde error
+            raise ValueError(f"{path} is not a readable tokenizer.json ({e}): re-download it") from None
         self.family = cfg.family
         header = "<|start_header_id|>" if cfg.family == "llada" else "<|im_start|>"
         # A tokenizer without the chat tokens (our demo model) gets the raw prompt.
@@ -339,6 +355,9 @@ def bench(model, chat, ids, args, device):
 def main(argv=None):
     args = parse_args(argv)
     device, dtype = pick_device_dtype(args.device, args.dtype)
+    kw = settings(args)
+    check_settings(**{k: v for k, v in kw.items() if k != "remasking"} |
+                   {"block_length": kw["block_length"] or kw["gen_length"], "steps": kw["steps"] or kw["gen_length"]})
     model_dir = resolve_model_dir(args.model)
     model = load_model(model_dir, device=device, dtype=dtype)
     chat = Chat(model_dir, model.config, chat=not args.no_chat)
@@ -349,7 +368,11 @@ def main(argv=None):
         raise ValueError("no prompt: pass --prompt \"...\" (or --interactive)")
     messages, ids = [], []
     while True:
-        text = args.prompt if not args.interactive else input("user> ").strip()
+        try:
+            text = args.prompt if not args.interactive else input("user> ").strip()
+        except EOFError:   # Ctrl-D (or the end of piped input) ends the chat, like "exit"
+            print()
+            return
         if args.interactive and text in ("", "exit", "quit"):
             return
         messages.append({"role": "user", "content": text})

@@ -204,7 +204,9 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # _weight skips nn.Embedding's N(0, 1) init, which on the meta device (load_model) imports torch._dynamo:
+        # 2-4 s and 75 MB per process. Loading (and demo/train.py's init) sets every weight anyway.
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.zeros(cfg.vocab_size, cfg.dim))
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
@@ -328,7 +330,10 @@ def load_model(name_or_path: str, device=None, dtype=None) -> Transformer:
     """
     Build the model on the meta device (no memory), then read the safetensors shard by shard, tensor by
     tensor, converting each one straight to `dtype` on `device`: an 8B bf16 checkpoint never exists twice,
-    nor as a float32 copy. Strict: a missing, unexpected or misshapen tensor is an error naming it.
+    nor as a float32 copy. When no conversion is needed (a bf16 checkpoint as bf16 on the CPU), safetensors
+    hands out tensors that map the file copy-on-write: nothing is read until a forward pass touches it, and
+    the files must not be rewritten in place while the model lives (replacing them is fine).
+    Strict: a missing, unexpected or misshapen tensor is an error naming it.
     Default: bfloat16 on CUDA, float32 on CPU.
     """
     from safetensors import safe_open

@@ -14,6 +14,12 @@ sys.path.insert(0, ROOT)
 
 from model import load_model  # noqa: E402
 
+# The test models are tiny: on small shared CPUs OpenMP's thread hand-off costs more than the math (measured
+# 20x slower per matmul with 2 threads than with 1 on our 2-core CI VM), so the suite runs single-threaded,
+# and so do the CLI subprocesses it starts (OMP_NUM_THREADS in their environment).
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(scope="session")
 def llada_golden():

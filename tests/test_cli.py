@@ -59,3 +59,10 @@ def test_cli_bench_table(llada_dir):
                                                        "+prefix+parallel", "+dual+parallel"]
     assert rows[0].split("|")[5].strip() == "yes"      # the baseline agrees with itself
     assert int(rows[0].split("|")[2]) == 32 and int(rows[-1].split("|")[2]) < 32
+
+
+def test_cli_checks_settings_before_loading_the_model():
+    """A typo in a flag must not cost an 8B load: settings are checked first (the model path here does
+    not even exist, and the error is about the flag)."""
+    r = cli("--model", "/nonexistent/model", "--prompt", "hi", "--cache", "full")
+    assert r.returncode == 2 and "unknown cache mode 'full'" in r.stderr and "Traceback" not in r.stderr

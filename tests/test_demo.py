@@ -78,7 +78,7 @@ def test_validity_metric():
 def test_train_smoke(tmp_path):
     out = str(tmp_path / "m")
     t0 = time.time()
-    demo_train.main(["--smoke", "--out", out, "--threads", "2"])
+    demo_train.main(["--smoke", "--out", out, "--threads", "1"])
     assert time.time() - t0 < 30, "smoke mode should take seconds"
     model = load_model(out, device="cpu")
     tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))

@@ -1,0 +1,407 @@
+"""
+Issue 5: every bad input ends in one line that names the problem and the fix. The Python API
+(`load_model`, `generate`) raises ValueError or FileNotFoundError; the CLI prints `error: ...` on stderr and
+exits with status 2, never a traceback. Also: seeded sampling is reproducible and never touches torch's
+global RNG, no code path can unpickle anything, and Ctrl-C during a generation prints the partial answer.
+
+The CLI cases run as real subprocesses, all at once (a torch import costs ~3 s each), from one fixture.
+"""
+import io
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tokenize
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import GOLDEN, ROOT, write_tokenizer
+import fastdllm
+from fastdllm import generate
+from model import load_model
+
+SPECIALS = {"llada-tiny": {1000: "<|mdm_mask|>", 1022: "<|endoftext|>"},
+            "dream-tiny": {1023: "<|mask|>", 1000: "<|endoftext|>"}}
+SHARD, SHARD2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"   # llada-tiny's shards
+PROMPT = torch.tensor([[5, 6, 7, 8]])
+
+
+def checkpoint(tmp_path, name="llada-tiny", tokenizer=False) -> str:
+    """A writable copy of a golden checkpoint (file by file: the golden files may be read-only)."""
+    d = os.path.join(str(tmp_path), name)
+    os.makedirs(d)
+    for f in os.listdir(os.path.join(GOLDEN, name)):
+        shutil.copyfile(os.path.join(GOLDEN, name, f), os.path.join(d, f))
+    if tokenizer:
+        write_tokenizer(d, SPECIALS[name])
+    return d
+
+
+def edit_config(d, **changes):
+    """Set config.json fields; a value of ... deletes the field."""
+    path = os.path.join(d, "config.json")
+    with open(path) as f:
+        cfg = json.load(f)
+    for k, v in changes.items():
+        cfg.pop(k) if v is ... else cfg.update({k: v})
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return d
+
+
+def edit_shard(d, edit):
+    path = os.path.join(d, SHARD)
+    state = load_file(path)
+    edit(state)
+    save_file(state, path, metadata={"format": "pt"})
+    return d
+
+
+def read(d, name) -> bytes:
+    with open(os.path.join(d, name), "rb") as f:
+        return f.read()
+
+
+def rewrite_bytes(d, edit, name=SHARD):
+    data = edit(read(d, name))
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data)
+    return d
+
+
+def remove(d, *names):
+    for n in names:
+        os.remove(os.path.join(d, n))
+    return d
+
+
+def one_line(e) -> str:
+    msg = str(e.value)
+    assert msg and "\n" not in msg, f"not one line: {msg!r}"
+    return msg
+
+
+# ---------------------------------------------------------------------------------- model files (API)
+
+FIRST = "model.transformer.blocks.0.attn_norm.weight"      # the first tensor of SHARD
+CORRUPT = rf"^{SHARD} is not a readable safetensors file \(.+\): it is truncated or corrupt, re-download it$"
+FILE_CASES = {
+    # name: (turn a good copy into the bad input, the exception, what its message must say)
+    "folder missing": (lambda d: d + "-nope", FileNotFoundError,
+                       r"model folder .*-nope' not found: pass an existing folder"),
+    "a file, not a folder": (lambda d: os.path.join(d, "config.json"), FileNotFoundError,
+                             r"is a file: pass the model folder"),
+    "folder is not a model": (lambda d: remove(d, *os.listdir(d)), FileNotFoundError,
+                              r"config\.json is missing: .* is not a Hugging Face model folder"),
+    "config.json missing": (lambda d: remove(d, "config.json"), FileNotFoundError,
+                            r"config\.json is missing"),
+    "config.json not JSON": (lambda d: rewrite_bytes(d, lambda b: b[:40], "config.json"), ValueError,
+                             r"config\.json is not valid JSON .*re-download"),
+    "config.json binary": (lambda d: rewrite_bytes(d, lambda b: b"\xff\xfe\x00" + b, "config.json"), ValueError,
+                           r"config\.json is not valid JSON"),
+    "config.json a list": (lambda d: rewrite_bytes(d, lambda b: b"[1, 2]", "config.json"), ValueError,
+                           r"config\.json is not a config object"),
+    "unknown model_type": (lambda d: edit_config(d, model_type="llama"), ValueError,
+                           r"unknown model_type 'llama' in config\.json: fastdllm runs LLaDA"),
+    "no model_type": (lambda d: edit_config(d, model_type=...), ValueError,
+                      r"unknown model_type None"),
+    "config field missing": (lambda d: edit_config(d, d_model=...), ValueError,
+                             r"config\.json lacks the field 'd_model'"),
+    "config field not an int": (lambda d: edit_config(d, n_layers="2"), ValueError,
+                                r"n_layers = '2', not a positive integer"),
+    "config field null": (lambda d: edit_config(d, d_model=None), ValueError,
+                          r"dim = None, not a positive integer"),
+    "heads do not divide": (lambda d: edit_config(d, n_heads=5), ValueError,
+                            r"width of 32 does not split into 5 heads"),
+    "mask id outside vocab": (lambda d: edit_config(d, mask_token_id=5000), ValueError,
+                              r"mask_token_id 5000 is not a token id below 1024"),
+    "shard named in index missing": (lambda d: remove(d, SHARD2), FileNotFoundError,
+                                     rf"shard {SHARD2} named in .*index\.json is missing"),
+    "no safetensors at all": (lambda d: remove(d, SHARD, SHARD2, "model.safetensors.index.json"), FileNotFoundError,
+                              r"no model\.safetensors or model\.safetensors\.index\.json"),
+    "index without weight_map": (lambda d: rewrite_bytes(d, lambda b: b"{}", "model.safetensors.index.json"),
+                                 ValueError, r"not a valid safetensors index"),
+    # safetensors raises SafetensorError, in order: "incomplete metadata, file not fully covered" (twice),
+    # "header too small", "invalid UTF-8 in header", "invalid JSON in header", "header too large".
+    "shard truncated": (lambda d: rewrite_bytes(d, lambda b: b[:len(b) // 2]), ValueError, CORRUPT),
+    "shard truncated by 10 bytes": (lambda d: rewrite_bytes(d, lambda b: b[:-10]), ValueError, CORRUPT),
+    "shard cut to 4 bytes": (lambda d: rewrite_bytes(d, lambda b: b[:4]), ValueError, CORRUPT),
+    "shard header binary garbage": (lambda d: rewrite_bytes(d, lambda b: b[:8] + b"\xff" * 64 + b[72:]),
+                                    ValueError, CORRUPT),
+    "shard header text garbage": (lambda d: rewrite_bytes(d, lambda b: b[:8] + b"garbage!" * 8 + b[72:]),
+                                  ValueError, CORRUPT),
+    "shard header length garbage": (lambda d: rewrite_bytes(d, lambda b: b"\xff" * 8 + b[8:]), ValueError, CORRUPT),
+    "tensor missing": (lambda d: edit_shard(d, lambda s: s.pop(FIRST)), ValueError,
+                       rf"tensor '{FIRST}' is missing from the checkpoint"),
+    "tensor unexpected": (lambda d: edit_shard(d, lambda s: s.update({"lm_head.weight": torch.zeros(2)})),
+                          ValueError, rf"unexpected tensor 'lm_head\.weight' in {SHARD}"),
+    "tensor wrong shape": (lambda d: edit_shard(d, lambda s: s.update({FIRST: torch.zeros(3, 3)})), ValueError,
+                           rf"tensor '{FIRST}' has shape \(3, 3\), config\.json implies \(32,\)"),
+    "tensor not float": (lambda d: edit_shard(d, lambda s: s.update({FIRST: s[FIRST].long()})), ValueError,
+                         rf"tensor '{FIRST}' has dtype torch\.int64, not a float"),
+    "tensor stored twice": (lambda d: rewrite_bytes(d, lambda b: read(d, SHARD), SHARD2), ValueError,
+                            rf"tensor '{FIRST}' is stored twice \(again in {SHARD2}\)"),
+}
+
+
+@pytest.mark.parametrize("case", FILE_CASES)
+def test_bad_model_files(tmp_path, case):
+    make, exc, pattern = FILE_CASES[case]
+    path = make(checkpoint(tmp_path))
+    with pytest.raises(exc) as e:
+        load_model(path, device="cpu")
+    assert re.search(pattern, one_line(e)), str(e.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", "mps", "bogus"])
+def test_unavailable_device(device):
+    with pytest.raises(ValueError) as e:
+        load_model(os.path.join(GOLDEN, "llada-tiny"), device=device)
+    assert re.search(rf"device '{device}' is not available here: use 'cpu'", one_line(e))
+
+
+# ---------------------------------------------------------------------------------- arguments (API)
+
+ARG_CASES = {
+    "gen_length not a multiple of block_length": (dict(gen_length=10, block_length=4),
+        r"gen_length 10 is not a multiple of block_length 4: pick a block_length that divides it, e.g. 2"),
+    "steps not divisible by blocks": (dict(gen_length=8, block_length=4, steps=3),
+        r"steps 3 is not divisible by the number of blocks 2 .*use a multiple"),
+    "steps 0": (dict(steps=0), r"steps must be >= 1 \(got 0\)"),
+    "steps negative": (dict(steps=-4), r"steps must be >= 1 \(got -4\)"),
+    "gen_length 0": (dict(gen_length=0), r"gen_length \(0\) and block_length \(4\) must be positive"),
+    "block_length negative": (dict(block_length=-4), r"must be positive"),
+    "threshold 0": (dict(threshold=0.0),
+        r"threshold must be in \(0, 1\] \(got 0\.0\); above 1 means one token per step"),
+    "threshold negative": (dict(threshold=-0.5), r"threshold must be in \(0, 1\]"),
+    "factor 0": (dict(factor=0.0), r"factor must be > 0 \(got 0\.0\)"),
+    "factor negative": (dict(factor=-1.0), r"factor must be > 0"),
+    "threshold and factor": (dict(threshold=0.9, factor=1.0), r"pass threshold or factor, not both"),
+    "temperature negative": (dict(temperature=-0.1), r"temperature must be >= 0 \(got -0\.1\); 0 is greedy"),
+    "unknown cache": (dict(cache="full"), r"unknown cache mode 'full': use one of none, prefix, dual"),
+    "unknown remasking": (dict(remasking="entropy"),
+        r"unknown remasking 'entropy' for llada: use one of low_confidence, random"),
+    "Dream option on LLaDA": (dict(top_p=0.9), r"top_p, top_k and alg_temp are Dream options"),
+    "prompt + gen_length too long": (dict(gen_length=4096, block_length=32),
+        r"prompt \(4 tokens\) \+ gen_length \(4096\) exceeds the model's 4096 positions: shorten"),
+}
+
+
+@pytest.mark.parametrize("case", ARG_CASES)
+def test_bad_arguments(llada, case):
+    kw, pattern = ARG_CASES[case]
+    with pytest.raises(ValueError) as e:
+        generate(llada, PROMPT, **{"gen_length": 8, "block_length": 4, **kw})
+    assert re.search(pattern, one_line(e)), str(e.value)
+
+
+DREAM_CASES = {
+    "unknown remasking": (dict(remasking="low_confidence", block_length=None),
+        r"unknown remasking 'low_confidence' for dream: use one of origin"),
+    "cache without blocks": (dict(cache="dual", block_length=None),
+        r"whole-canvas sampler \(block_length=None\) has no cache"),
+    "one step per block": (dict(steps=2), r"needs >= 2 steps per block \(got 1\): raise steps to at least 4"),
+    "top_p 0": (dict(top_p=0.0), r"top_p must be in \(0, 1\] \(got 0\.0\)"),
+    "top_k 0": (dict(top_k=0), r"top_k must be >= 1"),
+}
+
+
+@pytest.mark.parametrize("case", DREAM_CASES)
+def test_bad_dream_arguments(dream, case):
+    kw, pattern = DREAM_CASES[case]
+    with pytest.raises(ValueError) as e:
+        generate(dream, PROMPT, **{"gen_length": 8, "block_length": 4, **kw})
+    assert re.search(pattern, one_line(e)), str(e.value)
+
+
+def test_threshold_above_one_is_allowed_and_means_one_token_per_step(llada):
+    out, stats = generate(llada, PROMPT, gen_length=8, block_length=4, threshold=1.5)
+    assert stats["nfe"] == 8 and not (out == llada.config.mask_id).any()
+
+
+@pytest.mark.parametrize("prompt,pattern", [
+    (torch.zeros(1, 0, dtype=torch.long), r"the prompt is empty: pass at least one token"),
+    (torch.tensor([[5, 1000, 6]]), r"the prompt contains the mask token id 1000: masks are reserved for the answer"),
+])
+def test_bad_prompts(llada, prompt, pattern):
+    with pytest.raises(ValueError) as e:
+        generate(llada, prompt, gen_length=8, block_length=4)
+    assert re.search(pattern, one_line(e))
+
+
+# NaN settings (NaN > 0 is False, so a plain `<= 0` check let them through) and malformed prompts.
+@pytest.mark.parametrize("kw,prompt,pattern", [
+    (dict(threshold=float("nan")), PROMPT, r"threshold must be in \(0, 1\]"),
+    (dict(temperature=float("nan")), PROMPT, r"temperature must be >= 0"),
+    (dict(), torch.tensor([[5, 5000]]), r"token id .*outside the vocabulary"),
+    (dict(), torch.tensor([[-1, 5]]), r"token id .*outside the vocabulary"),
+    (dict(), torch.tensor([[1.0, 2.0]]), r"integer token ids"),
+])
+def test_nan_settings_and_malformed_prompts(llada, kw, prompt, pattern):
+    with pytest.raises(ValueError) as e:
+        generate(llada, prompt, gen_length=8, block_length=4, **kw)
+    assert re.search(pattern, one_line(e))
+
+
+def test_corrupt_tokenizer_json(tmp_path, llada):
+    d = rewrite_bytes(checkpoint(tmp_path, tokenizer=True), lambda b: b[:100], "tokenizer.json")
+    with pytest.raises(ValueError) as e:
+        fastdllm.Chat(d, llada.config)
+    assert re.search(r"tokenizer\.json is not a readable tokenizer\.json .*re-download it", one_line(e))
+
+
+def test_interactive_ends_on_ctrl_d(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))      # input() sees the end of input at once
+    d = checkpoint(tmp_path, tokenizer=True)
+    assert fastdllm.main(["--model", d, "--interactive", "--gen-length", "8", "--block-length", "8"]) is None
+
+
+# ---------------------------------------------------------------------------------- reproducibility
+
+def runs(model, seeds, **kw):
+    return [generate(model, PROMPT, generator=torch.Generator().manual_seed(s), temperature=1.0, **kw)[0]
+            for s in seeds]
+
+
+@pytest.mark.parametrize("family,kw", [
+    ("llada", dict(gen_length=16, block_length=8)),
+    ("llada", dict(gen_length=16, block_length=8, remasking="random", cache="dual", threshold=0.9)),
+    ("dream", dict(gen_length=16, block_length=None, steps=16)),
+    ("dream", dict(gen_length=16, block_length=None, steps=16, remasking="origin")),
+    ("dream", dict(gen_length=16, block_length=8, steps=16)),
+    ("dream", dict(gen_length=16, block_length=8, cache="dual", threshold=0.9)),
+])
+def test_same_seed_same_output(llada, dream, family, kw):
+    model = llada if family == "llada" else dream
+    a, b, *others = runs(model, [0, 0, 1, 2, 3], **kw)
+    assert torch.equal(a, b)
+    assert any(not torch.equal(a, o) for o in others), "the seed changes nothing: is the generator used?"
+
+
+@pytest.mark.parametrize("family,kw", [
+    ("llada", dict(remasking="random")),
+    ("dream", dict(block_length=None, steps=16, remasking="origin")),
+    ("dream", dict(block_length=None, steps=16, alg_temp=0.5, top_p=0.9, top_k=50)),
+    ("dream", dict(block_length=8, steps=16)),
+])
+def test_generate_never_touches_the_global_rng(llada, dream, family, kw):
+    model = llada if family == "llada" else dream
+    torch.manual_seed(0)
+    a = torch.rand(3)
+    torch.manual_seed(0)
+    generate(model, PROMPT, **{"gen_length": 16, "block_length": 8, "temperature": 1.0, **kw})  # default generator
+    generate(model, PROMPT, generator=torch.Generator().manual_seed(5), **{"gen_length": 16, "block_length": 8,
+                                                                           "temperature": 1.0, **kw})
+    assert torch.equal(a, torch.rand(3))
+
+
+# ---------------------------------------------------------------------------------- safety
+
+def test_no_pickle_anywhere():
+    """Weights come from safetensors only: no torch.load, no pickle, no remote code, in any code line
+    (comments and strings do not count) of any .py outside tests/."""
+    found = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [x for x in dirs if not x.startswith(".") and x not in ("tests", "__pycache__")]
+        for name in (f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                toks = [t for t in tokenize.tokenize(f.readline) if t.type in (tokenize.NAME, tokenize.OP)]
+            words = [t.string for t in toks]
+            for i, t in enumerate(toks):
+                if t.string in ("pickle", "cPickle", "dill", "joblib", "trust_remote_code") or \
+                        words[i:i + 3] == ["torch", ".", "load"]:
+                    found.append(f"{os.path.relpath(path, ROOT)}:{t.start[0]}: {t.line.strip()}")
+    assert not found, "unsafe deserialisation:\n" + "\n".join(found)
+
+
+# ---------------------------------------------------------------------------------- the CLI
+
+def cli_cases(tmp):
+    ok = checkpoint(tmp / "ok", tokenizer=True)
+    truncated = rewrite_bytes(checkpoint(tmp / "trunc", tokenizer=True), lambda b: b[:len(b) // 2])
+    no_tok = checkpoint(tmp / "notok")
+    run = ["--prompt", "w5 w6 w7", "--gen-length", "16", "--block-length", "8"]
+    return {
+        "folder missing": ([*run, "--model", str(tmp / "nope")], r"model folder .*nope' not found"),
+        "--device cuda without CUDA": ([*run, "--model", ok, "--device", "cuda"],
+                                       r"--device cuda was asked for but CUDA is not available here: use --device cpu"),
+        "--dtype float16 on CPU": ([*run, "--model", ok, "--device", "cpu", "--dtype", "float16"],
+                                   r"--dtype float16 is not supported on CPU: use float32"),
+        "truncated shard": ([*run, "--model", truncated], r"is not a readable safetensors file .*re-download it"),
+        "tokenizer.json missing": ([*run, "--model", no_tok], r"tokenizer\.json is missing: the CLI needs"),
+        "mask token in prompt": ([*run, "--model", ok, "--prompt", "w5 <|mdm_mask|> w6"],
+                                 r"the prompt contains the mask token id 1000"),
+        "empty prompt": ([*run, "--model", ok, "--no-chat", "--prompt", " "], r"the prompt is empty"),
+    }
+
+
+@pytest.fixture(scope="module")
+def cli_results(tmp_path_factory):
+    """Every CLI case started at once (they are mostly torch imports), then collected."""
+    cases = cli_cases(tmp_path_factory.mktemp("cli"))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}      # conftest already sets OMP_NUM_THREADS=1
+    procs = {name: subprocess.Popen([sys.executable, os.path.join(ROOT, "fastdllm.py"), *argv], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, (argv, _) in cases.items()}
+    return {name: (p, *p.communicate(timeout=300), cases[name][1]) for name, p in procs.items()}
+
+
+# A representative subset (the API tests cover every message): one per stage a CLI run goes through.
+CLI_CASES = ["folder missing", "--device cuda without CUDA", "--dtype float16 on CPU", "truncated shard",
+             "tokenizer.json missing", "mask token in prompt", "empty prompt"]
+
+
+@pytest.mark.parametrize("case", CLI_CASES)
+def test_cli_error_is_one_line_and_exit_2(cli_results, case):
+    if case == "--device cuda without CUDA" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    p, out, err, pattern = cli_results[case]
+    assert "Traceback" not in out + err, err
+    assert p.returncode == 2, (p.returncode, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert re.search(pattern, lines[0]), lines[0]
+
+
+# Runs fastdllm.py's own __main__ (runpy), with one hook: the second denoising step says so on stderr, so
+# the test interrupts a generation that is surely running and has steps to show, not the import or the load.
+INTERRUPT = """
+import runpy, sys
+import sampler
+real = sampler.llada_predict
+def predict(*args, **kw):
+    predict.calls += 1
+    if predict.calls == 2:
+        print("second step", file=sys.stderr, flush=True)
+    return real(*args, **kw)
+predict.calls = 0
+sampler.llada_predict = predict
+sys.argv = ["fastdllm.py"] + sys.argv[1:]
+runpy.run_path("fastdllm.py", run_name="__main__")
+"""
+
+
+def test_ctrl_c_prints_the_partial_answer(tmp_path):
+    d = edit_config(checkpoint(tmp_path, tokenizer=True), max_sequence_length=8192)
+    # 2048 one-token steps over a 2051-token canvas: far longer than the test waits.
+    p = subprocess.Popen([sys.executable, "-c", INTERRUPT, "--model", d, "--prompt", "w5 w6 w7", "--gen-length",
+                          "2048", "--block-length", "2048", "--cache", "none", "--threshold", "none"],
+                         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stderr.readline()
+        assert line == "second step\n", line + p.stderr.read()     # else it failed before generating
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert "Traceback" not in out + err, err
+    assert p.returncode == 130, (p.returncode, out, err)
+    m = re.search(r"\[interrupted after (\d+) steps\]", out)
+    assert m and int(m.group(1)) >= 1, out
