@@ -140,6 +140,9 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
     B, P = prompt.shape
     L = P + gen_length
     generator = generator or torch.Generator(device).manual_seed(0)
+    if generator.device.type != device.type:
+        raise ValueError(f"the generator is on {generator.device.type} but the model on {device.type}: "
+                         f"create it with torch.Generator({device.type!r})")
     x = F.pad(prompt, (0, gen_length), value=cfg.mask_id)
     pos = mask = None
     if dream and attention_mask is not None and (attention_mask == 0).any():
@@ -201,8 +204,9 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
                     transfer = S.select_factor(score, cand, factor)
                 else:   # Dream's schedule: the same count k for every row (masks per row are equal)
                     k = S.dream_num_transfer(cand.sum() / B, timesteps[step], timesteps[step + 1], last)
-                    if alg_temp:
-                        transfer = S.select_sampled(score, cand, k, alg_temp, generator, P if whole_canvas else 0)
+                    if alg_temp:   # same draw width as the official code: canvas, fed chunk (prefix) or block
+                        pad = (P, 0) if whole_canvas else (0, L - e if cache != "dual" else 0)
+                        transfer = S.select_sampled(score, cand, k, alg_temp, generator, pad)
                     else:
                         transfer = S.select_topk(score, cand, torch.full((B,), k, device=device))
             x[:, s:e] = torch.where(transfer, x0, x[:, s:e])

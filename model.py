@@ -58,11 +58,15 @@ class ModelConfig:
     def from_hf(cls, hf: dict) -> "ModelConfig":
         """Translate a Hugging Face config.json dict. Dispatch is on `model_type`, never on a folder name."""
         kind = str(hf.get("model_type", "")).lower()
+        for key, value in UNSUPPORTED.get(kind, {}).items():
+            if hf.get(key, value) != value:   # an architecture variant we would otherwise load silently wrong
+                raise ValueError(f"config.json sets {key} = {hf[key]!r}; fastdllm implements the LLaDA-8B / "
+                                 f"Dream-7B architecture ({key} = {value!r}) only")
         if kind == "llada":
             return cls(family="llada", vocab_size=hf.get("embedding_size") or hf["vocab_size"], dim=hf["d_model"],
                        n_layers=hf["n_layers"], n_heads=hf["n_heads"], n_kv_heads=hf.get("n_kv_heads") or hf["n_heads"],
                        ffn_dim=hf["mlp_hidden_size"], rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"],
-                       qkv_bias=bool(hf.get("include_qkv_bias") or hf.get("include_bias")),
+                       qkv_bias=bool(hf.get("include_qkv_bias")),
                        max_seq_len=hf["max_sequence_length"], mask_id=hf.get("mask_token_id", 126336),
                        eos_id=hf.get("eos_token_id"), pad_id=hf.get("pad_token_id"), bos_id=hf.get("bos_token_id"))
         if kind == "dream":
@@ -76,6 +80,14 @@ class ModelConfig:
                          f"(model_type 'llada') and Dream (model_type 'Dream') checkpoints only")
 
 
+# config.json fields whose other values change the architecture, with the value both real models use.
+UNSUPPORTED = {
+    "llada": {"block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu", "rope": True,
+              "alibi": False, "include_bias": False, "weight_tying": False, "input_emb_norm": False,
+              "scale_logits": False, "attention_layer_norm": False},
+    "dream": {"hidden_act": "silu", "tie_word_embeddings": False, "rope_scaling": None, "use_sliding_window": False},
+}
+
 # Our parameter name -> checkpoint name, one table per family ({} = layer index). Mirrors the checkpoints;
 # the traps are LLaDA's `ff_out` (MLP down-proj inside a block, LM head at top level) and `ff_proj` (= gate).
 WEIGHT_MAP = {
@@ -85,6 +97,9 @@ WEIGHT_MAP = {
         "layers.{}.attn.wq.weight": "model.transformer.blocks.{}.q_proj.weight",
         "layers.{}.attn.wk.weight": "model.transformer.blocks.{}.k_proj.weight",
         "layers.{}.attn.wv.weight": "model.transformer.blocks.{}.v_proj.weight",
+        "layers.{}.attn.wq.bias": "model.transformer.blocks.{}.q_proj.bias",      # only with include_qkv_bias
+        "layers.{}.attn.wk.bias": "model.transformer.blocks.{}.k_proj.bias",
+        "layers.{}.attn.wv.bias": "model.transformer.blocks.{}.v_proj.bias",
         "layers.{}.attn.wo.weight": "model.transformer.blocks.{}.attn_out.weight",
         "layers.{}.mlp_norm.weight": "model.transformer.blocks.{}.ff_norm.weight",
         "layers.{}.mlp.w_gate.weight": "model.transformer.blocks.{}.ff_proj.weight",
@@ -321,6 +336,8 @@ def checkpoint_names(cfg: ModelConfig) -> dict[str, str]:
     """checkpoint tensor name -> our parameter name, every layer expanded."""
     out = {}
     for ours, theirs in WEIGHT_MAP[cfg.family].items():
+        if ours.endswith(".bias") and not cfg.qkv_bias:
+            continue
         for i in range(cfg.n_layers) if "{}" in ours else [None]:
             out[theirs.format(i)] = ours.format(i)
     return out

@@ -123,15 +123,17 @@ def select_topk(conf, cand, k: torch.Tensor):
     return cand & (rank < k[:, None])
 
 
-def select_sampled(conf, cand, k: int, alg_temp: float, generator=None, pad_left: int = 0):
+def select_sampled(conf, cand, k: int, alg_temp: float, generator=None, pad=(0, 0)):
     """Dream's `alg_temp` > 0: draw k positions without replacement from softmax(conf / alg_temp).
-    pad_left: the official draws over the whole canvas (prompt columns at -inf), so the same generator state
-    draws the same positions only if our tensor has that width too."""
+    pad=(left, right): the official code draws over a wider tensor (Dream's sampler: the whole canvas;
+    Fast-dLLM's prefix mode: the fed chunk), the extra columns at -inf. Drawing over the same width makes
+    the same generator state pick the same positions."""
     if k == 0:
         return torch.zeros_like(cand)
-    scores = F.pad(conf / alg_temp, (pad_left, 0), value=NEG_INF).softmax(-1)
-    picked = torch.multinomial(scores, k, generator=generator) - pad_left
-    return cand & torch.zeros_like(cand).scatter_(-1, picked.clamp_(min=0), True)
+    scores = F.pad(conf / alg_temp, pad, value=NEG_INF).softmax(-1)
+    picked = torch.zeros(scores.shape, dtype=torch.bool, device=cand.device)
+    picked.scatter_(-1, torch.multinomial(scores, k, generator=generator), True)
+    return cand & picked[:, pad[0]:pad[0] + cand.shape[-1]]
 
 
 def select_threshold(conf, cand, threshold: float):

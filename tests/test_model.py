@@ -125,3 +125,35 @@ def test_config_dispatch_is_on_model_type_not_folder_name(tmp_path):
     with open(os.path.join(renamed, "config.json")) as f:
         cfg = json.load(f)
     assert cfg["model_type"] == "Dream"
+
+
+@pytest.mark.parametrize("name,key,value", [("llada-tiny", "weight_tying", True), ("llada-tiny", "alibi", True),
+                                            ("dream-tiny", "rope_scaling", {"type": "yarn", "factor": 4.0})])
+def test_architecture_variants_we_do_not_implement_are_refused(tmp_path, name, key, value):
+    d = copy_checkpoint(name, tmp_path)
+    with open(os.path.join(d, "config.json")) as f:
+        cfg = json.load(f)
+    cfg[key] = value
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match=f"config.json sets {key} = "):
+        load_model(d)
+
+
+def test_llada_qkv_bias_variant_loads(tmp_path):
+    """include_qkv_bias adds q/k/v biases under LLaDA's names; the strict loader then expects them."""
+    d = single_file_copy(tmp_path, "llada-tiny")
+    with open(os.path.join(d, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["include_qkv_bias"] = True
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(ValueError, match=r"q_proj\.bias' is missing"):
+        load_model(d)
+    state = load_file(os.path.join(d, "model.safetensors"))
+    for i in range(2):
+        for p in "qkv":
+            state[f"model.transformer.blocks.{i}.{p}_proj.bias"] = torch.full((32,), 0.5)
+    save_file(state, os.path.join(d, "model.safetensors"))
+    m = load_model(d)
+    assert torch.equal(m.layers[1].attn.wk.bias, torch.full((32,), 0.5))
