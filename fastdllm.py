@@ -334,23 +334,24 @@ def settings(args, **override):
     return kw
 
 
-def run_once(model, chat, ids, args, device, **kw):
+def run_once(model, ids, args, device, on_step=None, **override):
+    """One generate() call on one prompt with the CLI's settings, seeded from --seed."""
     gen = torch.Generator(device).manual_seed(args.seed)
-    prompt = torch.tensor([ids], device=device)
-    out, stats = generate(model, prompt, generator=gen, **settings(args, **kw))
-    return out[0].tolist(), stats
+    x, stats = generate(model, torch.tensor([ids], device=device), generator=gen, on_step=on_step,
+                        **settings(args, **override))
+    return x[0].tolist(), stats
 
 
-def bench(model, chat, ids, args, device):
+def bench(model, ids, args, device):
     """One table: every mode side by side on the same prompt, after one warm-up call."""
     tau = args.threshold if args.threshold is not None else 0.9
     rows = [("baseline", "none", None), ("+prefix cache", "prefix", None), ("+dual cache", "dual", None),
             ("+parallel", "none", tau), ("+prefix+parallel", "prefix", tau), ("+dual+parallel", "dual", tau)]
-    run_once(model, chat, ids, args, device, cache="none", threshold=None, factor=None)   # warm-up
+    run_once(model, ids, args, device, cache="none", threshold=None, factor=None)   # warm-up
     print(f"| mode | NFE | tokens/s | speed-up | same answer as baseline |\n|---|---|---|---|---|")
     base = None
     for name, cache, thr in rows:
-        out, st = run_once(model, chat, ids, args, device, cache=cache, threshold=thr, factor=None)
+        out, st = run_once(model, ids, args, device, cache=cache, threshold=thr, factor=None)
         base = base or (out, st["tokens_per_s"])
         print(f"| {name} | {st['nfe']} | {st['tokens_per_s']:.1f} | {st['tokens_per_s'] / base[1]:.2f}x | "
               f"{'yes' if out == base[0] else 'no'} |", flush=True)
@@ -367,7 +368,7 @@ def main(argv=None):
     chat = Chat(model_dir, model.config, chat=not args.no_chat)
     if args.bench:
         prompt = args.prompt or "Tom has 23 apples and buys 45 more. How many apples does he have?"
-        return bench(model, chat, chat.encode(chat.render([{"role": "user", "content": prompt}])), args, device)
+        return bench(model, chat.encode(chat.render([{"role": "user", "content": prompt}])), args, device)
     if not args.interactive and not args.prompt:
         raise ValueError("no prompt: pass --prompt \"...\" (or --interactive)")
     messages, ids = [], []
@@ -388,10 +389,7 @@ def main(argv=None):
             ids = chat.encode(chat.render(messages))
         live = {}
         try:
-            gen = torch.Generator(device).manual_seed(args.seed)
-            x, stats = generate(model, torch.tensor([ids], device=device), generator=gen,
-                                on_step=lambda x, st: live.update(x=x, nfe=st["nfe"]), **settings(args))
-            out = x[0].tolist()
+            out, stats = run_once(model, ids, args, device, on_step=lambda x, st: live.update(x=x, nfe=st["nfe"]))
         except KeyboardInterrupt:
             partial = live["x"][0, len(ids):].tolist() if "x" in live else []
             partial = [t for t in partial if t != model.config.mask_id]
