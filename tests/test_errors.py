@@ -193,14 +193,6 @@ ARG_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", ARG_CASES)
-def test_bad_arguments(llada, case):
-    kw, pattern = ARG_CASES[case]
-    with pytest.raises(ValueError) as e:
-        generate(llada, PROMPT, **{"gen_length": 8, "block_length": 4, **kw})
-    assert re.search(pattern, one_line(e)), str(e.value)
-
-
 DREAM_CASES = {
     "unknown remasking": (dict(remasking="low_confidence", block_length=None),
         r"unknown remasking 'low_confidence' for dream: use one of origin"),
@@ -212,11 +204,12 @@ DREAM_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", DREAM_CASES)
-def test_bad_dream_arguments(dream, case):
-    kw, pattern = DREAM_CASES[case]
+@pytest.mark.parametrize("family,case", [("llada", c) for c in ARG_CASES] + [("dream", c) for c in DREAM_CASES])
+def test_bad_arguments(request, family, case):
+    model = request.getfixturevalue(family)
+    kw, pattern = (ARG_CASES if family == "llada" else DREAM_CASES)[case]
     with pytest.raises(ValueError) as e:
-        generate(dream, PROMPT, **{"gen_length": 8, "block_length": 4, **kw})
+        generate(model, PROMPT, **{"gen_length": 8, "block_length": 4, **kw})
     assert re.search(pattern, one_line(e)), str(e.value)
 
 
