@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import GOLDEN, ROOT, write_tokenizer
 import fastdllm
+from chat import Chat
 from fastdllm import generate
 from model import load_model
 
@@ -245,7 +246,7 @@ def test_nan_settings_and_malformed_prompts(llada, kw, prompt, pattern):
 def test_corrupt_tokenizer_json(tmp_path, llada):
     d = rewrite_bytes(checkpoint(tmp_path, tokenizer=True), lambda b: b[:100], "tokenizer.json")
     with pytest.raises(ValueError) as e:
-        fastdllm.Chat(d, llada.config)
+        Chat(d, llada.config)
     assert re.search(r"tokenizer\.json is not a readable tokenizer\.json .*re-download it", one_line(e))
 
 
