@@ -10,10 +10,13 @@ reused for the block's remaining steps:
   reused from the refresh.
 - dual mode (DualCache): later steps feed only the current block [s, e); both the prefix and the masked
   suffix [e, L) are reused from the refresh.
+- free mode (FlashDLM's FreeCache, arXiv 2505.21467): no refresh after the generation's first call; every
+  step feeds the block and the masked suffix, and everything left of the block stays as it was last written.
 
 Both are one operation here: write the fed chunk's keys/values at their canvas positions, then attend over
 the whole canvas. In prefix mode the fed chunk covers [s, L), so every stale entry is overwritten; in dual
-mode it covers [s, e) and the suffix stays as the refresh left it (Fast-dLLM's `replace_position`).
+mode it covers [s, e) and the suffix stays as the refresh left it (Fast-dLLM's `replace_position`). What
+each step feeds is `feed_span` in fastdllm.py.
 
 This file holds only the storage. When to refresh is decided by the generation loop (fastdllm.py), and
 the cache never advances itself: every write names its position.
@@ -28,6 +31,10 @@ class KVCache:
         shape = (n_layers, batch, n_kv_heads, length, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # (B,) bool or None: rows whose writes are kept. FreeCache freezes a block as its *last* step left it;
+        # in a batch, a row that finished its block early must not be rewritten by the steps the other rows
+        # still need, or it would not decode as it would alone. The loop sets this; None = every row.
+        self.write_rows = None
 
     @classmethod
     def for_model(cls, model, batch: int, length: int) -> "KVCache":
@@ -39,6 +46,11 @@ class KVCache:
         """Write k, v (B, n_kv_heads, T, head_dim) at canvas positions [start, start+T) in place and return
         this layer's keys/values over the whole canvas (views, no copy)."""
         T = k.shape[2]
-        self.k[layer, :, :, start:start + T] = k
-        self.v[layer, :, :, start:start + T] = v
+        if self.write_rows is None:
+            self.k[layer, :, :, start:start + T] = k
+            self.v[layer, :, :, start:start + T] = v
+        else:
+            rows = self.write_rows
+            self.k[layer, rows, :, start:start + T] = k[rows]
+            self.v[layer, rows, :, start:start + T] = v[rows]
         return self.k[layer], self.v[layer]

@@ -16,6 +16,7 @@ import argparse
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -25,9 +26,10 @@ from cache import KVCache
 from chat import Chat
 from model import load_model, resolve_model_dir
 
-CACHE_MODES = ("none", "prefix", "dual")
+CACHE_MODES = ("none", "prefix", "dual", "free")
 LLADA_REMASKING = ("low_confidence", "random")
-DREAM_REMASKING = ("origin", "maskgit_plus", "topk_margin", "entropy")
+DREAM_REMASKING = ("origin", "maskgit_plus", "topk_margin", "entropy", "position_weighted")
+ACCEPT_RULES = ("deterministic", "topk", "topk_relative")
 
 
 def check_settings(gen_length, block_length, steps, cache, threshold, factor, temperature, top_p=None,
@@ -89,52 +91,116 @@ def check_prompt(cfg, prompt, gen_length, remasking, top_p, top_k, alg_temp):
         bad("top_p, top_k and alg_temp are Dream options; LLaDA samples with temperature only")
 
 
+def feed_span(cache: str, first: bool, block_step: int, s: int, e: int, L: int, shift: int):
+    """Which canvas positions [a, b) a step feeds. Everything outside is read from the KV cache as the last
+    forward that fed it left it (cache.py); that choice *is* the difference between the caches:
+    - none: the whole canvas every step (the exact reference);
+    - prefix / dual (Fast-dLLM section 3.2): a block's first step refreshes the whole canvas, its later steps
+      feed the block and everything after it [s, L) (prefix) or the block alone [s, e) (dual);
+    - free (FlashDLM's FreeCache, arXiv 2505.21467 section 3): only the generation's first call is full;
+      every later step feeds [s - shift, L), the block and the masked suffix, from one position earlier
+      for Dream (its logits shift predicts s from s - 1). Nothing left of that is ever recomputed: a block's
+      keys/values stay frozen as its last step computed them, while some of its tokens were still masks."""
+    if cache == "none" or first:
+        return 0, L
+    if cache == "free":
+        return s - shift, L
+    if block_step == 0:
+        return 0, L
+    return s, L if cache == "prefix" else e
+
+
+def padding(attention_mask, gen_length: int, device):
+    """Left-padded prompts: real tokens count positions from 0, pads neither attend nor are attended to, so
+    every row decodes as it would alone. -> (pos (B, L), mask (B, 1, L, L)), or (None, None) without pads."""
+    if attention_mask is None or not (attention_mask == 0).any():
+        return None, None
+    m = F.pad(attention_mask.to(device).bool(), (0, gen_length), value=True)
+    return (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
+
+
+def eos_reached(x, P: int, e: int, eos: torch.Tensor, mask_id: int, run: int | bool):
+    """(B,) rows whose answer has ended, so the rest can be filled with eos without another model call.
+    run=True (at a block's end): the finished answer [P, e) holds an end token. run=k (FlashDLM's
+    `_check_early_stop`, any step): the right-most decoded token and the k-1 before it are end tokens and no
+    mask lies before it."""
+    ans = x[:, P:e]
+    is_eos = torch.isin(ans, eos)
+    if run is True:
+        return is_eos.any(-1) & (ans != mask_id).all(-1)
+    idx = torch.arange(ans.shape[1], device=x.device)
+    decoded = ans != mask_id
+    r = torch.where(decoded, idx, -1).max(-1).values                     # right-most decoded, -1 if none
+    no_gap = (torch.where(~decoded, idx, ans.shape[1]).min(-1).values > r)
+    tail = torch.where((idx <= r[:, None]) & (idx > r[:, None] - run), is_eos, True).all(-1)
+    return (r >= 0) & (r + P + 1 >= run) & no_gap & tail
+
+
 @torch.inference_mode()
 def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: int | None = 32,
              steps: int | None = None, cache: str = "none", threshold: float | None = None,
              factor: float | None = None, temperature: float = 0.0, remasking: str | None = None,
              top_p: float | None = None, top_k: int | None = None, alg_temp: float | None = None,
              eps: float = 1e-3, attention_mask: torch.Tensor | None = None,
-             generator: torch.Generator | None = None, refresh_every_step: bool = False, on_step=None):
+             generator: torch.Generator | None = None, refresh_every_step: bool = False,
+             stop_at_eos: bool | int = False, eos_ids=None, guide=None, accept: str = "deterministic",
+             accept_k: int = 5, accept_ratio: float = 0.95, verify_chunk: int = 32, on_step=None):
     """
     Decode gen_length tokens after `prompt` (B, P). Returns (ids (B, P + gen_length), stats) with stats
-    {"nfe": model calls, "fed": tokens fed per call, "seconds", "tokens_per_s"}.
+    {"nfe": model calls, "fed": tokens fed per call, "committed": tokens committed per call (all rows),
+    "calls_saved", "guide_calls", "seconds", "tokens_per_s"}.
 
     block_length: semi-autoregressive block size. None = one block over the whole answer; for Dream it
         selects Dream's own `diffusion_generate` rules instead of Fast-dLLM's block sampler.
     steps: denoising steps over the whole answer (default gen_length: one token per step); with a
         threshold or factor the step count is decided by confidence and steps is only checked.
-    cache: "none" | "prefix" | "dual" (Fast-dLLM section 3.2). The cache is refreshed by a full forward
-        at each block's first step; refresh_every_step=True refreshes before every step too (a check of
-        the cache plumbing: the decode then equals cache="none").
-    threshold / factor: confidence-aware parallel decoding (section 3.3).
+    cache: "none" | "prefix" | "dual" (Fast-dLLM section 3.2) | "free" (FlashDLM's FreeCache); see
+        feed_span. refresh_every_step=True feeds the whole canvas at every step (a check of the cache
+        plumbing: the decode then equals cache="none").
+    threshold / factor: confidence-aware parallel decoding (Fast-dLLM section 3.3).
     remasking: LLaDA "low_confidence" (default) | "random"; Dream "entropy" (default) | "maskgit_plus" |
-        "topk_margin" | "origin" (Dream's `alg`; the block sampler ranks by entropy only).
+        "topk_margin" | "origin" | "position_weighted" (Dream's `alg`).
     top_p, top_k, alg_temp, eps: Dream's sampling options. attention_mask: (B, P) 1/0 for left-padded
-        Dream prompts (LLaDA's official model ignores masks and attends to pads; so do we).
+        prompts, both families: each row decodes as it would alone.
+    stop_at_eos: False | True (once a block is complete and holds an end token, fill the rest with eos and
+        stop) | k (FlashDLM's rule: k end tokens in a row at the decoded frontier). eos_ids: the end tokens
+        (default the config's eos id).
+    guide: a causal model (model.Guide) that verifies the drafts (FlashDLM guided diffusion): one block
+        over the answer, accept "deterministic" | "topk" (accept_k) | "topk_relative" (accept_k,
+        accept_ratio), verified in chunks of verify_chunk tokens.
     generator: the only source of randomness (default: a fresh one seeded 0). on_step(x, stats) is called
         after every step with the live canvas.
     """
     cfg = model.config
     dream = cfg.family == "dream"
-    whole_canvas = dream and block_length is None     # Dream's own diffusion_generate
+    guided = guide is not None
+    whole_canvas = dream and block_length is None and not guided     # Dream's own diffusion_generate
     remasking = remasking or ("entropy" if dream else "low_confidence")
-    block_length = block_length or gen_length
-    steps = gen_length if steps is None else steps
+    block_length = gen_length if guided else block_length or gen_length
+    steps = gen_length if steps is None or guided else steps
     check_settings(gen_length, block_length, steps, cache, threshold, factor, temperature, top_p, top_k, alg_temp)
     check_prompt(cfg, prompt, gen_length, remasking, top_p, top_k, alg_temp)
     parallel = threshold is not None or factor is not None
-    if whole_canvas and (cache != "none" or parallel):
-        raise ValueError("Dream's whole-canvas sampler (block_length=None) has no cache or threshold/factor: "
-                         "pass a block_length to use Fast-dLLM's block sampler")
-    if dream and not whole_canvas and remasking != "entropy" and not parallel:
+    if guided:
+        check_guided(model, guide, threshold, factor, temperature, accept, accept_k, accept_ratio, verify_chunk)
+        if prompt.shape[0] > 1:
+            return generate_rows(model, prompt, attention_mask, gen_length=gen_length, cache=cache,
+                                 guide=guide, accept=accept, accept_k=accept_k, accept_ratio=accept_ratio,
+                                 verify_chunk=verify_chunk, eos_ids=eos_ids, on_step=on_step)
+    if whole_canvas and (cache != "none" or factor is not None):
+        raise ValueError("Dream's whole-canvas sampler (block_length=None) has no cache or factor rule: pass a "
+                         "block_length to use Fast-dLLM's block sampler")
+    if whole_canvas and threshold is not None and gen_length % steps:
+        raise ValueError(f"Dream's whole-canvas threshold rule spreads the {gen_length} masks evenly over the steps: "
+                         f"steps ({steps}) must divide gen_length")
+    if dream and not whole_canvas and cache != "free" and remasking != "entropy" and not parallel and not guided:
         raise ValueError(f"Fast-dLLM's Dream block sampler ranks tokens by entropy; remasking={remasking!r} "
-                         f"needs Dream's whole-canvas sampler (block_length=None)")
+                         f"needs Dream's whole-canvas sampler (block_length=None) or cache='free'")
     n_blocks = gen_length // block_length
-    steps_per_block = steps // n_blocks
-    if dream and not whole_canvas and not parallel and steps_per_block < 2:
-        raise ValueError(f"Dream's block sampler needs >= 2 steps per block (got {steps_per_block}): "
-                         f"raise steps to at least {2 * n_blocks} or use threshold/factor")
+    spb = steps // n_blocks                                        # steps per block
+    if dream and not whole_canvas and cache != "free" and not parallel and not guided and spb < 2:
+        raise ValueError(f"Fast-dLLM's Dream block sampler needs >= 2 steps per block (got {spb}): "
+                         f"raise steps to at least {2 * n_blocks}, or use threshold/factor or cache='free'")
 
     device = model.lm_head.weight.device
     prompt = prompt.to(device)
@@ -144,81 +210,164 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
     if generator.device.type != device.type:
         raise ValueError(f"the generator is on {generator.device.type} but the model on {device.type}: "
                          f"create it with torch.Generator({device.type!r})")
+    eos = torch.tensor(sorted(set(eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
     x = F.pad(prompt, (0, gen_length), value=cfg.mask_id)
-    pos = mask = None
-    if dream and attention_mask is not None and (attention_mask == 0).any():
-        # Dream's left padding: real tokens count positions from 0, pads neither attend nor are attended.
-        m = F.pad(attention_mask.to(device).bool(), (0, gen_length), value=True)
-        pos = (m.long().cumsum(-1) - 1).masked_fill(~m, 1)
-        mask = m[:, None, None, :] & m[:, None, :, None]          # (B, 1, L, L)
+    pos, mask = padding(attention_mask, gen_length, device)
     kv = KVCache.for_model(model, B, L) if cache != "none" else None
-    timesteps = torch.linspace(1, eps, steps_per_block + 1, device=device)   # Dream: t from 1 down to eps
-    stats = {"nfe": 0, "fed": []}
+    # Dream's time grid, t from 1 down to eps: per block for Fast-dLLM's sampler, over all steps for Dream's
+    # own and for FlashDLM's FreeCache sampler (which indexes it by the global step).
+    timesteps = torch.linspace(1, eps, (steps if whole_canvas or cache == "free" else spb) + 1, device=device)
+    stats = {"nfe": 0, "fed": [], "committed": [], "calls_saved": 0, "guide_calls": 0}
+    if guided:   # the guide's KV cache of the committed text: the prompt, less its last token (fed with drafts)
+        from model import Guide
+        verifier = Guide(guide, L)
+        stats["guide_calls"] += verifier.prefill(prompt[0, :-1])
+        accept_fn = partial(S.accept_drafts, rule=accept, k=accept_k, ratio=accept_ratio)
+    carry = torch.zeros(B, dtype=torch.long, device=device)      # whole-canvas threshold: offered, refused
     t0 = time.perf_counter()
 
-    def forward(a, b, s, e):
-        """Feed canvas positions [a, b), return logits for [s, e) and where they sit in the chunk."""
-        stats["nfe"] += 1
-        stats["fed"].append(b - a)
-        logits = model(x[:, a:b], None if pos is None else pos[:, a:b], kv, a,
-                       None if mask is None else mask[:, :, a:b], (s - a, e - a))
-        return logits, (s - a, b - a)
-
-    for s in range(P, L, block_length):
+    for bi, s in enumerate(range(P, L, block_length)):
         e = s + block_length
-        budget = S.num_transfer_tokens((x[:, s:e] == cfg.mask_id).sum(-1), steps_per_block)
+        budget = S.num_transfer_tokens((x[:, s:e] == cfg.mask_id).sum(-1), spb)
         step = 0
-        # Dream's own sampler always runs its `steps` calls; everything else stops when the block is full.
-        while step < steps_per_block if whole_canvas else (x[:, s:e] == cfg.mask_id).any():
-            if step == 0 or kv is None or refresh_every_step:
-                # Refresh: a full forward over the canvas. With a cache it also (re)fills every position's
-                # keys/values, and its logits decode the block's first step (Fast-dLLM fuses the two).
-                logits, span = forward(0, L, s, e)
-            if kv is not None and step > 0:
-                # Cached step: prefix mode feeds the block and everything after it, dual mode the block only.
-                logits, span = forward(s, L if cache == "prefix" else e, s, e)
-            cand = x[:, s:e] == cfg.mask_id
-            last = step == steps_per_block - 1
-            if not dream:
-                x0, conf = S.llada_predict(logits, temperature, remasking, generator, span)
+        # Dream's own sampler runs exactly `steps` calls; everything else stops when the block is full.
+        while step < steps if whole_canvas and threshold is None else (x[:, s:e] == cfg.mask_id).any():
+            if step > max(spb, block_length) and not whole_canvas:
+                raise RuntimeError("decoding made no progress: every step commits at least one token, so this is a bug")
+            cand = x[:, s:e] == cfg.mask_id                                 # (B, N) open positions
+            # 1. feed: one model call over the span the cache mode asks for
+            first = stats["nfe"] == 0
+            head = (cand.argmax(-1).min().item() + s) if guided and cache == "free" else s   # guided: block = first mask on
+            a, b = (0, L) if refresh_every_step else feed_span(cache, first, step, head, e, L, int(cfg.shift_logits))
+            cols = cand.any(0).nonzero().squeeze(1)                        # LM head only where a token is open
+            if cache == "free" and B > 1:
+                kv.write_rows = cand.any(-1)        # a row whose block is full stays frozen (cache.py)
+            stats["nfe"] += 1
+            stats["fed"].append(b - a)
+            logits = model(x[:, a:b], None if pos is None else pos[:, a:b], kv, a,
+                           None if mask is None else mask[:, :, a:b], s + cols - a)
+            if not torch.isfinite(logits).all():
+                raise ValueError(f"the model produced NaN/inf logits at step {stats['nfe']}: the weights hold NaN/inf, "
+                                 f"or the activations overflowed {logits.dtype} (try --dtype float32)")
+            # 2. propose and 3. select: the tokens x0 (B, N) and which of them this step commits
+            last = step == (steps if whole_canvas else spb) - 1
+            if guided:
+                x0 = torch.zeros_like(cand, dtype=torch.long)
+                x0[:, cols] = S.argmax_except(logits, cfg.mask_id)
+                drafts = x0[0, cols]
+                n, calls = verifier.verify(x[0, s + cols[0] - 1], drafts, accept_fn, verify_chunk)
+                n = max(n, 1)     # the first draft is rejected: commit the diffusion model's own token
+                stats["guide_calls"] += calls
+                transfer = cand & (torch.arange(block_length, device=device) < cols[0] + n)
+            elif not dream:
+                x0, conf = S.llada_predict(logits, temperature, remasking, generator, (s - a, cols, b - a), cfg.mask_id)
+                x0, conf = widen(x0, cols, block_length, 0), widen(conf, cols, block_length, S.NEG_INF)
                 conf = conf.masked_fill(~cand, S.NEG_INF)
                 transfer = (S.select_threshold(conf, cand, threshold) if threshold is not None else
                             S.select_factor(conf, cand, factor) if factor is not None else
                             S.select_topk(conf, cand, budget[:, step]))
-            elif not whole_canvas and step == 0:
+            elif not whole_canvas and cache != "free" and step == 0:
                 # Fast-dLLM's Dream block sampler decodes the block's first token at the refresh, whatever
                 # its confidence (spec/dream.md 7.3); the shifted logits of cached chunks never serve it.
-                x0 = S.dream_sample(logits[:, :1], temperature, top_p, top_k, generator)[1]
-                x0 = F.pad(x0, (0, block_length - 1))
+                x0 = widen(S.dream_sample(logits[:, :1], temperature, top_p, top_k, generator, cfg.mask_id)[1],
+                           cols[:1], block_length, 0)
                 transfer = cand & (torch.arange(block_length, device=device) == 0)
-            elif remasking == "origin":
+            elif remasking == "origin" and not parallel:
                 p = 1 if last else 1 - timesteps[step + 1] / timesteps[step]
-                x0, transfer = S.dream_origin(logits, cand, p, temperature, top_p, top_k, generator)
+                x0, transfer = S.dream_origin(logits, cand[:, cols], p, temperature, top_p, top_k, generator,
+                                              cfg.mask_id)
+                x0, transfer = widen(x0, cols, block_length, 0), widen(transfer, cols, block_length, False)
             else:
-                conf, x0, probs = S.dream_sample(logits[cand], temperature, top_p, top_k, generator)
-                score = S.dream_confidence(remasking if not parallel else "maskgit_plus", conf, probs)
+                cc = cand[:, cols]
+                conf, x0, probs = S.dream_sample(logits[cc], temperature, top_p, top_k, generator, cfg.mask_id)
+                alg = remasking if not parallel else "maskgit_plus"
+                score = S.dream_confidence(alg, conf, probs, cand.nonzero(as_tuple=True))
                 x0 = torch.zeros_like(x[:, s:e]).masked_scatter_(cand, x0)
                 score = torch.full(cand.shape, S.NEG_INF, device=device).masked_scatter_(cand, score)
-                if threshold is not None:
+                if whole_canvas and threshold is not None:   # Fast-dLLM's confidence_threshold, no blocks
+                    quota = gen_length // steps if step < steps else 0
+                    transfer, carry = S.select_quota_threshold(score, cand, quota + carry, threshold)
+                elif threshold is not None:
                     transfer = S.select_threshold(score, cand, threshold)
                 elif factor is not None:
                     transfer = S.select_factor(score, cand, factor)
-                else:   # Dream's schedule: the same count k for every row (masks per row are equal)
-                    k = S.dream_num_transfer(cand.sum() / B, timesteps[step], timesteps[step + 1], last)
+                else:   # Dream's schedule; FreeCache counts every later block's masks too (FlashDLM)
+                    i = bi * spb + step if cache == "free" else step
+                    later = (n_blocks - bi - 1) * block_length if cache == "free" else 0
+                    k = S.dream_num_transfer(cand.sum(-1), timesteps[i], timesteps[i + 1], last, cand.sum(-1) + later)
                     if alg_temp:   # same draw width as the official code: canvas, fed chunk (prefix) or block
-                        pad = (P, 0) if whole_canvas else (0, L - e if cache != "dual" else 0)
+                        pad = (P, 0) if whole_canvas else (0, L - e if cache in ("prefix", "none") else 0)
                         transfer = S.select_sampled(score, cand, k, alg_temp, generator, pad)
                     else:
-                        transfer = S.select_topk(score, cand, torch.full((B,), k, device=device))
+                        transfer = S.select_topk(score, cand, k)
+            # 4. commit
             x[:, s:e] = torch.where(transfer, x0, x[:, s:e])
+            stats["committed"].append(int(transfer.sum()))
             step += 1
+            if guided:
+                verifier.commit(n)
+                if torch.isin(x0[0][transfer[0]], eos).any():      # a committed end of text ends the answer
+                    x[x == cfg.mask_id] = eos[0]
+            elif stop_at_eos is not True and stop_at_eos:
+                done = eos_reached(x, P, L, eos, cfg.mask_id, stop_at_eos)
+                x[done] = x[done].masked_fill(x[done] == cfg.mask_id, eos[0])
             if on_step is not None:
                 on_step(x, stats)
+        if stop_at_eos is True and e < L:
+            done = eos_reached(x, P, e, eos, cfg.mask_id, True)
+            x[done] = x[done].masked_fill(x[done] == cfg.mask_id, eos[0])
+            if done.all():
+                stats["calls_saved"] = (n_blocks - bi - 1) * (1 if parallel else spb)
+                break
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     stats["seconds"] = time.perf_counter() - t0
     stats["tokens_per_s"] = B * gen_length / max(stats["seconds"], 1e-9)
     return x, stats
+
+
+def widen(values, cols, width: int, fill):
+    """(B, n) values at block columns `cols` -> (B, width), `fill` elsewhere."""
+    out = torch.full((values.shape[0], width), fill, dtype=values.dtype, device=values.device)
+    out[:, cols] = values
+    return out
+
+
+def check_guided(model, guide, threshold, factor, temperature, accept, accept_k, accept_ratio, verify_chunk):
+    """Guided diffusion's own settings (FlashDLM section 2): the guide decides how many drafts to commit,
+    so no other parallel rule applies, and drafts are the argmax (no sampling)."""
+    from model import check_guide
+    check_guide(model.config, guide.config)
+    if threshold is not None or factor is not None:
+        raise ValueError("pass a guide or threshold/factor, not both: with a guide the guide decides how many "
+                         "drafts each step commits")
+    if temperature:
+        raise ValueError(f"guided drafts are the diffusion model's argmax: temperature must be 0 (got {temperature})")
+    if accept not in ACCEPT_RULES:
+        raise ValueError(f"unknown accept rule {accept!r}: use one of {', '.join(ACCEPT_RULES)}")
+    if type(accept_k) is not int or accept_k < 1:
+        raise ValueError(f"accept_k must be an integer >= 1 (got {accept_k!r})")
+    if not 0 < accept_ratio <= 1:
+        raise ValueError(f"accept_ratio must be in (0, 1] (got {accept_ratio!r})")
+    if type(verify_chunk) is not int or verify_chunk < 1:
+        raise ValueError(f"verify_chunk must be an integer >= 1 (got {verify_chunk!r})")
+
+
+def generate_rows(model, prompt, attention_mask, **kw):
+    """Guided decoding of a batch: each row alone (its pads stripped), then put back in place. Rows of one
+    batch commit different numbers of tokens per step, so the guide's committed text differs per row;
+    decoding them one by one is the simplest way to keep every row exactly as it would be alone."""
+    rows, stats = [], {"nfe": 0, "fed": [], "committed": [], "calls_saved": 0, "guide_calls": 0, "seconds": 0.0}
+    for b in range(prompt.shape[0]):
+        real = prompt[b] if attention_mask is None else prompt[b][attention_mask[b].bool().to(prompt.device)]
+        out, st = generate(model, real[None], **kw)
+        rows.append(torch.cat([prompt[b, :prompt.shape[1] - real.numel()].to(out.device), out[0]]))
+        for key in ("nfe", "calls_saved", "guide_calls", "seconds"):
+            stats[key] += st[key]
+        stats["fed"] += st["fed"]
+        stats["committed"] += st["committed"]
+    stats["tokens_per_s"] = prompt.shape[0] * kw["gen_length"] / max(stats["seconds"], 1e-9)
+    return torch.stack(rows), stats
 
 
 # ----------------------------------------------------------------------------------------------------------

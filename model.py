@@ -233,8 +233,8 @@ class Transformer(nn.Module):
         cache: a cache.KVCache; the chunk's keys/values are written at [start, start+T) and the queries
             attend over the whole cached canvas. None = attend over the chunk alone.
         mask: optional bool (B, 1, T, keys) attention mask, True = attend (Dream's left padding).
-        logits_range: (a, b) to return logits for chunk positions [a, b) only (the LM head is the largest
-            matmul of a step, and the decoder only needs the current block).
+        logits_range: (a, b), or a 1-D tensor of chunk positions, to return logits there only (the LM head
+            is the largest matmul of a cached step, and the decoder only needs the block's masked positions).
         Returns logits (B, T', vocab) where row i predicts the token *at* position i, for both families.
         """
         B, T = idx.shape
@@ -250,7 +250,9 @@ class Transformer(nn.Module):
             # state i-1; position 0 keeps its own (spec/dream.md section 4). Applied within the fed chunk, as
             # Fast-dLLM does in its cached calls (the chunk's first position is never decoded there).
             x = torch.cat((x[:, :1], x[:, :-1]), dim=1)
-        if logits_range is not None:
+        if isinstance(logits_range, torch.Tensor):       # chunk positions: only where a token is still open
+            x = x[:, logits_range]
+        elif logits_range is not None:
             x = x[:, logits_range[0]:logits_range[1]]
         return self.lm_head(x)
 

@@ -38,28 +38,39 @@ def num_transfer_tokens(mask_count: torch.Tensor, steps: int) -> torch.Tensor:
     return base + (torch.arange(steps, device=mask_count.device) < rem).long()
 
 
-def llada_predict(logits, temperature: float, remasking: str, generator=None, rand_span=None):
+def argmax_except(scores, banned: int):
+    """argmax over the last axis, never returning the id `banned` (the mask token: a proposal that is the
+    mask itself would leave its position masked, and a loop that waits for the block to fill would never
+    end). Takes the runner-up only where the mask wins, so every other decision is untouched."""
+    top2 = scores.topk(2, dim=-1).indices
+    return torch.where(top2[..., 0] == banned, top2[..., 1], top2[..., 0])
+
+
+def llada_predict(logits, temperature: float, remasking: str, generator=None, rand_span=None, mask_id=None):
     """-> (x0, conf): the proposed token and its confidence at every position, float64.
-    rand_span=(offset, width): `random` remasking draws its uniforms over the whole fed chunk, as the
-    official code does, so a seeded run draws the same numbers; we keep the block's columns."""
-    x0 = add_gumbel_noise(logits, temperature, generator).argmax(-1)
+    rand_span=(offset, cols, width): `random` remasking draws its uniforms over the whole fed chunk (width), as
+    the official code does, so a seeded run draws the same numbers; we keep the given columns of it.
+    mask_id: never proposed (see argmax_except)."""
+    noised = add_gumbel_noise(logits, temperature, generator)
+    x0 = noised.argmax(-1) if mask_id is None else argmax_except(noised, mask_id)
     if remasking == "low_confidence":
         # The *un-tempered, noise-free* probability of the chosen token, even when sampling.
         p = F.softmax(logits.double(), dim=-1)
         conf = p.gather(-1, x0[..., None]).squeeze(-1)
     elif remasking == "random":
         B, N = x0.shape
-        offset, width = rand_span or (0, N)
-        conf = torch.rand((B, width), dtype=torch.float64, device=x0.device, generator=generator)[:, offset:offset + N]
+        offset, cols, width = rand_span or (0, torch.arange(N, device=x0.device), N)
+        conf = torch.rand((B, width), dtype=torch.float64, device=x0.device, generator=generator)[:, offset + cols]
     else:
         raise ValueError(f"unknown LLaDA remasking {remasking!r}: use 'low_confidence' or 'random'")
     return x0, conf
 
 
 # ---------------------------------------------------------------------------------------- Dream
-def dream_sample(logits, temperature: float = 0.0, top_p=None, top_k=None, generator=None):
+def dream_sample(logits, temperature: float = 0.0, top_p=None, top_k=None, generator=None, mask_id=None):
     """Dream's `sample_tokens`: -> (conf, x0, probs). conf is the max prob, or at T > 0 the prob of the
-    drawn token. Computed in float32 whatever the model dtype."""
+    drawn token. Computed in float32 whatever the model dtype. mask_id is never proposed (argmax_except);
+    probs, and so the entropy and margin scores, keep it, as the official code does."""
     logits = logits.float()
     if temperature > 0:
         logits = logits / temperature
@@ -77,17 +88,27 @@ def dream_sample(logits, temperature: float = 0.0, top_p=None, top_k=None, gener
     if temperature > 0:
         # what torch.distributions.Categorical(probs).sample() does, with our generator
         flat = probs.reshape(-1, probs.shape[-1])
+        if mask_id is not None:
+            flat = flat.clone()
+            flat[:, mask_id] = 0
         x0 = torch.multinomial(flat / flat.sum(-1, keepdim=True), 1, True, generator=generator).view(probs.shape[:-1])
-        conf = probs.gather(-1, x0[..., None]).squeeze(-1)
     else:
-        conf, x0 = probs.max(-1)
+        x0 = probs.argmax(-1) if mask_id is None else argmax_except(probs, mask_id)
+    conf = probs.gather(-1, x0[..., None]).squeeze(-1)
     return conf, x0, probs
 
 
-def dream_confidence(alg: str, conf, probs):
-    """Rank score for Dream's confidence algorithms (higher = decode sooner)."""
+def dream_confidence(alg: str, conf, probs, cols=None):
+    """Rank score for Dream's confidence algorithms (higher = decode sooner). cols: each candidate's column
+    in its block, for FlashDLM's `position_weighted` (max prob x (1 - col / the row's last masked col), so
+    left positions go first). FlashDLM's own version crashes on its 2-D positions; this is what it meant."""
     if alg == "maskgit_plus":
         return conf
+    if alg == "position_weighted":
+        rows, col = cols
+        last = torch.zeros(int(rows.max()) + 1 if rows.numel() else 1, device=conf.device).index_reduce_(
+            0, rows, col.float(), "amax", include_self=False)
+        return conf * (1 - col.float() / last[rows].clamp(min=1))
     if alg == "topk_margin":
         top2 = probs.topk(2, dim=-1)[0]
         return top2[..., 0] - top2[..., 1]
@@ -96,14 +117,18 @@ def dream_confidence(alg: str, conf, probs):
     raise ValueError(f"unknown Dream remasking {alg!r}: use 'origin', 'maskgit_plus', 'topk_margin' or 'entropy'")
 
 
-def dream_num_transfer(num_mask: torch.Tensor, t: torch.Tensor, s: torch.Tensor, last: bool) -> int:
-    """Tokens to unmask going from time t to s: the expected share (1 - s/t) of the masks left, everything
-    at the last step. Kept in float32 tensors on purpose: the official floors come from float32 rounding
-    (64 masks, 64 steps: step 0 decodes 0 tokens since 64 * (1 - s/t) = 0.999...)."""
-    return int(num_mask) if last else int(num_mask * (1 - s / t))
+def dream_num_transfer(num_mask: torch.Tensor, t: torch.Tensor, s: torch.Tensor, last: bool, total=None):
+    """(B,) tokens to unmask going from time t to s: the expected share (1 - s/t) of the masks left,
+    everything at the last step. Kept in float32 tensors on purpose: the official floors come from float32
+    rounding (64 masks, 64 steps: step 0 decodes 0 tokens since 64 * (1 - s/t) = 0.999...).
+    total: the masks the share is taken of, when more than the block's (FlashDLM counts every later block)."""
+    if last:
+        return num_mask.long()
+    total = num_mask if total is None else total
+    return (total.float() * (1 - s / t)).long()
 
 
-def dream_origin(logits, cand, p, temperature=0.0, top_p=None, top_k=None, generator=None):
+def dream_origin(logits, cand, p, temperature=0.0, top_p=None, top_k=None, generator=None, mask_id=None):
     """Dream's `origin` (MaskGIT-style) rule: each masked position is decoded with probability p = 1 - s/t,
     independently; one uniform per masked position, row-major over the batch. -> (x0, transfer)."""
     rows, cols = cand.nonzero(as_tuple=True)
@@ -111,7 +136,7 @@ def dream_origin(logits, cand, p, temperature=0.0, top_p=None, top_k=None, gener
     transfer = torch.zeros_like(cand)
     transfer[rows[take], cols[take]] = True
     x0 = torch.zeros(cand.shape, dtype=torch.long, device=cand.device)
-    x0[transfer] = dream_sample(logits[rows[take], cols[take]], temperature, top_p, top_k, generator)[1]
+    x0[transfer] = dream_sample(logits[rows[take], cols[take]], temperature, top_p, top_k, generator, mask_id)[1]
     return x0, transfer
 
 
@@ -142,6 +167,15 @@ def select_threshold(conf, cand, threshold: float):
     A tau above 1 can never be reached, which makes it plain one-token-per-step decoding."""
     best = torch.zeros_like(cand).scatter_(-1, conf.argmax(-1, keepdim=True), True)
     return cand & ((conf >= threshold) | best)
+
+
+def select_quota_threshold(conf, cand, offer: torch.Tensor, threshold: float):
+    """Fast-dLLM's Dream `confidence_threshold` without blocks (spec/dream.md 7.2): offer the offer[b] most
+    confident candidates; the first is always taken, the others only if confidence >= tau. -> (transfer,
+    rejected count (B,)): what was offered and refused is offered again at the next step (the carry)."""
+    offered = select_topk(conf, cand, offer)
+    transfer = offered & select_threshold(conf, cand, threshold)
+    return transfer, (offered & ~transfer).sum(-1)
 
 
 def select_factor(conf, cand, factor: float):

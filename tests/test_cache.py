@@ -100,7 +100,7 @@ def test_tokens_fed_per_forward(both, family):
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual", "free"])
 def test_batch_rows_equal_single_rows(both, family, cache):
     """Each row of an unpadded batch decodes as it would alone (Fast-dLLM's Dream dual cache crashes here)."""
     model, prompt, kw = both[family]
@@ -122,7 +122,8 @@ def test_dual_cache_never_returns_masks(llada, llada_golden):
 
 
 @pytest.mark.parametrize("mode", [dict(block_length=None), dict(cache="none"), dict(cache="prefix"),
-                                  dict(cache="dual"), dict(cache="dual", threshold=0.9)])
+                                  dict(cache="dual"), dict(cache="dual", threshold=0.9), dict(cache="free"),
+                                  dict(cache="free", threshold=0.9)])
 def test_dream_left_padding_equals_unpadded(dream, dream_golden, mode):
     """Dream's padding (attention mask + position ids counted from the first real token) makes a left-padded
     row decode exactly as its unpadded prompt alone, in Dream's own sampler and in every block mode (the

@@ -24,7 +24,7 @@ def trace(model, prompt, **kw):
     return out, st, steps
 
 
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual", "free"])
 def test_unreachable_threshold_is_one_token_per_step(llada, cache):
     """tau = 1.01 can never be met, so only the always-taken most confident token is unmasked each step:
     exactly plain top-1 decoding (steps == gen_length) in the same cache mode."""
@@ -50,7 +50,7 @@ def test_tiny_factor_is_one_token_per_step_up_to_the_official_last_candidate_rul
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
-@pytest.mark.parametrize("cache", ["none", "prefix", "dual"])
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual", "free"])
 @pytest.mark.parametrize("rule", [dict(threshold=0.9), dict(threshold=0.3), dict(factor=2.0)])
 def test_parallel_decoding_properties(llada, dream, family, cache, rule):
     """At least one token per step, always terminates, nfe <= gen_length, no mask id returned, and rows of
