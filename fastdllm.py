@@ -119,6 +119,14 @@ def padding(attention_mask, gen_length: int, device):
     return (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
 
 
+def pad_prompts(rows: list[list[int]], pad_id: int):
+    """Prompts of different lengths -> (ids (B, P), attention_mask (B, P)), left-padded so that every answer
+    starts at the same canvas position."""
+    P = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (P - len(r)) + list(r) for r in rows])
+    return ids, (torch.arange(P) >= torch.tensor([[P - len(r)] for r in rows])).long()
+
+
 def eos_reached(x, P: int, e: int, eos: torch.Tensor, mask_id: int, run: int | bool):
     """(B,) rows whose answer has ended, so the rest can be filled with eos without another model call.
     run=True (at a block's end): the finished answer [P, e) holds an end token. run=k (FlashDLM's

@@ -1,0 +1,85 @@
+"""The decoding loop for a person using it: early stop at end of text, left-padded batches for both
+families (every row as it would be alone), and Fast-dLLM's Dream threshold over the whole canvas."""
+import pytest
+import torch
+
+from fastdllm import generate
+from test_flashdlm import eos_bias
+
+PROMPTS = {"llada": [[815, 723, 294, 53, 204, 372, 664, 1017, 655, 689, 279, 233], [44, 12, 907, 31, 5]],
+           "dream": [[775, 171, 806, 365, 316, 564, 432, 625, 575, 529], [12, 44, 907]]}
+MODES = [dict(cache=c, **r) for c in ("none", "prefix", "dual", "free")
+         for r in (dict(), dict(threshold=0.9), dict(factor=2.0))]
+mode_id = lambda m: "-".join(f"{k}={v}" for k, v in m.items())   # noqa: E731
+
+
+def left_pad(rows, pad_id):
+    """Prompts of different lengths -> (ids, attention_mask), left-padded (what the CLI's batch does)."""
+    from fastdllm import pad_prompts
+    return pad_prompts(rows, pad_id)
+
+
+def answer(ids, eos):
+    """The answer: generated tokens up to the first end token."""
+    ids = ids.tolist()
+    return ids[:ids.index(eos)] if eos in ids else ids
+
+
+@pytest.mark.parametrize("mode", MODES, ids=mode_id)
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_early_stop_keeps_the_answer_and_saves_calls(llada, dream, family, mode):
+    """stop_at_eos=True fills the rest once a block holding an end token is complete: the answer text is
+    identical with and without it, and calls_saved accounts for the missing calls (exactly on the fixed
+    schedule, a lower bound with threshold/factor, which need at least one call per block)."""
+    model = llada if family == "llada" else dream
+    prompt = torch.tensor([PROMPTS[family][0]])
+    kw = dict(gen_length=64, block_length=8, steps=64, **mode)
+    with eos_bias(model, 28.0 if family == "llada" else 22.0):
+        full, st_full = generate(model, prompt, **kw)
+        short, st = generate(model, prompt, stop_at_eos=True, **kw)
+    P, eos = prompt.shape[1], model.config.eos_id
+    assert answer(short[0, P:], eos) == answer(full[0, P:], eos)
+    ends = short[0, P:].tolist().index(eos) // 8 if eos in short[0, P:].tolist() else 8   # block of the first eos
+    if mode["cache"] == "none":
+        assert ends < 7          # the eos bias makes the uncached decode end early, in every rule
+    assert (st["calls_saved"] > 0) == (ends < 7)
+    assert (short[0, P + (ends + 1) * 8:] == eos).all()                     # everything after its block: eos
+    parallel = "threshold" in mode or "factor" in mode
+    assert (st["nfe"] + st["calls_saved"] <= st_full["nfe"]) if parallel else (st["nfe"] + st["calls_saved"] == st_full["nfe"])
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("mode", [dict(cache="none"), dict(cache="dual", threshold=0.9), dict(cache="free")], ids=mode_id)
+@pytest.mark.parametrize("stop", [False, True])
+def test_padded_rows_decode_as_alone(llada, dream, family, mode, stop):
+    """Both families honour attention_mask: pads are neither attended nor attended to and positions count
+    from each row's first real token, so every row of a left-padded batch equals its solo run, early stop
+    included. (The official LLaDA model ignores the mask and attends to pads.)"""
+    model = llada if family == "llada" else dream
+    ids, am = left_pad(PROMPTS[family], model.config.pad_id)
+    kw = dict(gen_length=32, block_length=8, steps=32, stop_at_eos=stop, **mode)
+    with eos_bias(model, (28.0 if family == "llada" else 22.0) if stop else 0):
+        batch, _ = generate(model, ids, attention_mask=am, **kw)
+        for i, row in enumerate(PROMPTS[family]):
+            alone, _ = generate(model, torch.tensor([row]), **kw)
+            assert torch.equal(batch[i, -alone.shape[1]:], alone[0])
+
+
+def test_pad_prompts_left_pads_and_masks():
+    ids, am = left_pad([[5, 6, 7], [8]], 0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8]] and am.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_dream_whole_canvas_threshold(dream):
+    """Fast-dLLM's Dream `confidence_threshold` without blocks (spec/dream.md 7.2): gen/steps tokens are
+    offered per step, the first always taken, the others at confidence >= tau, the refused ones offered
+    again; after the scheduled steps only the carry is offered, until no mask is left."""
+    prompt = torch.tensor([PROMPTS["dream"][0]])
+    out, st = generate(dream, prompt, gen_length=64, block_length=None, steps=4, threshold=0.9)
+    assert not (out == dream.config.mask_id).any() and sum(st["committed"]) == 64
+    assert all(c <= 16 + 64 for c in st["committed"]) and st["nfe"] >= 4
+    assert st["committed"][0] <= 16                            # step 0 offers 64 / 4 tokens
+    strict, st2 = generate(dream, prompt, gen_length=64, block_length=None, steps=4, threshold=1.01)
+    assert st2["committed"][:4] == [1, 1, 1, 1] and st2["nfe"] == 64   # unreachable tau: one per step
+    with pytest.raises(ValueError, match="steps .* must divide gen_length"):
+        generate(dream, prompt, gen_length=64, block_length=None, steps=5, threshold=0.9)
