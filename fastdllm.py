@@ -97,7 +97,7 @@ def feed_span(cache: str, first: bool, block_step: int, s: int, e: int, L: int, 
     - none: the whole canvas every step (the exact reference);
     - prefix / dual (Fast-dLLM section 3.2): a block's first step refreshes the whole canvas, its later steps
       feed the block and everything after it [s, L) (prefix) or the block alone [s, e) (dual);
-    - free (FlashDLM's FreeCache, arXiv 2505.21467 section 3): only the generation's first call is full;
+    - free (FreeCache, FlashDLM arXiv 2505.21467; spec/flashdlm.md 1): only the generation's first call is full;
       every later step feeds [s - shift, L), the block and the masked suffix, from one position earlier
       for Dream (its logits shift predicts s from s - 1). Nothing left of that is ever recomputed: a block's
       keys/values stay frozen as its last step computed them, while some of its tokens were still masks."""
@@ -342,7 +342,7 @@ def widen(values, cols, width: int, fill):
 
 
 def check_guided(model, guide, threshold, factor, temperature, accept, accept_k, accept_ratio, verify_chunk):
-    """Guided diffusion's own settings (FlashDLM section 2): the guide decides how many drafts to commit,
+    """Guided diffusion's own settings (FlashDLM, spec/flashdlm.md 2): the guide decides how many drafts to commit,
     so no other parallel rule applies, and drafts are the argmax (no sampling)."""
     from model import check_guide
     check_guide(model.config, guide.config)

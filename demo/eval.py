@@ -111,7 +111,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Evaluate Fast-dLLM decoding settings on the demo model.")
     p.add_argument("--model", default=os.path.join(HERE, "llada-arith"), help="model folder")
     p.add_argument("-n", type=int, default=200, help="held-out problems to evaluate")
-    p.add_argument("--caches", default="none,prefix,dual", help="comma-separated cache modes for the table")
+    p.add_argument("--caches", default="none,prefix,dual,free", help="comma-separated cache modes for the table")
     p.add_argument("--trace", action="store_true", help="print a decoding trace at threshold 0.9 and 0.5 instead")
     p.add_argument("--index", type=int, default=None,
                    help="held-out problem to trace (default: the first that 0.9 solves and 0.5 breaks)")
