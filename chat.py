@@ -1,25 +1,155 @@
 """
-chat.py: text <-> token ids for the CLI: the checkpoint's tokenizer through `tokenizers`, and each family's
-chat template, written out here from the models' tokenizer_config.json templates (no `transformers`).
+chat.py: text <-> token ids for the CLI: the checkpoint's tokenizer through `tokenizers`, each family's chat
+template, written out here from the models' tokenizer_config.json templates (no `transformers`), and two views
+of an answer while it is being decoded: the per-step trace and the block-by-block stream.
 generate() works on ids and never needs this file.
+
+LLaDA ships a tokenizer.json. Dream ships none: only Qwen2's "slow" files (vocab.json, merges.txt, the added
+tokens in tokenizer_config.json) and its own Python tokenizer class, so `qwen2_tokenizer` builds from them the
+tokenizer that HF's Qwen2TokenizerFast would (transformers' Qwen2Converter), with the same ids.
 """
+import json
 import os
+import re
+
+# Qwen2's pre-tokenizer split. Unlike GPT-4's it takes digits one at a time (\p{N}, not \p{N}{1,3}), so a
+# number is always one token per digit, whatever merges.txt says.
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+def read_json(path: str, default=None):
+    """The file's JSON, or `default` when there is no such file."""
+    if not os.path.isfile(path):
+        return default
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}): re-download it") from None
+
+
+def load_tokenizer(model_dir: str):
+    """The model's tokenizer.json, or else the tokenizer its vocab.json + merges.txt describe."""
+    from tokenizers import Tokenizer
+    path = os.path.join(model_dir, "tokenizer.json")
+    if os.path.isfile(path):
+        try:
+            return Tokenizer.from_file(path)
+        except Exception as e:  # tokenizers raises a bare Exception with the serde error
+            raise ValueError(f"{path} is not a readable tokenizer.json ({e}): re-download it") from None
+    if os.path.isfile(os.path.join(model_dir, "vocab.json")) and os.path.isfile(os.path.join(model_dir, "merges.txt")):
+        return qwen2_tokenizer(model_dir)
+    raise FileNotFoundError(f"{path} is missing: the CLI needs the model's tokenizer, and {model_dir} has no "
+                            f"tokenizer.json, nor vocab.json + merges.txt: re-download the model folder (the Python "
+                            f"API generate() works on ids without it)")
+
+
+def added_tokens(model_dir: str) -> dict:
+    """{id: AddedToken}: tokenizer_config.json's added_tokens_decoder with its flags, plus any token that only
+    the older added_tokens.json lists (special if special_tokens_map.json names it, as transformers does)."""
+    from tokenizers import AddedToken
+    config_path = os.path.join(model_dir, "tokenizer_config.json")
+    config, names, legacy = (read_json(os.path.join(model_dir, name), {}) for name in
+                             ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"))
+    try:
+        flags = ("single_word", "lstrip", "rstrip", "normalized", "special")
+        added = {int(i): AddedToken(t["content"], **{k: bool(t[k]) for k in flags if k in t})
+                 for i, t in config.get("added_tokens_decoder", {}).items()}
+        named = set()   # special_tokens_map.json: {"eos_token": "..." or {"content": ...}, "additional_...": [...]}
+        for v in names.values():
+            named |= {t["content"] if isinstance(t, dict) else t for t in (v if isinstance(v, list) else [v])}
+        legacy = {int(i): content for content, i in legacy.items()}
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{config_path}, special_tokens_map.json or added_tokens.json is malformed "
+                         f"({type(e).__name__}: {e}): re-download the tokenizer files") from None
+    for i, content in legacy.items():
+        special = content in named
+        if added.setdefault(i, AddedToken(content, special=special, normalized=not special)).content != content:
+            raise ValueError(f"added_tokens.json puts {content!r} at id {i}, where {config_path} has "
+                             f"{added[i].content!r}: re-download the tokenizer files")
+    return added
+
+
+def qwen2_tokenizer(model_dir: str):
+    """Byte-level BPE from vocab.json + merges.txt (no unknown token: every byte is in the vocab), NFC,
+    Qwen2's split, the ByteLevel decoder, and the added tokens at their ids."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    vocab_path, merges_path = os.path.join(model_dir, "vocab.json"), os.path.join(model_dir, "merges.txt")
+    vocab = read_json(vocab_path)
+    if not isinstance(vocab, dict):
+        raise ValueError(f"{vocab_path} is not a token -> id object: re-download it")
+    try:
+        with open(merges_path, encoding="utf-8") as f:
+            # As the slow tokenizer reads it: an optional "#version: ..." first line, then "left right" per line.
+            merges = [line.split() for i, line in enumerate(f)
+                      if line.strip() and not (i == 0 and line.startswith("#version"))]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{merges_path} is not UTF-8 text ({e}): re-download it") from None
+    bad = next((m for m in merges if len(m) != 2), None)
+    if bad is not None:
+        raise ValueError(f"{merges_path} has the line {' '.join(bad)!r}, not two tokens: re-download it")
+    # `tokenizers` gives a new added token the next free id, not the id it was saved with, but keeps the id of a
+    # token the model's vocab already has. So each added token goes into the BPE vocab at its own id first (no
+    # merge produces it, so BPE never emits it); registering it below then keeps that id, gaps or not.
+    added = added_tokens(model_dir)
+    owner = {i: t for t, i in vocab.items()}
+    for i, t in added.items():
+        if vocab.get(t.content, i) != i or owner.get(i, t.content) != t.content:
+            raise ValueError(f"{model_dir}: the added token {t.content!r} (id {i}) clashes with vocab.json "
+                             f"({t.content!r} -> {vocab.get(t.content)}, id {i} -> {owner.get(i)!r}): "
+                             f"re-download the tokenizer files")
+        vocab[t.content] = i
+    try:
+        tok = Tokenizer(models.BPE(vocab, [tuple(m) for m in merges], unk_token=None))
+    except Exception as e:  # e.g. a merge of a token vocab.json lacks
+        raise ValueError(f"{vocab_path} and {merges_path} do not fit together ({e}): re-download them") from None
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        # Bytes -> the 256 printable stand-ins the vocab is written in; no GPT-2 regex: the split above replaces it.
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)   # offsets only; ids are unaffected
+    tok.decoder = decoders.ByteLevel()
+    tok.add_tokens([added[i] for i in sorted(added)])   # keeps each one's `special` flag
+    return tok
+
+
+def decode(tok, ids: list[int], skip_special_tokens: bool = True) -> str:
+    """tok.decode, except that an id the tokenizer has no token for shows as <unk:ID>. Dream's head has more
+    rows (152,064) than its tokenizer has tokens (151,667); `tokenizers` would drop such ids silently (and
+    Dream's own tokenizer crashes on them, DreamLM/Dream#54)."""
+    text, run = "", []
+    for t in ids:
+        if tok.id_to_token(t) is None:
+            text += tok.decode(run, skip_special_tokens=skip_special_tokens) + f"<unk:{t}>"
+            run = []
+        else:
+            run.append(t)
+    return text + tok.decode(run, skip_special_tokens=skip_special_tokens)
+
+
+def render_trace(steps: list[list[int]], tok, mask_id: int, end_ids: set[int]) -> list[str]:
+    """The decoding trace, one line per step: the answer canvas after that step, with `_` = still masked,
+    `$` = an end token, `[x]` = unmasked at this step. steps: the answer region's ids after each step."""
+    lines, prev = [], [mask_id] * len(steps[0] if steps else [])
+    for n, row in enumerate(steps, 1):
+        cells = []
+        for t, old in zip(row, prev):
+            # A token shows as its text (" the" keeps its space); repr keeps a newline or tab inside the cell.
+            s = ("_" if t == mask_id else "$" if t in end_ids else
+                 repr(decode(tok, [t], skip_special_tokens=False))[1:-1])
+            cells.append(f"[{s}]" if t != old else s)
+        lines.append(f"step {n:2d} | {' '.join(cells)}")
+        prev = row
+    return lines
 
 
 class Chat:
-    """tokenizer.json through `tokenizers`, plus each family's chat template. Special ids are looked up in
-    the checkpoint's own tokenizer, never hard-coded."""
+    """The model's tokenizer, plus each family's chat template. Special ids are looked up in the checkpoint's
+    own tokenizer, never hard-coded."""
 
     def __init__(self, model_dir: str, cfg, chat: bool = True):
-        from tokenizers import Tokenizer
-        path = os.path.join(model_dir, "tokenizer.json")
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"{path} is missing: the CLI needs the model's tokenizer.json "
-                                    f"(the Python API generate() works on ids without it)")
-        try:
-            self.tok = Tokenizer.from_file(path)
-        except Exception as e:  # tokenizers raises a bare Exception with the serde error
-            raise ValueError(f"{path} is not a readable tokenizer.json ({e}): re-download it") from None
+        self.tok = load_tokenizer(model_dir)
         self.family = cfg.family
         header = "<|start_header_id|>" if cfg.family == "llada" else "<|im_start|>"
         # A tokenizer without the chat tokens (our demo model) gets the raw prompt.
@@ -48,4 +178,24 @@ class Chat:
     def answer(self, ids: list[int]) -> str:
         """The answer text: cut at the first end-of-turn / end-of-text token, specials dropped."""
         cut = next((i for i, t in enumerate(ids) if t in self.stop_ids), len(ids))
-        return self.tok.decode(ids[:cut], skip_special_tokens=True).strip()
+        return decode(self.tok, ids[:cut]).strip()
+
+    def stream(self):
+        """For printing an answer while it is decoded, block by block. Returns new_text(decided, final=False):
+        call it with the answer's decided ids (those before its first still-masked position) as they grow; it
+        returns the text added since its last call. The pieces add up to answer(ids): pass final=True on the
+        last call, unless the decided ids already hold an end token."""
+        shown = ""
+
+        def new_text(decided: list[int], final: bool = False) -> str:
+            nonlocal shown
+            text = self.answer(decided)
+            if not final and not any(t in self.stop_ids for t in decided):
+                # Hold back what may still change: the replacement char of a multi-byte character whose
+                # remaining bytes are in tokens not decided yet, and whitespace answer() would strip at the end.
+                # Decided tokens never change, so what is left is a prefix of every later text.
+                text = re.sub(r"[\s\ufffd]+$", "", text)
+            piece, shown = text[len(shown):], text
+            return piece
+
+        return new_text

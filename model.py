@@ -274,7 +274,9 @@ def resolve_model_dir(name_or_path: str) -> str:
                                 f"and *.safetensors, or a Hugging Face repo id such as GSAI-ML/LLaDA-8B-Instruct")
     from huggingface_hub import snapshot_download
     try:
-        return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "tokenizer*"])
+        # Dream has no tokenizer.json: *.json brings its vocab.json, tokenizer_config.json, added_tokens.json and
+        # special_tokens_map.json, and merges.txt completes them. Never a pickle (*.bin, *.pt) or remote code.
+        return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "merges.txt"])
     except Exception as e:  # network, auth or a missing repo: one line, not a stack of HTTP frames
         raise FileNotFoundError(f"could not fetch {name_or_path!r} from the Hugging Face Hub "
                                 f"({type(e).__name__}): check the repo id and your network, or pass a local folder") from None

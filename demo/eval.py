@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))   # the repo root
 sys.path.insert(0, HERE)
+from chat import render_trace
 from fastdllm import generate
 from model import load_model
 from train import TEMPLATES, heldout
@@ -86,23 +87,17 @@ def table(model, tok, problems, caches):
 
 
 def trace(model, tok, problem, tau: float, cache: str):
-    """Print the answer canvas after every step: _ = still masked, [tok] = unmasked at this step, $ = eos."""
+    """Print the answer canvas after every step (chat.render_trace: _ = still masked, [tok] = unmasked at this
+    step, $ = eos)."""
     cfg = model.config
     prompt = torch.tensor([tok.encode(problem[0], add_special_tokens=False).ids])
     P = prompt.shape[1]
-    prev = [prompt.new_full((32,), cfg.mask_id)]
-
-    def show(x, stats):
-        row = x[0, P:]
-        cells = []
-        for i, (t, old) in enumerate(zip(row.tolist(), prev[0].tolist())):
-            s = "_" if t == cfg.mask_id else "$" if t == cfg.eos_id else tok.id_to_token(t)
-            cells.append(f"[{s}]" if t != old else s)
-        print(f"  step {stats['nfe']:2d} | {' '.join(cells)}")
-        prev[0] = row.clone()
-
+    steps = []
     print(f"threshold {tau}, cache {cache}:")
-    out, stats = generate(model, prompt, steps=32, cache=cache, threshold=tau, on_step=show, **GEN)
+    out, stats = generate(model, prompt, steps=32, cache=cache, threshold=tau,
+                          on_step=lambda x, st: steps.append(x[0, P:].tolist()), **GEN)
+    for line in render_trace(steps, tok, cfg.mask_id, {cfg.eos_id}):
+        print(f"  {line}")
     answer = answer_text(tok, out[0, P:].tolist(), cfg.eos_id)
     print(f"  -> {answer!r} ({'valid' if is_valid(answer, problem[2]) else 'INVALID'}), NFE {stats['nfe']}\n")
 
