@@ -229,7 +229,7 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
     if guided:   # the guide's KV cache of the committed text: the prompt, less its last token (fed with drafts)
         from model import Guide
         verifier = Guide(guide, L)
-        stats["guide_calls"] += verifier.prefill(prompt[0, :-1])
+        stats["guide_calls"] += verifier.prefill(prompt[0])
         accept_fn = partial(S.accept_drafts, rule=accept, k=accept_k, ratio=accept_ratio)
     carry = torch.zeros(B, dtype=torch.long, device=device)      # whole-canvas threshold: offered, refused
     t0 = time.perf_counter()
@@ -264,8 +264,10 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
                 x0[:, cols] = S.argmax_except(logits, cfg.mask_id)
                 drafts = x0[0, cols]
                 n, calls = verifier.verify(x[0, s + cols[0] - 1], drafts, accept_fn, verify_chunk)
-                n = max(n, 1)     # the first draft is rejected: commit the diffusion model's own token
                 stats["guide_calls"] += calls
+                n = max(n, 1)     # the first draft is rejected: commit the diffusion model's own token
+                ended = torch.isin(drafts[:n], eos)               # the answer ends at its first end token
+                n = int(ended.nonzero()[0]) + 1 if ended.any() else n
                 transfer = cand & (torch.arange(block_length, device=device) < cols[0] + n)
             elif not dream:
                 x0, conf = S.llada_predict(logits, temperature, remasking, generator, (s - a, cols, b - a), cfg.mask_id)
@@ -314,7 +316,7 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
             step += 1
             if guided:
                 verifier.commit(n)
-                if torch.isin(x0[0][transfer[0]], eos).any():      # a committed end of text ends the answer
+                if ended.any():                   # a committed end of text fills the rest and ends the answer
                     x[x == cfg.mask_id] = eos[0]
             elif stop_at_eos is not True and stop_at_eos:
                 done = eos_reached(x, P, L, eos, cfg.mask_id, stop_at_eos)

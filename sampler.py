@@ -106,8 +106,8 @@ def dream_confidence(alg: str, conf, probs, cols=None):
         return conf
     if alg == "position_weighted":
         rows, col = cols
-        last = torch.zeros(int(rows.max()) + 1 if rows.numel() else 1, device=conf.device).index_reduce_(
-            0, rows, col.float(), "amax", include_self=False)
+        last = torch.zeros(int(rows.max()) + 1 if rows.numel() else 1, device=conf.device).scatter_reduce_(
+            0, rows, col.float(), "amax", include_self=False)                   # each row's last masked column
         return conf * (1 - col.float() / last[rows].clamp(min=1))
     if alg == "topk_margin":
         top2 = probs.topk(2, dim=-1)[0]

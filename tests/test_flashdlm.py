@@ -140,3 +140,32 @@ def test_freecache_drift_is_bounded(llada, dream, family):
     none = decode_drift(model, prompt, cache="none", **kw)
     print(f"{family}: max |logit| drift free {free:.2f}, prefix {prefix:.2f}, none {none:.2e}")
     assert none < 1e-4 and 0 < free < 1.5 * prefix
+
+
+def test_freecache_one_step_per_block(dream):
+    """Official bug not reproduced: with one step per block FlashDLM writes the next block B positions too
+    early over the previous block's keys/values. Ours decodes each block in its one step, feeding
+    [s - 1, L) at its own positions, and fills everything."""
+    P = PROMPT_DREAM.shape[1]
+    out, st = generate(dream, PROMPT_DREAM, gen_length=64, block_length=16, steps=4, cache="free")
+    assert st["nfe"] == 4 and st["committed"] == [16] * 4 and not (out == dream.config.mask_id).any()
+    assert st["fed"] == [P + 64] + [P + 64 - s + 1 for s in range(P + 16, P + 64, 16)]
+
+
+def test_position_weighted_is_what_flashdlm_meant():
+    """FlashDLM's `position_weighted` (max prob x (1 - position / last masked position)) crashes in the
+    official block sampler; ours weights each row by its own masked columns."""
+    import sampler as S
+    conf = torch.tensor([0.9, 0.9, 0.9, 0.5, 0.8])
+    rows, cols = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([0, 2, 4, 1, 3])
+    score = S.dream_confidence("position_weighted", conf, None, (rows, cols))
+    assert torch.allclose(score, torch.tensor([0.9, 0.45, 0.0, 0.5 * (1 - 1 / 3), 0.0]))
+
+
+def test_position_weighted_decodes_left_first(dream):
+    out, st = generate(dream, PROMPT_DREAM, gen_length=32, block_length=16, steps=16, cache="free",
+                       remasking="position_weighted")
+    assert not (out == dream.config.mask_id).any()
+    with pytest.raises(ValueError, match="ranks tokens by entropy"):
+        generate(dream, PROMPT_DREAM, gen_length=32, block_length=16, steps=16, cache="prefix",
+                 remasking="position_weighted")
