@@ -54,3 +54,22 @@ class KVCache:
             self.k[layer, rows, :, start:start + T] = k[rows]
             self.v[layer, rows, :, start:start + T] = v[rows]
         return self.k[layer], self.v[layer]
+
+
+def feed_span(cache: str, first: bool, block_step: int, s: int, e: int, L: int, shift: int):
+    """Which canvas positions [a, b) a step feeds. Everything outside is read from the KV cache as the last
+    forward that fed it left it (cache.py); that choice *is* the difference between the caches:
+    - none: the whole canvas every step (the exact reference);
+    - prefix / dual (Fast-dLLM section 3.2): a block's first step refreshes the whole canvas, its later steps
+      feed the block and everything after it [s, L) (prefix) or the block alone [s, e) (dual);
+    - free (FreeCache, FlashDLM arXiv 2505.21467; spec/flashdlm.md 1): only the generation's first call is full;
+      every later step feeds [s - shift, L), the block and the masked suffix, from one position earlier
+      for Dream (its logits shift predicts s from s - 1). Nothing left of that is ever recomputed: a block's
+      keys/values stay frozen as its last step computed them, while some of its tokens were still masks."""
+    if cache == "none" or first:
+        return 0, L
+    if cache == "free":
+        return s - shift, L
+    if block_step == 0:
+        return 0, L
+    return s, L if cache == "prefix" else e

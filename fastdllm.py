@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import sampler as S
-from cache import KVCache
+from cache import KVCache, feed_span
 from chat import Chat
 from model import load_model, resolve_model_dir
 
@@ -89,25 +89,6 @@ def check_prompt(cfg, prompt, gen_length, remasking, top_p, top_k, alg_temp):
         bad(f"unknown remasking {remasking!r} for {cfg.family}: use one of {', '.join(names)}")
     if cfg.family == "llada" and (top_p is not None or top_k is not None or alg_temp):
         bad("top_p, top_k and alg_temp are Dream options; LLaDA samples with temperature only")
-
-
-def feed_span(cache: str, first: bool, block_step: int, s: int, e: int, L: int, shift: int):
-    """Which canvas positions [a, b) a step feeds. Everything outside is read from the KV cache as the last
-    forward that fed it left it (cache.py); that choice *is* the difference between the caches:
-    - none: the whole canvas every step (the exact reference);
-    - prefix / dual (Fast-dLLM section 3.2): a block's first step refreshes the whole canvas, its later steps
-      feed the block and everything after it [s, L) (prefix) or the block alone [s, e) (dual);
-    - free (FreeCache, FlashDLM arXiv 2505.21467; spec/flashdlm.md 1): only the generation's first call is full;
-      every later step feeds [s - shift, L), the block and the masked suffix, from one position earlier
-      for Dream (its logits shift predicts s from s - 1). Nothing left of that is ever recomputed: a block's
-      keys/values stay frozen as its last step computed them, while some of its tokens were still masks."""
-    if cache == "none" or first:
-        return 0, L
-    if cache == "free":
-        return s - shift, L
-    if block_step == 0:
-        return 0, L
-    return s, L if cache == "prefix" else e
 
 
 def padding(attention_mask, gen_length: int, device):
@@ -195,20 +176,10 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
             return generate_rows(model, prompt, attention_mask, gen_length=gen_length, cache=cache,
                                  guide=guide, accept=accept, accept_k=accept_k, accept_ratio=accept_ratio,
                                  verify_chunk=verify_chunk, eos_ids=eos_ids, on_step=on_step)
-    if whole_canvas and (cache != "none" or factor is not None):
-        raise ValueError("Dream's whole-canvas sampler (block_length=None) has no cache or factor rule: pass a "
-                         "block_length to use Fast-dLLM's block sampler")
-    if whole_canvas and threshold is not None and gen_length % steps:
-        raise ValueError(f"Dream's whole-canvas threshold rule spreads the {gen_length} masks evenly over the steps: "
-                         f"steps ({steps}) must divide gen_length")
-    if dream and not whole_canvas and cache != "free" and remasking != "entropy" and not parallel and not guided:
-        raise ValueError(f"Fast-dLLM's Dream block sampler ranks tokens by entropy; remasking={remasking!r} "
-                         f"needs Dream's whole-canvas sampler (block_length=None) or cache='free'")
     n_blocks = gen_length // block_length
     spb = steps // n_blocks                                        # steps per block
-    if dream and not whole_canvas and cache != "free" and not parallel and not guided and spb < 2:
-        raise ValueError(f"Fast-dLLM's Dream block sampler needs >= 2 steps per block (got {spb}): "
-                         f"raise steps to at least {2 * n_blocks}, or use threshold/factor or cache='free'")
+    if dream and not guided:
+        check_dream_modes(whole_canvas, cache, remasking, threshold, factor, gen_length, steps, spb, n_blocks)
 
     device = model.lm_head.weight.device
     prompt = prompt.to(device)
@@ -219,6 +190,8 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
         raise ValueError(f"the generator is on {generator.device.type} but the model on {device.type}: "
                          f"create it with torch.Generator({device.type!r})")
     eos = torch.tensor(sorted(set(eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
+    rules = S.Rules(cfg.mask_id, remasking, temperature, top_p, top_k, alg_temp, threshold, factor,
+                  whole_canvas and threshold is not None, generator)
     x = F.pad(prompt, (0, gen_length), value=cfg.mask_id)
     pos, mask = padding(attention_mask, gen_length, device)
     kv = KVCache.for_model(model, B, L) if cache != "none" else None
@@ -245,7 +218,8 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
             cand = x[:, s:e] == cfg.mask_id                                 # (B, N) open positions
             # 1. feed: one model call over the span the cache mode asks for
             first = stats["nfe"] == 0
-            head = (cand.argmax(-1).min().item() + s) if guided and cache == "free" else s   # guided: block = first mask on
+            # guided FreeCache: the block starts at the first mask (the committed text left of it is final)
+            head = (cand.argmax(-1).min().item() + s) if guided and cache == "free" else s
             a, b = (0, L) if refresh_every_step else feed_span(cache, first, step, head, e, L, int(cfg.shift_logits))
             cols = cand.any(0).nonzero().squeeze(1)                        # LM head only where a token is open
             if cache == "free" and B > 1:
@@ -258,65 +232,30 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
                 raise ValueError(f"the model produced NaN/inf logits at step {stats['nfe']}: the weights hold NaN/inf, "
                                  f"or the activations overflowed {logits.dtype} (try --dtype float32)")
             # 2. propose and 3. select: the tokens x0 (B, N) and which of them this step commits
-            last = step == (steps if whole_canvas else spb) - 1
             if guided:
-                x0 = torch.zeros_like(cand, dtype=torch.long)
-                x0[:, cols] = S.argmax_except(logits, cfg.mask_id)
-                drafts = x0[0, cols]
-                n, calls = verifier.verify(x[0, s + cols[0] - 1], drafts, accept_fn, verify_chunk)
+                x0, transfer, n, calls, ended = S.guided_select(logits, cand, cols, x[0, s + cols[0] - 1],
+                                                                verifier, accept_fn, verify_chunk, eos, cfg.mask_id)
                 stats["guide_calls"] += calls
-                n = max(n, 1)     # the first draft is rejected: commit the diffusion model's own token
-                ended = torch.isin(drafts[:n], eos)               # the answer ends at its first end token
-                n = int(ended.nonzero()[0]) + 1 if ended.any() else n
-                transfer = cand & (torch.arange(block_length, device=device) < cols[0] + n)
             elif not dream:
-                x0, conf = S.llada_predict(logits, temperature, remasking, generator, (s - a, cols, b - a), cfg.mask_id)
-                x0, conf = widen(x0, cols, block_length, 0), widen(conf, cols, block_length, S.NEG_INF)
-                conf = conf.masked_fill(~cand, S.NEG_INF)
-                transfer = (S.select_threshold(conf, cand, threshold) if threshold is not None else
-                            S.select_factor(conf, cand, factor) if factor is not None else
-                            S.select_topk(conf, cand, budget[:, step]))
-            elif not whole_canvas and cache != "free" and step == 0:
-                # Fast-dLLM's Dream block sampler decodes the block's first token at the refresh, whatever
-                # its confidence (spec/dream.md 7.3); the shifted logits of cached chunks never serve it.
-                x0 = widen(S.dream_sample(logits[:, :1], temperature, top_p, top_k, generator, cfg.mask_id)[1],
-                           cols[:1], block_length, 0)
-                transfer = cand & (torch.arange(block_length, device=device) == 0)
-            elif remasking == "origin" and not parallel:
-                p = 1 if last else 1 - timesteps[step + 1] / timesteps[step]
-                x0, transfer = S.dream_origin(logits, cand[:, cols], p, temperature, top_p, top_k, generator,
-                                              cfg.mask_id)
-                x0, transfer = widen(x0, cols, block_length, 0), widen(transfer, cols, block_length, False)
+                k = budget[:, min(step, spb - 1)]          # threshold/factor steps past the schedule never read it
+                x0, transfer = S.llada_select(logits, cand, cols, rules, k, (s - a, cols, b - a))
             else:
-                cc = cand[:, cols]
-                conf, x0, probs = S.dream_sample(logits[cc], temperature, top_p, top_k, generator, cfg.mask_id)
-                alg = remasking if not parallel else "maskgit_plus"
-                score = S.dream_confidence(alg, conf, probs, cand.nonzero(as_tuple=True))
-                x0 = torch.zeros_like(x[:, s:e]).masked_scatter_(cand, x0)
-                score = torch.full(cand.shape, S.NEG_INF, device=device).masked_scatter_(cand, score)
-                if whole_canvas and threshold is not None:   # Fast-dLLM's confidence_threshold, no blocks
-                    quota = gen_length // steps if step < steps else 0
-                    transfer, carry = S.select_quota_threshold(score, cand, quota + carry, threshold)
-                elif threshold is not None:
-                    transfer = S.select_threshold(score, cand, threshold)
-                elif factor is not None:
-                    transfer = S.select_factor(score, cand, factor)
-                else:   # Dream's schedule; FreeCache counts every later block's masks too (FlashDLM)
-                    i = bi * spb + step if cache == "free" else step
-                    later = (n_blocks - bi - 1) * block_length if cache == "free" else 0
-                    k = S.dream_num_transfer(cand.sum(-1), timesteps[i], timesteps[i + 1], last, cand.sum(-1) + later)
-                    if alg_temp:   # same draw width as the official code: canvas, fed chunk (prefix) or block
-                        pad = (P, 0) if whole_canvas else (0, L - e if cache in ("prefix", "none") else 0)
-                        transfer = S.select_sampled(score, cand, k, alg_temp, generator, pad)
-                    else:
-                        transfer = S.select_topk(score, cand, k)
+                i = bi * spb + step if cache == "free" else step      # FreeCache's time grid spans all steps
+                i = min(i, len(timesteps) - 2)    # threshold/factor steps past the schedule never read the clock
+                clock = S.DreamClock(
+                    refresh_token=not whole_canvas and cache != "free" and step == 0,
+                    t=timesteps[i], t_next=timesteps[i + 1], last=step == (steps if whole_canvas else spb) - 1,
+                    later=(n_blocks - bi - 1) * block_length if cache == "free" else 0,
+                    pad=(P, 0) if whole_canvas else (0, L - e if cache in ("prefix", "none") else 0),
+                    offer=(gen_length // steps if step < steps else 0) + carry)
+                x0, transfer, carry = S.dream_select(logits, cand, cols, rules, clock)
             # 4. commit
             x[:, s:e] = torch.where(transfer, x0, x[:, s:e])
             stats["committed"].append(int(transfer.sum()))
             step += 1
             if guided:
                 verifier.commit(n)
-                if ended.any():                   # a committed end of text fills the rest and ends the answer
+                if ended:                         # a committed end of text fills the rest and ends the answer
                     x[x == cfg.mask_id] = eos[0]
             elif stop_at_eos is not True and stop_at_eos:
                 done = eos_reached(x, P, L, eos, cfg.mask_id, stop_at_eos)
@@ -336,11 +275,21 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
     return x, stats
 
 
-def widen(values, cols, width: int, fill):
-    """(B, n) values at block columns `cols` -> (B, width), `fill` elsewhere."""
-    out = torch.full((values.shape[0], width), fill, dtype=values.dtype, device=values.device)
-    out[:, cols] = values
-    return out
+def check_dream_modes(whole_canvas, cache, remasking, threshold, factor, gen_length, steps, spb, n_blocks):
+    """Dream's samplers each implement some of the rules: say which one does what was asked."""
+    parallel = threshold is not None or factor is not None
+    if whole_canvas and (cache != "none" or factor is not None):
+        raise ValueError("Dream's whole-canvas sampler (block_length=None) has no cache or factor rule: pass a "
+                         "block_length to use Fast-dLLM's block sampler")
+    if whole_canvas and threshold is not None and gen_length % steps:
+        raise ValueError(f"Dream's whole-canvas threshold rule spreads the {gen_length} masks evenly over the "
+                         f"steps: steps ({steps}) must divide gen_length")
+    if not whole_canvas and cache != "free" and remasking != "entropy" and not parallel:
+        raise ValueError(f"Fast-dLLM's Dream block sampler ranks tokens by entropy; remasking={remasking!r} "
+                         f"needs Dream's whole-canvas sampler (block_length=None) or cache='free'")
+    if not whole_canvas and cache != "free" and not parallel and spb < 2:
+        raise ValueError(f"Fast-dLLM's Dream block sampler needs >= 2 steps per block (got {spb}): "
+                         f"raise steps to at least {2 * n_blocks}, or use threshold/factor or cache='free'")
 
 
 def check_guided(model, guide, threshold, factor, temperature, accept, accept_k, accept_ratio, verify_chunk):

@@ -14,6 +14,9 @@ block; confidences (B, N) hold -inf at non-candidates so they can never be chose
 - Fast-dLLM's parallel decoding (paper section 3.3): `select_threshold` (Theorem 1: unmask every token
   whose confidence clears tau, and always the most confident) and `select_factor`.
 """
+from functools import partial
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -193,3 +196,97 @@ def select_factor(conf, cand, factor: float):
     count = torch.where(first == N - 1, N, first)
     rank = torch.empty_like(order).scatter_(-1, order, (n - 1).expand_as(order))
     return cand & (rank < count)
+
+
+# ---------------------------------------------------------------------------------------- one step
+class Rules(NamedTuple):
+    """How a step proposes and selects tokens; fixed for one generate() call."""
+    mask_id: int
+    remasking: str
+    temperature: float
+    top_p: float | None
+    top_k: int | None
+    alg_temp: float | None
+    threshold: float | None
+    factor: float | None
+    quota: bool               # Fast-dLLM's Dream threshold without blocks: offer a quota, carry the refused
+    generator: torch.Generator
+
+
+class DreamClock(NamedTuple):
+    """Where a Dream step stands on its schedule (spec/dream.md 5 and 7, spec/flashdlm.md 1)."""
+    refresh_token: bool       # Fast-dLLM's block sampler: decode the block's first token at its refresh
+    t: torch.Tensor           # the step goes from time t to t_next on Dream's float32 grid
+    t_next: torch.Tensor
+    last: bool                # the block's (or canvas's) last scheduled step takes every mask left
+    later: int                # FreeCache counts the later blocks' masks into the schedule too
+    pad: tuple                # alg_temp draws over the official width (canvas, fed chunk or block)
+    offer: torch.Tensor       # (B,) the whole-canvas threshold's quota + carry
+
+
+def choose(score, cand, r: Rules, k):
+    """The parallel rule (Fast-dLLM 3.3): threshold, factor, or the k[b] most confident (the schedule)."""
+    if r.threshold is not None:
+        return select_threshold(score, cand, r.threshold)
+    if r.factor is not None:
+        return select_factor(score, cand, r.factor)
+    return select_topk(score, cand, k)
+
+
+def llada_select(logits, cand, cols, r: Rules, budget, span):
+    """LLaDA: Gumbel-max proposals at the open columns, confidence = their probability (or uniform noise),
+    then the rule. -> (x0, transfer), both (B, N)."""
+    x0, conf = llada_predict(logits, r.temperature, r.remasking, r.generator, span, r.mask_id)
+    N = cand.shape[1]
+    x0, conf = widen(x0, cols, N, 0), widen(conf, cols, N, NEG_INF).masked_fill(~cand, NEG_INF)
+    return x0, choose(conf, cand, r, budget)
+
+
+def dream_select(logits, cand, cols, r: Rules, c: DreamClock):
+    """Dream: -> (x0, transfer, refused) with (B, N) proposals and commits, and the whole-canvas threshold's
+    refused count (B,), offered again next step."""
+    N, none_refused = cand.shape[1], torch.zeros_like(c.offer)
+    sample = partial(dream_sample, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                     generator=r.generator, mask_id=r.mask_id)
+    if c.refresh_token:   # whatever its confidence; the shifted logits of cached chunks never serve it
+        x0 = widen(sample(logits[:, :1])[1], cols[:1], N, 0)
+        return x0, cand & (torch.arange(N, device=cand.device) == 0), none_refused
+    if r.remasking == "origin" and r.threshold is None and r.factor is None:
+        p = 1 if c.last else 1 - c.t_next / c.t
+        x0, transfer = dream_origin(logits, cand[:, cols], p, r.temperature, r.top_p, r.top_k, r.generator, r.mask_id)
+        return widen(x0, cols, N, 0), widen(transfer, cols, N, False), none_refused
+    conf, x0, probs = sample(logits[cand[:, cols]])
+    parallel = r.threshold is not None or r.factor is not None
+    score = dream_confidence("maskgit_plus" if parallel else r.remasking, conf, probs, cand.nonzero(as_tuple=True))
+    x0 = torch.zeros(cand.shape, dtype=torch.long, device=cand.device).masked_scatter_(cand, x0)
+    score = torch.full(cand.shape, NEG_INF, device=cand.device).masked_scatter_(cand, score)
+    if r.quota:
+        return (x0, *select_quota_threshold(score, cand, c.offer, r.threshold))
+    if parallel:
+        return x0, choose(score, cand, r, None), none_refused
+    k = dream_num_transfer(cand.sum(-1), c.t, c.t_next, c.last, cand.sum(-1) + c.later)
+    if r.alg_temp:
+        return x0, select_sampled(score, cand, k, r.alg_temp, r.generator, c.pad), none_refused
+    return x0, select_topk(score, cand, k), none_refused
+
+
+def guided_select(logits, cand, cols, last_token, verifier, accept, chunk: int, eos, mask_id: int):
+    """FlashDLM guided diffusion (spec/flashdlm.md 2), one row: the drafts are the argmax at every open
+    position (contiguous from the first mask: commits go left to right); the guide verifies them; commit
+    the accepted run, at least the first draft (the diffusion model's own token), cut after an end token.
+    -> (x0, transfer, n committed, guide calls, ended)."""
+    drafts = argmax_except(logits[0], mask_id)                       # (n_open,)
+    n, calls = verifier.verify(last_token, drafts, accept, chunk)
+    n = max(n, 1)
+    hit = torch.isin(drafts[:n], eos)
+    n = int(hit.nonzero()[0]) + 1 if hit.any() else n
+    N = cand.shape[1]
+    transfer = cand & (torch.arange(N, device=cand.device) < cols[0] + n)
+    return widen(drafts[None], cols, N, 0), transfer, n, calls, bool(hit.any())
+
+
+def widen(values, cols, width: int, fill):
+    """(B, n) values at block columns `cols` -> (B, width), `fill` elsewhere."""
+    out = torch.full((values.shape[0], width), fill, dtype=values.dtype, device=values.device)
+    out[:, cols] = values
+    return out
