@@ -24,12 +24,11 @@ import torch.nn.functional as F
 import sampler as S
 from cache import KVCache, feed_span
 from chat import Chat
-from model import load_model, resolve_model_dir
+from model import Guide, check_guide, load_model, resolve_model_dir
 
 CACHE_MODES = ("none", "prefix", "dual", "free")
 LLADA_REMASKING = ("low_confidence", "random")
 DREAM_REMASKING = ("origin", "maskgit_plus", "topk_margin", "entropy", "position_weighted")
-ACCEPT_RULES = ("deterministic", "topk", "topk_relative")
 
 
 def check_settings(gen_length, block_length, steps, cache, threshold, factor, temperature, top_p=None,
@@ -200,7 +199,6 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
     timesteps = torch.linspace(1, eps, (steps if whole_canvas or cache == "free" else spb) + 1, device=device)
     stats = {"nfe": 0, "fed": [], "committed": [], "calls_saved": 0, "guide_calls": 0}
     if guided:   # the guide's KV cache of the committed text: the prompt, less its last token (fed with drafts)
-        from model import Guide
         verifier = Guide(guide, L)
         stats["guide_calls"] += verifier.prefill(prompt[0])
         accept_fn = partial(S.accept_drafts, rule=accept, k=accept_k, ratio=accept_ratio)
@@ -219,7 +217,7 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
             # 1. feed: one model call over the span the cache mode asks for
             first = stats["nfe"] == 0
             # guided FreeCache: the block starts at the first mask (the committed text left of it is final)
-            head = (cand.argmax(-1).min().item() + s) if guided and cache == "free" else s
+            head = (cand.long().argmax(-1).min().item() + s) if guided and cache == "free" else s
             a, b = (0, L) if refresh_every_step else feed_span(cache, first, step, head, e, L, int(cfg.shift_logits))
             cols = cand.any(0).nonzero().squeeze(1)                        # LM head only where a token is open
             if cache == "free" and B > 1:
@@ -295,15 +293,14 @@ def check_dream_modes(whole_canvas, cache, remasking, threshold, factor, gen_len
 def check_guided(model, guide, threshold, factor, temperature, accept, accept_k, accept_ratio, verify_chunk):
     """Guided diffusion's own settings (FlashDLM, spec/flashdlm.md 2): the guide decides how many drafts to commit,
     so no other parallel rule applies, and drafts are the argmax (no sampling)."""
-    from model import check_guide
     check_guide(model.config, guide.config)
     if threshold is not None or factor is not None:
         raise ValueError("pass a guide or threshold/factor, not both: with a guide the guide decides how many "
                          "drafts each step commits")
     if temperature:
         raise ValueError(f"guided drafts are the diffusion model's argmax: temperature must be 0 (got {temperature})")
-    if accept not in ACCEPT_RULES:
-        raise ValueError(f"unknown accept rule {accept!r}: use one of {', '.join(ACCEPT_RULES)}")
+    if accept not in S.ACCEPT_RULES:
+        raise ValueError(f"unknown accept rule {accept!r}: use one of {', '.join(S.ACCEPT_RULES)}")
     if type(accept_k) is not int or accept_k < 1:
         raise ValueError(f"accept_k must be an integer >= 1 (got {accept_k!r})")
     if not 0 < accept_ratio <= 1:

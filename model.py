@@ -1,15 +1,19 @@
 """
-model.py: tokens -> logits for the two masked-diffusion LLM families we run, and nothing else.
+model.py: tokens -> logits for the two masked-diffusion LLM families we run and for the small causal model
+that guides them, and nothing else.
 
 - LLaDA-8B (config.json `model_type: "llada"`): a Llama-style "llama" block model, plain multi-head
   attention, no biases, SwiGLU MLP, untied LM head, RMSNorm, rotate-half RoPE (theta 500000).
 - Dream-7B (`model_type: "Dream"`): the Qwen2.5-7B layout with grouped-query attention and q/k/v biases,
   and a next-token LM head, hence the one-position logits shift (see `Transformer.forward`).
+- The guide of FlashDLM's guided diffusion (arXiv 2505.21467, section 4; Qwen2.5-1.5B-Instruct for Dream-7B,
+  `model_type: "qwen2"`): the same Qwen2 blocks as Dream, but an ordinary autoregressive LM: causal attention,
+  no logits shift, and usually a tied LM head. `Guide` below holds its state (the KV cache of committed text).
 
-Both are run *bidirectionally*: a diffusion LM predicts every masked position from the whole canvas, so
-attention has no causal mask. Weights are read straight from the Hugging Face safetensors with one explicit
-name table per family (`WEIGHT_MAP`); there is no `transformers` and no remote code. Decoding policies live
-in sampler.py, the loop in fastdllm.py, the KV cache in cache.py.
+The diffusion families are run *bidirectionally*: a diffusion LM predicts every masked position from the whole
+canvas, so attention has no causal mask; only the guide masks the future. Weights are read straight from the
+Hugging Face safetensors with one explicit name table per family (`WEIGHT_MAP`); there is no `transformers` and
+no remote code. Decoding policies live in sampler.py, the loop in fastdllm.py, the KV cache in cache.py.
 """
 import json
 import math
@@ -24,7 +28,7 @@ import torch.nn.functional as F
 
 @dataclass
 class ModelConfig:
-    family: str = "llada"      # "llada" | "dream": which weight table, RoPE precision and logits alignment
+    family: str = "llada"      # "llada" | "dream" | "qwen2": weight table, RoPE precision, logits alignment, masking
     vocab_size: int = 1024     # rows of the embedding / LM head (LLaDA: `embedding_size`, larger than the tokenizer)
     dim: int = 32
     n_layers: int = 2
@@ -35,10 +39,11 @@ class ModelConfig:
     norm_eps: float = 1e-5
     qkv_bias: bool = False     # Dream's q/k/v projections have biases, LLaDA's do not
     max_seq_len: int = 4096    # LLaDA `max_sequence_length`, Dream `max_position_embeddings`
-    mask_id: int = 1000        # the [MASK] token the diffusion process denoises
+    mask_id: int | None = 1000 # the [MASK] token the diffusion process denoises (None: the causal guide has none)
     eos_id: int | None = None
     pad_id: int | None = None
     bos_id: int | None = None
+    tie_embeddings: bool = False   # the LM head *is* the embedding matrix (Qwen2.5 <= 3B: tie_word_embeddings)
 
     @property
     def head_dim(self) -> int:
@@ -54,6 +59,12 @@ class ModelConfig:
         # LLaDA rotates q/k in float32 (`rope_full_precision`); Dream casts cos/sin to the activation dtype.
         return self.family == "llada"
 
+    @property
+    def causal(self) -> bool:
+        # The guide is an autoregressive LM: row i sees tokens 0..i only and predicts token i+1 (no shift needed
+        # because nothing is masked: its logits row i is "the next token after i", as the verifier wants them).
+        return self.family == "qwen2"
+
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
         """Translate a Hugging Face config.json dict. Dispatch is on `model_type`, never on a folder name."""
@@ -61,7 +72,7 @@ class ModelConfig:
         for key, value in UNSUPPORTED.get(kind, {}).items():
             if hf.get(key, value) != value:   # an architecture variant we would otherwise load silently wrong
                 raise ValueError(f"config.json sets {key} = {hf[key]!r}; fastdllm implements the LLaDA-8B / "
-                                 f"Dream-7B architecture ({key} = {value!r}) only")
+                                 f"Dream-7B / Qwen2.5 architecture ({key} = {value!r}) only")
         if kind == "llada":
             return cls(family="llada", vocab_size=hf.get("embedding_size") or hf["vocab_size"], dim=hf["d_model"],
                        n_layers=hf["n_layers"], n_heads=hf["n_heads"], n_kv_heads=hf.get("n_kv_heads") or hf["n_heads"],
@@ -76,8 +87,18 @@ class ModelConfig:
                        ffn_dim=hf["intermediate_size"], rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"],
                        qkv_bias=True, max_seq_len=hf["max_position_embeddings"], mask_id=hf["mask_token_id"],
                        eos_id=hf.get("eos_token_id"), pad_id=hf.get("pad_token_id"), bos_id=hf.get("bos_token_id"))
+        if kind == "qwen2":
+            # The guide: Dream's blocks (Qwen2 hard-codes q/k/v biases; there is no attention_bias field), no mask.
+            return cls(family="qwen2", vocab_size=hf["vocab_size"], dim=hf["hidden_size"],
+                       n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
+                       n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                       ffn_dim=hf["intermediate_size"], rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"],
+                       qkv_bias=True, max_seq_len=hf["max_position_embeddings"], mask_id=None,
+                       eos_id=hf.get("eos_token_id"), pad_id=hf.get("pad_token_id"), bos_id=hf.get("bos_token_id"),
+                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
         raise ValueError(f"unknown model_type {hf.get('model_type')!r} in config.json: fastdllm runs LLaDA "
-                         f"(model_type 'llada') and Dream (model_type 'Dream') checkpoints only")
+                         f"(model_type 'llada') and Dream (model_type 'Dream') checkpoints only, guided by a "
+                         f"Qwen2 model (model_type 'qwen2')")
 
 
 # config.json fields whose other values change the architecture, with the value both real models use.
@@ -86,6 +107,8 @@ UNSUPPORTED = {
               "alibi": False, "include_bias": False, "weight_tying": False, "input_emb_norm": False,
               "scale_logits": False, "attention_layer_norm": False},
     "dream": {"hidden_act": "silu", "tie_word_embeddings": False, "rope_scaling": None, "use_sliding_window": False},
+    # tie_word_embeddings may be either: Qwen2.5-0.5B..3B tie the head, 7B and up do not.
+    "qwen2": {"hidden_act": "silu", "rope_scaling": None, "use_sliding_window": False},
 }
 
 # Our parameter name -> checkpoint name, one table per family ({} = layer index). Mirrors the checkpoints;
@@ -126,6 +149,8 @@ WEIGHT_MAP = {
         "lm_head.weight": "lm_head.weight",
     },
 }
+# The guide's checkpoint uses Dream's names (both are Qwen2 layouts); a tied head has no lm_head.weight.
+WEIGHT_MAP["qwen2"] = WEIGHT_MAP["dream"]
 
 
 class RMSNorm(nn.Module):
@@ -182,7 +207,16 @@ class Attention(nn.Module):
             # "store raw, rotate every call" bit for bit and saves the re-rotation. kv = (KVCache, layer).
             cache, layer = kv
             k, v = cache.update(layer, k, v, start)                  # (B, nkv, L, hd): the whole canvas
-        # No causal mask: every position sees the whole canvas (the masked diffusion model is bidirectional).
+        if self.cfg.causal:
+            # The guide: the chunk at [start, start+T) sees the cached text [0, start) and itself causally, and
+            # nothing after it (cache rows past the chunk hold stale drafts from earlier verifications).
+            # SDPA's is_causal aligns the diagonal top-left, which is only right when start == 0; the offset
+            # mask tril(diagonal=start) is right for any chunk.
+            if kv is not None:
+                k, v = k[:, :, :start + T], v[:, :, :start + T]
+            causal = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - T)
+            mask = causal if mask is None else mask & causal
+        # Otherwise no causal mask: every position sees the whole canvas (the diffusion model is bidirectional).
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
         if mask is not None:
             # A query row with nothing to attend to (a left pad under Dream's 4D mask) is defined as zero,
@@ -225,6 +259,8 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight    # one parameter, two uses (Qwen2.5-1.5B: 233M values)
 
     def forward(self, idx, pos=None, cache=None, start=0, mask=None, logits_range=None):
         """
@@ -235,7 +271,8 @@ class Transformer(nn.Module):
         mask: optional bool (B, 1, T, keys) attention mask, True = attend (Dream's left padding).
         logits_range: (a, b), or a 1-D tensor of chunk positions, to return logits there only (the LM head
             is the largest matmul of a cached step, and the decoder only needs the block's masked positions).
-        Returns logits (B, T', vocab) where row i predicts the token *at* position i, for both families.
+        Returns logits (B, T', vocab) where row i predicts the token *at* position i, for both diffusion
+        families; for the causal guide row i predicts the token *after* position i (next-token logits).
         """
         B, T = idx.shape
         if pos is None:
@@ -308,7 +345,7 @@ def read_config(model_dir: str) -> ModelConfig:
     if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
         raise ValueError(f"{path}: a width of {cfg.dim} does not split into {cfg.n_heads} heads, or {cfg.n_heads} "
                          f"heads into {cfg.n_kv_heads} key/value heads: re-download the checkpoint")
-    if type(cfg.mask_id) is not int or not 0 <= cfg.mask_id < cfg.vocab_size:
+    if not cfg.causal and (type(cfg.mask_id) is not int or not 0 <= cfg.mask_id < cfg.vocab_size):
         raise ValueError(f"{path}: mask_token_id {cfg.mask_id!r} is not a token id below {cfg.vocab_size}: "
                          f"re-download the checkpoint")
     return cfg
@@ -340,8 +377,8 @@ def checkpoint_names(cfg: ModelConfig) -> dict[str, str]:
     """checkpoint tensor name -> our parameter name, every layer expanded."""
     out = {}
     for ours, theirs in WEIGHT_MAP[cfg.family].items():
-        if ours.endswith(".bias") and not cfg.qkv_bias:
-            continue
+        if ours.endswith(".bias") and not cfg.qkv_bias or ours == "lm_head.weight" and cfg.tie_embeddings:
+            continue   # no biases stored; a tied head is stored once, as the embedding
         for i in range(cfg.n_layers) if "{}" in ours else [None]:
             out[theirs.format(i)] = ours.format(i)
     return out
@@ -378,6 +415,9 @@ def load_model(name_or_path: str, device=None, dtype=None) -> Transformer:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for key in f.keys():
                     ours = names.get(key)
+                    if ours is None and key == "lm_head.weight" and cfg.tie_embeddings:
+                        raise ValueError(f"the checkpoint stores lm_head.weight but config.json sets "
+                                         f"tie_word_embeddings: true (the head is the embedding): set it to false")
                     if ours is None:
                         raise ValueError(f"unexpected tensor {key!r} in {os.path.basename(path)}: this is not a "
                                          f"{cfg.family} checkpoint of the layout config.json describes")
@@ -397,8 +437,129 @@ def load_model(name_or_path: str, device=None, dtype=None) -> Transformer:
             raise ValueError(f"{os.path.basename(path)} is not a readable safetensors file ({e}): "
                              f"it is truncated or corrupt, re-download it") from None
     missing = [theirs for theirs, ours in names.items() if ours not in state]
+    if "lm_head.weight" in missing and cfg.family == "qwen2":
+        raise ValueError("tensor 'lm_head.weight' is missing from the checkpoint: if its head is the embedding, "
+                         "config.json must set tie_word_embeddings: true")
     if missing:
         raise ValueError(f"tensor {missing[0]!r} is missing from the checkpoint ({len(missing)} missing in all): "
                          f"re-download the checkpoint")
+    if cfg.tie_embeddings:
+        # The head is the embedding: the same tensor under both names, then the same Parameter again
+        # (assign=True wraps each name in its own Parameter, which would untie them for training).
+        state["lm_head.weight"] = state["embed.weight"]
     model.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
     return model.eval()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The guide's state (FlashDLM guided diffusion, arXiv 2505.21467 section 4): one row of committed text.
+
+class Guide:
+    """
+    A causal guide model and its KV cache of the committed text, for ONE row (the decoding loop keeps one
+    Guide per batch row: rows commit different numbers of tokens per step).
+
+    Invariant: cache rows [0, length) hold the committed text *except its last token*. Each verification
+    teacher-forces [last committed token, d0, d1, ...]: the row fed `last` predicts d0, the row fed d_i
+    predicts d_{i+1}, so one forward scores a whole run of drafts at once (section 4, as in speculative
+    decoding). The rows a step then commits were all computed on accepted text, so keeping them is just
+    moving `length` forward: nothing is recomputed and nothing is copied.
+    """
+
+    def __init__(self, model: Transformer, max_len: int):
+        if not model.config.causal:
+            raise ValueError(f"the guide must be a causal LM (model_type 'qwen2'), not a {model.config.family} "
+                             f"diffusion model: pass a Qwen2-format checkpoint as the guide")
+        if max_len > model.config.max_seq_len:
+            raise ValueError(f"the text ({max_len} tokens) is longer than the guide's {model.config.max_seq_len} "
+                             f"positions: shorten the prompt or gen_length, or use a guide with a longer context")
+        from cache import KVCache
+        self.model = model
+        self.cache = KVCache.for_model(model, 1, max_len)   # max_len: the canvas, prompt + answer
+        self.length = 0
+
+    def prefill(self, ids: torch.Tensor) -> int:
+        """Start a new text: push the committed ids (T,) except the last token, in one forward (the last
+        token is fed by the first verification, where its row predicts the first draft). -> guide calls."""
+        self.length = 0
+        if ids.numel() < 2:
+            return 0
+        self.model(ids[None, :-1], cache=self.cache, start=0)
+        self.length = ids.numel() - 1
+        return 1
+
+    def verify(self, last: int | torch.Tensor, drafts: torch.Tensor, accept, chunk: int = 32):
+        """
+        Score drafts (N,) that follow the committed token `last`. accept(logits (n, V), drafts (n,)) -> bool (n,)
+        is the acceptance rule (sampler.accept_drafts). The fed text [last, d0, ..., d_{N-2}] goes in chunks
+        of `chunk` tokens, each verifying `chunk` drafts (the official verify_batch_size, 32), and stops after
+        the first chunk with a rejection: a run of n < N accepted drafts costs n // chunk + 1 forwards, a
+        fully accepted one ceil(N / chunk). The last draft is never fed: no draft follows it.
+        -> (n, calls): n = length of the accepted run from d0, calls = guide forwards made.
+        Leaves `length` alone; the caller commits with `commit`.
+        """
+        fed = torch.cat([torch.as_tensor(last, device=drafts.device).view(1), drafts[:-1]])   # (N,)
+        calls = 0
+        for a in range(0, drafts.numel(), chunk):
+            logits = self.model(fed[None, a:a + chunk], cache=self.cache, start=self.length + a)[0]   # (n, V)
+            calls += 1
+            ok = accept(logits, drafts[a:a + chunk])
+            if not ok.all():
+                return a + int(ok.long().argmin()), calls                  # index of the first rejection
+        return drafts.numel(), calls
+
+    def commit(self, n: int):
+        """The step committed n >= 1 tokens. Keep the rows of `last` and of the first n - 1 of them: that is
+        the committed text minus its (new) last token again. This also covers a rejected d0 that the loop
+        commits anyway (n = 1: only `last` is kept) and a run cut at an end-of-text token. Rows past `length`
+        are stale drafts; the next chunk overwrites them and the causal mask never reads past the chunk."""
+        self.length += n
+
+
+def check_guide(model_cfg: ModelConfig, guide_cfg: ModelConfig, model_tok=None, guide_tok=None):
+    """
+    Refuse a guide that does not share the diffusion model's token ids, in one line that says why. The
+    guide is fed the diffusion model's ids as they are and its verdicts are compared id for id, so the two
+    must mean the same token by the same id; re-tokenising through text (the official fallback) is not
+    one-to-one and is not done here.
+    Rules, on the configs (and, when given, the two `tokenizers.Tokenizer`s, which the real models need):
+    - the guide is a causal LM and the model a diffusion LM;
+    - the guide has a row for every id the diffusion model can write: all ids of its tokenizer (without
+      one, all its rows) except the mask, which is never written. Rows past the tokenizer are padding, never
+      text: Dream-7B has 152064 rows and Qwen2.5-1.5B 151936, but both tokenizers end below 151936;
+    - the end-of-text id means the same token to both (the loop ends on the diffusion model's eos, and the
+      guide must see that same token to agree with it). Without tokenizers the guide's eos_token_id must be
+      that id; with them the token behind the id must be the same (Qwen2.5-Instruct's eos is <|im_end|>,
+      Dream's <|endoftext|>, and both tokenizers put <|endoftext|> at 151643);
+    - with tokenizers, every id both tokenizers define is the same token, and an id only the diffusion
+      tokenizer defines is one of its special tokens (Dream adds <|beginoftext|> and <|mask|>).
+    """
+    if not guide_cfg.causal:
+        raise ValueError(f"the guide is a {guide_cfg.family} model, not a causal LM: pass a Qwen2-format "
+                         f"checkpoint (model_type 'qwen2') as the guide")
+    if model_cfg.causal:
+        raise ValueError("the model to decode is a causal LM (qwen2), not a diffusion LM: pass it as the guide "
+                         "and a LLaDA or Dream checkpoint as the model")
+    n = model_tok.get_vocab_size(with_added_tokens=True) if model_tok is not None else model_cfg.vocab_size
+    top = n - 2 if model_cfg.mask_id == n - 1 else n - 1          # the largest id the model can write
+    if guide_cfg.vocab_size <= top:
+        raise ValueError(f"the guide has {guide_cfg.vocab_size} token ids but the diffusion model can write ids up "
+                         f"to {top}: the guide must use the diffusion model's tokenizer (the same token ids)")
+    eos = model_cfg.eos_id
+    if model_tok is None or guide_tok is None:
+        guide_eos = guide_cfg.eos_id if isinstance(guide_cfg.eos_id, list) else [guide_cfg.eos_id]
+        if eos not in guide_eos:
+            raise ValueError(f"end-of-text ids differ (diffusion model {eos}, guide {guide_cfg.eos_id}): the guide "
+                             f"must end text with the same token; pass both tokenizers to compare the tokens")
+        return
+    if eos is not None and model_tok.id_to_token(eos) != guide_tok.id_to_token(eos):
+        raise ValueError(f"end-of-text id {eos} is {model_tok.id_to_token(eos)!r} to the diffusion model but "
+                         f"{guide_tok.id_to_token(eos)!r} to the guide: they must share a tokenizer")
+    specials = {i for i, t in model_tok.get_added_tokens_decoder().items() if t.special}
+    for token, i in model_tok.get_vocab(with_added_tokens=True).items():
+        theirs = guide_tok.id_to_token(i)
+        if theirs != token and (theirs is not None or i not in specials) and i != model_cfg.mask_id:
+            raise ValueError(f"token id {i} is {token!r} to the diffusion model but {theirs!r} to the guide: "
+                             f"the guide must use the diffusion model's tokenizer (the same token ids)")

@@ -13,6 +13,8 @@ block; confidences (B, N) hold -inf at non-candidates so they can never be chose
   (`dream_num_transfer`), or MaskGIT-style random unmasking (`origin`) (spec/dream.md section 5).
 - Fast-dLLM's parallel decoding (paper section 3.3): `select_threshold` (Theorem 1: unmask every token
   whose confidence clears tau, and always the most confident) and `select_factor`.
+- FlashDLM's guided diffusion (arXiv 2505.21467, section 4): `accept_drafts`, the guide's verdict on the
+  diffusion model's drafts.
 """
 from functools import partial
 from typing import NamedTuple
@@ -196,6 +198,36 @@ def select_factor(conf, cand, factor: float):
     count = torch.where(first == N - 1, N, first)
     rank = torch.empty_like(order).scatter_(-1, order, (n - 1).expand_as(order))
     return cand & (rank < count)
+
+
+# ---------------------------------------------------------------------------------------- guided diffusion
+ACCEPT_RULES = ("deterministic", "topk", "topk_relative")
+
+
+def accept_drafts(logits, drafts, rule: str = "deterministic", k: int = 5, ratio: float = 0.95):
+    """
+    FlashDLM's verification (arXiv 2505.21467; spec/flashdlm.md 2): does the causal guide agree with each draft?
+    logits (N, V): the guide's next-token logits at each draft's position; drafts (N,) -> bool (N,).
+    - deterministic: the draft is the guide's argmax (the token greedy decoding with the guide would write).
+    - topk: the draft is among the guide's k most likely tokens (the official default k = 5).
+    - topk_relative: among the top k *and* p(draft) >= ratio * p(top-1), so a flat top-k does not let an
+      unlikely token through (their evaluator: k = 5, ratio = 0.95).
+    Decided on float32 probabilities, as the official code decides (softmax, then argmax / topk), so that
+    ties and underflow to 0 fall the same way. The loop commits the accepted *run* from the first draft;
+    this function only gives the verdicts.
+    """
+    if rule not in ACCEPT_RULES:
+        raise ValueError(f"unknown acceptance rule {rule!r}: use one of {', '.join(ACCEPT_RULES)}")
+    p = logits.float().softmax(-1)                                            # (N, V)
+    if rule == "deterministic":
+        return p.argmax(-1) == drafts
+    if not k >= 1:
+        raise ValueError(f"acceptance top-k must be >= 1 (got {k})")
+    top_p, top_ids = p.topk(min(k, p.shape[-1]), dim=-1)                      # (N, k)
+    ok = (top_ids == drafts[:, None]).any(-1)
+    if rule == "topk_relative":
+        ok &= p.gather(-1, drafts[:, None]).squeeze(-1) >= ratio * top_p[:, 0]
+    return ok
 
 
 # ---------------------------------------------------------------------------------------- one step

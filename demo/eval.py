@@ -76,6 +76,22 @@ def solve(model, tok, problems, **kw):
     return answers, nfe, stats["tokens_per_s"]
 
 
+@torch.inference_mode()
+def guide_greedy(model, tok, problems, gen_length: int = 32):
+    """The causal guide (demo/qwen2-arith) on its own: greedy next-token decoding with a KV cache, one token
+    per forward, the whole batch at once (equal prompt lengths). -> answers."""
+    from cache import KVCache
+    prompt = torch.tensor([e.ids for e in tok.encode_batch([q for q, _, _ in problems], add_special_tokens=False)])
+    B, P = prompt.shape
+    kv = KVCache.for_model(model, B, P + gen_length)
+    logits, out = model(prompt, cache=kv)[:, -1], []
+    for i in range(gen_length):
+        out.append(logits.argmax(-1))                                          # (B,)
+        logits = model(out[-1][:, None], cache=kv, start=P + i)[:, -1]
+    ids = torch.stack(out, 1).tolist()
+    return [answer_text(tok, row, model.config.eos_id) for row in ids]
+
+
 def table(model, tok, problems, caches):
     solve(model, tok, problems[:8], steps=32, cache="none", **GEN)     # warm-up, not timed
     print(f"| decoding | cache | valid | mean NFE | tokens/s (batch {len(problems)}) |\n|---|---|---|---|---|")

@@ -16,6 +16,13 @@ LLaDA's tensor names, tokenizer.json), so the model loads through model.load_mod
 
 Fewer steps are not enough: at 10,000 steps one-token-per-step decoding was valid on only 0.83 of the
 held-out problems (0.995 at 20,000).
+
+With --guide the same script trains the *guide* of FlashDLM's guided diffusion (arXiv 2505.21467, section 4):
+a small causal LM in the exact Qwen2.5 on-disk format (config.json with Qwen2's fields, tied head, Qwen2
+tensor names), with the same tokenizer, hence the same token ids, and the ordinary next-token loss on the same
+problems. Every position is a target, so it learns far faster than the diffusion model:
+
+    python demo/train.py --guide               # the shipped demo/qwen2-arith/ (see --help for its defaults)
 """
 import argparse
 import json
@@ -146,12 +153,23 @@ def sft_loss(model, x, P: int, mask_id: int, gen: torch.Generator, eps: float = 
     return (ce / t.expand(B, T)[masked]).sum() / (B * (T - P))
 
 
+def causal_loss(model, x, P: int, gen=None):
+    """The guide's objective: plain next-token cross-entropy at every position (row i predicts token i+1),
+    prompt and eos padding included. `gen` is unused: nothing is drawn."""
+    device = model.lm_head.weight.device
+    x = x.to(device)
+    logits = model(x[:, :-1])                                                  # (B, T-1, V): causal, no shift
+    return F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+
+
 def init_weights(model, gen: torch.Generator):
     # nanoGPT's init: N(0, 0.02) everywhere (nn.Embedding's default N(0, 1) is far too large here).
-    for p in model.parameters():
-        if p.dim() == 2:                      # matrices; the RMSNorm weights stay at 1
-            with torch.no_grad():
+    for name, p in model.named_parameters():
+        with torch.no_grad():
+            if p.dim() == 2:                      # matrices; the RMSNorm weights stay at 1
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            elif name.endswith(".bias"):          # the guide's q/k/v biases (Qwen2) start at 0
+                p.zero_()
 
 # The field set of LLaDA-8B-Instruct's config.json (values of the 8B model where they are not sizes or ids,
 # which save() overwrites), so the demo folder is a real LLaDA checkpoint for any loader.
@@ -205,16 +223,60 @@ LLADA_CONFIG = {
 }
 
 
-def save(model, tok, out: str):
-    """Write the folder exactly as LLaDA's checkpoints look: config.json, model.safetensors, tokenizer.json."""
-    from safetensors.torch import save_file
-    cfg = model.config
-    os.makedirs(out, exist_ok=True)
+# The field set of Qwen2.5-1.5B-Instruct's config.json (FlashDLM's guide for Dream-7B; values of the 1.5B model
+# where they are not sizes or ids), so the guide folder is a real Qwen2 checkpoint for any loader.
+QWEN2_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "hidden_act": "silu",
+    "hidden_size": 1536,
+    "initializer_range": 0.02,
+    "intermediate_size": 8960,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 21,
+    "model_type": "qwen2",
+    "num_attention_heads": 12,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 32768,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.43.1",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
+}
+
+
+def hf_config(cfg) -> dict:
+    """Our ModelConfig as the family's config.json: every field of the real model's file, our sizes and ids."""
+    if cfg.family == "qwen2":
+        hf = dict(QWEN2_CONFIG)
+        hf.update(hidden_size=cfg.dim, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                  num_key_value_heads=cfg.n_kv_heads, intermediate_size=cfg.ffn_dim, vocab_size=cfg.vocab_size,
+                  bos_token_id=cfg.bos_id, eos_token_id=cfg.eos_id, max_position_embeddings=cfg.max_seq_len,
+                  sliding_window=cfg.max_seq_len, max_window_layers=cfg.n_layers, rope_theta=cfg.rope_theta,
+                  rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings)
+        return hf
     hf = dict(LLADA_CONFIG)   # every field of LLaDA-8B's config.json; our sizes and ids below
     hf.update(d_model=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
               mlp_hidden_size=cfg.ffn_dim, vocab_size=cfg.vocab_size, embedding_size=cfg.vocab_size,
               mask_token_id=cfg.mask_id, eos_token_id=cfg.eos_id, pad_token_id=cfg.pad_id,
               max_sequence_length=cfg.max_seq_len, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.norm_eps)
+    return hf
+
+
+def save(model, tok, out: str):
+    """Write the folder exactly as the family's checkpoints look: config.json, model.safetensors (bf16, the
+    checkpoint's tensor names; a tied head is stored once, as the embedding), tokenizer.json."""
+    from safetensors.torch import save_file
+    cfg = model.config
+    os.makedirs(out, exist_ok=True)
+    hf = hf_config(cfg)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(hf, f, indent=2, sort_keys=True)
     ours = {v: k for k, v in checkpoint_names(cfg).items()}   # our parameter name -> LLaDA tensor name
@@ -225,15 +287,26 @@ def save(model, tok, out: str):
 
 def train(out: str, steps: int = 20000, batch: int = 64, lr: float = 2e-3, dim: int = 128, n_layers: int = 4,
           n_heads: int = 4, ffn_dim: int = 384, seed: int = 0, threads: int = 2, device: str = "cpu",
-          log_every: int = 100):
+          log_every: int = 100, guide: bool = False, n_kv_heads: int | None = None):
     torch.set_num_threads(threads)
     torch.manual_seed(seed)
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     tok = build_tokenizer()
     V = tok.get_vocab_size()
-    cfg = ModelConfig(family="llada", vocab_size=V, dim=dim, n_layers=n_layers, n_heads=n_heads,
-                      n_kv_heads=n_heads, ffn_dim=ffn_dim, max_seq_len=128, mask_id=V - 1, eos_id=0, pad_id=0)
     assert tok.token_to_id(MASK) == V - 1 and tok.token_to_id("<|endoftext|>") == 0
+    if guide:
+        # The guide shares the diffusion model's tokenizer and its V rows (mask included, never a target), so
+        # every id means the same token to both models (model.check_guide). bos/eos as the tokenizer's.
+        cfg = ModelConfig(family="qwen2", vocab_size=V, dim=dim, n_layers=n_layers, n_heads=n_heads,
+                          n_kv_heads=n_kv_heads or n_heads, ffn_dim=ffn_dim, rope_theta=1e6, norm_eps=1e-6,
+                          qkv_bias=True, max_seq_len=128, mask_id=None, eos_id=0,
+                          bos_id=tok.token_to_id("<|startoftext|>"), tie_embeddings=True)
+        loss_fn = causal_loss
+    else:
+        cfg = ModelConfig(family="llada", vocab_size=V, dim=dim, n_layers=n_layers, n_heads=n_heads,
+                          n_kv_heads=n_kv_heads or n_heads, ffn_dim=ffn_dim, max_seq_len=128, mask_id=V - 1,
+                          eos_id=0, pad_id=0)
+        loss_fn = lambda model, x, P, gen: sft_loss(model, x, P, cfg.mask_id, gen)   # noqa: E731
     model = Transformer(cfg)
     init_weights(model, gen)
     model.to(device)
@@ -248,7 +321,7 @@ def train(out: str, steps: int = 20000, batch: int = 64, lr: float = 2e-3, dim: 
         for g in opt.param_groups:
             g["lr"] = lr * (step + 1) / warmup if step < warmup else lr * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
         x, P = encode_batch(tok, training_problems(rng, batch, excluded), rng)
-        loss = sft_loss(model, x, P, cfg.mask_id, gen)
+        loss = loss_fn(model, x, P, gen)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -264,9 +337,11 @@ def train(out: str, steps: int = 20000, batch: int = 64, lr: float = 2e-3, dim: 
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="Train the tiny LLaDA-format arithmetic model of the demo.")
-    p.add_argument("--out", default=os.path.join(HERE, "llada-arith"), help="output model folder")
-    p.add_argument("--steps", type=int, default=20000, help="optimizer steps")
+    p = argparse.ArgumentParser(description="Train the tiny LLaDA-format arithmetic model of the demo, or (--guide) "
+                                            "its causal Qwen2-format guide.")
+    p.add_argument("--guide", action="store_true", help="train the causal guide (demo/qwen2-arith) instead")
+    p.add_argument("--out", default=None, help="output model folder (default demo/llada-arith, or demo/qwen2-arith)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 20000, guide 1500)")
     p.add_argument("--batch", type=int, default=64, help="problems per step")
     p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (cosine schedule)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data, masking and init")
@@ -274,11 +349,22 @@ def main(argv=None):
     p.add_argument("--device", default="cpu", help="cpu | cuda (the same seed gives a slightly different model)")
     p.add_argument("--smoke", action="store_true", help="a few steps of a tiny config (a quick plumbing check)")
     args = p.parse_args(argv)
+    out = args.out or os.path.join(HERE, "qwen2-arith" if args.guide else "llada-arith")
+    common = dict(seed=args.seed, threads=args.threads, device=args.device, guide=args.guide)
     if args.smoke:
-        return train(args.out, steps=10, batch=16, dim=32, n_layers=2, n_heads=2, ffn_dim=64, seed=args.seed,
-                     threads=args.threads, device=args.device, log_every=5)
-    return train(args.out, steps=args.steps, batch=args.batch, lr=args.lr, seed=args.seed, threads=args.threads,
-                 device=args.device)
+        return train(out, steps=10, batch=16, dim=32, n_layers=2, n_heads=2, n_kv_heads=1 if args.guide else 2,
+                     ffn_dim=64, log_every=5, **common)
+    if args.guide:
+        # A quarter of the diffusion model's width budget and no masking noise: ~0.3 s a step on one CPU thread.
+        model = train(out, steps=args.steps or 1500, batch=args.batch, lr=args.lr, dim=128, n_layers=3, n_heads=4,
+                      n_kv_heads=2, ffn_dim=256, **common)
+        import eval as demo_eval   # demo/eval.py (imports this file, hence here)
+        problems = heldout(200)
+        answers = demo_eval.guide_greedy(model.float(), build_tokenizer(), problems)
+        valid = sum(demo_eval.is_valid(a, k) for a, (_, _, k) in zip(answers, problems)) / len(problems)
+        print(f"guide greedy decoding, {len(problems)} held-out problems: valid {valid:.3f}")
+        return model
+    return train(out, steps=args.steps or 20000, batch=args.batch, lr=args.lr, **common)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """
 The demo model we ship (demo/llada-arith, trained by demo/train.py) must load like a real LLaDA checkpoint
 and must show the method: threshold decoding at 0.9 keeps the worked solutions right with a fraction of the
-model calls. CPU only, no network, seconds.
+model calls. Its guide (demo/qwen2-arith, train.py --guide) must load like a real Qwen2 checkpoint, share the
+demo model's token ids, and solve the task on its own. CPU only, no network, seconds.
 """
 import os
 import sys
@@ -18,9 +19,11 @@ sys.path.insert(0, DEMO)
 import eval as demo_eval   # demo/eval.py
 import train as demo_train  # demo/train.py
 from fastdllm import generate
-from model import load_model
+from model import Guide, check_guide, load_model
+from sampler import accept_drafts
 
 SHIPPED = os.path.join(DEMO, "llada-arith")
+GUIDE = os.path.join(DEMO, "qwen2-arith")
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +89,41 @@ def test_train_smoke(tmp_path):
     x, stats = generate(model, prompt, gen_length=32, block_length=8, steps=32, cache="dual", threshold=0.9)
     assert x.shape == (1, prompt.shape[1] + 32) and not (x == model.config.mask_id).any()
     assert 1 <= stats["nfe"] <= 32
+
+
+def test_shipped_guide_loads_and_shares_the_ids(shipped):
+    model, tok = shipped
+    guide = load_model(GUIDE, device="cpu", dtype=torch.float32)
+    guide_tok = Tokenizer.from_file(os.path.join(GUIDE, "tokenizer.json"))
+    cfg = guide.config
+    assert cfg.family == "qwen2" and cfg.causal and cfg.tie_embeddings and guide.lm_head.weight is guide.embed.weight
+    assert cfg.vocab_size == model.config.vocab_size and cfg.eos_id == model.config.eos_id == 0
+    assert cfg.bos_id == tok.token_to_id("<|startoftext|>")
+    check_guide(model.config, cfg, tok, guide_tok)
+    with open(os.path.join(SHIPPED, "tokenizer.json"), "rb") as a, open(os.path.join(GUIDE, "tokenizer.json"), "rb") as b:
+        assert a.read() == b.read()
+    assert os.path.getsize(os.path.join(GUIDE, "model.safetensors")) < 4e6     # a few MB, bf16
+
+
+def test_shipped_guide_solves_the_task_alone():
+    """The guide's own greedy answers are mostly right: a guide that cannot do the task cannot judge drafts."""
+    guide = load_model(GUIDE, device="cpu", dtype=torch.float32)
+    problems = demo_train.heldout(100)
+    answers = demo_eval.guide_greedy(guide, Tokenizer.from_file(os.path.join(GUIDE, "tokenizer.json")), problems)
+    valid = sum(demo_eval.is_valid(a, k) for a, (_, _, k) in zip(answers, problems)) / len(problems)
+    assert valid >= 0.9, f"guide greedy valid {valid:.2f}; answers: {answers[:3]}"
+
+
+def test_train_smoke_guide(tmp_path):
+    out = str(tmp_path / "g")
+    t0 = time.time()
+    demo_train.main(["--guide", "--smoke", "--out", out, "--threads", "1"])
+    assert time.time() - t0 < 30, "smoke mode should take seconds"
+    guide = load_model(out, device="cpu")
+    assert guide.config.family == "qwen2" and guide.config.n_kv_heads < guide.config.n_heads   # GQA, as Qwen2.5
+    tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
+    prompt = torch.tensor(tok.encode(demo_train.heldout(1)[0][0], add_special_tokens=False).ids)
+    g = Guide(guide, len(prompt) + 8)
+    assert g.prefill(prompt) == 1
+    n, calls = g.verify(prompt[-1], torch.tensor([5, 6, 7]), accept_drafts, chunk=2)
+    assert 0 <= n <= 3 and calls == (1 if n < 2 else 2)
