@@ -530,8 +530,8 @@ def check_guide(model_cfg: ModelConfig, guide_cfg: ModelConfig, model_tok=None, 
       one, all its rows) except the mask, which is never written. Rows past the tokenizer are padding, never
       text: Dream-7B has 152064 rows and Qwen2.5-1.5B 151936, but both tokenizers end below 151936;
     - the end-of-text id means the same token to both (the loop ends on the diffusion model's eos, and the
-      guide must see that same token to agree with it). Without tokenizers the guide's eos_token_id must be
-      that id; with them the token behind the id must be the same (Qwen2.5-Instruct's eos is <|im_end|>,
+      guide must see that same token to agree with it). Without tokenizers it must be one of the guide's
+      special ids (bos or eos); with them the token behind the id must be the same (Qwen2.5-Instruct's eos is <|im_end|>,
       Dream's <|endoftext|>, and both tokenizers put <|endoftext|> at 151643);
     - with tokenizers, every id both tokenizers define is the same token, and an id only the diffusion
       tokenizer defines is one of its special tokens (Dream adds <|beginoftext|> and <|mask|>).
@@ -542,17 +542,22 @@ def check_guide(model_cfg: ModelConfig, guide_cfg: ModelConfig, model_tok=None, 
     if model_cfg.causal:
         raise ValueError("the model to decode is a causal LM (qwen2), not a diffusion LM: pass it as the guide "
                          "and a LLaDA or Dream checkpoint as the model")
-    n = model_tok.get_vocab_size(with_added_tokens=True) if model_tok is not None else model_cfg.vocab_size
-    top = n - 2 if model_cfg.mask_id == n - 1 else n - 1          # the largest id the model can write
+    if model_tok is not None:
+        n = model_tok.get_vocab_size(with_added_tokens=True)
+        top = n - 2 if model_cfg.mask_id == n - 1 else n - 1      # the largest id the model can write
+    else:   # configs alone: text ids lie below the mask id (Dream 151666 of 152064 rows; the rest is padding)
+        top = min(model_cfg.vocab_size, model_cfg.mask_id) - 1
     if guide_cfg.vocab_size <= top:
         raise ValueError(f"the guide has {guide_cfg.vocab_size} token ids but the diffusion model can write ids up "
                          f"to {top}: the guide must use the diffusion model's tokenizer (the same token ids)")
     eos = model_cfg.eos_id
     if model_tok is None or guide_tok is None:
-        guide_eos = guide_cfg.eos_id if isinstance(guide_cfg.eos_id, list) else [guide_cfg.eos_id]
-        if eos not in guide_eos:
-            raise ValueError(f"end-of-text ids differ (diffusion model {eos}, guide {guide_cfg.eos_id}): the guide "
-                             f"must end text with the same token; pass both tokenizers to compare the tokens")
+        # Configs alone: the diffusion model's end of text must be one of the guide's special ids. Dream-7B
+        # ends with 151643, which Qwen2.5-1.5B-Instruct's config names as its bos (its eos is <|im_end|>).
+        guide_ids = (guide_cfg.eos_id if isinstance(guide_cfg.eos_id, list) else [guide_cfg.eos_id]) + [guide_cfg.bos_id]
+        if eos not in guide_ids:
+            raise ValueError(f"the diffusion model's end-of-text id {eos} is none of the guide's special ids "
+                             f"{sorted(set(guide_ids) - {None})}: the guide must use the diffusion model's tokenizer")
         return
     if eos is not None and model_tok.id_to_token(eos) != guide_tok.id_to_token(eos):
         raise ValueError(f"end-of-text id {eos} is {model_tok.id_to_token(eos)!r} to the diffusion model but "

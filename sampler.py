@@ -306,8 +306,9 @@ def guided_select(logits, cand, cols, last_token, verifier, accept, chunk: int, 
     """FlashDLM guided diffusion (spec/flashdlm.md 2), one row: the drafts are the argmax at every open
     position (contiguous from the first mask: commits go left to right); the guide verifies them; commit
     the accepted run, at least the first draft (the diffusion model's own token), cut after an end token.
-    -> (x0, transfer, n committed, guide calls, ended)."""
-    drafts = argmax_except(logits[0], mask_id)                       # (n_open,)
+    Drafts are limited to the ids the guide has (Dream-7B's 152064 rows vs Qwen2.5's 151936: the rows past
+    the tokenizer are padding, never text). -> (x0, transfer, n committed, guide calls, ended)."""
+    drafts = argmax_except(logits[0, :, :verifier.model.config.vocab_size], mask_id)    # (n_open,)
     n, calls = verifier.verify(last_token, drafts, accept, chunk)
     n = max(n, 1)
     hit = torch.isin(drafts[:n], eos)

@@ -251,8 +251,11 @@ def test_check_guide_accepts_the_golden_pair_and_refuses_mismatches():
     check_guide(dream, ModelConfig(family="qwen2", vocab_size=1023, mask_id=None, eos_id=1000))
     with pytest.raises(ValueError, match="the guide has 1000 token ids but the diffusion model can write ids up to 1022"):
         check_guide(dream, ModelConfig(family="qwen2", vocab_size=1000, mask_id=None, eos_id=999))
-    with pytest.raises(ValueError, match=r"end-of-text ids differ \(diffusion model 1000, guide 7\)"):
-        check_guide(dream, ModelConfig(family="qwen2", vocab_size=1024, mask_id=None, eos_id=7))
+    with pytest.raises(ValueError, match=r"end-of-text id 1000 is none of the guide's special ids \[7, 8\]"):
+        check_guide(dream, ModelConfig(family="qwen2", vocab_size=1024, mask_id=None, eos_id=7, bos_id=8))
+    # the real pair: Dream-7B ends with 151643, which Qwen2.5-1.5B-Instruct names as its bos (eos <|im_end|>)
+    check_guide(ModelConfig(family="dream", vocab_size=152064, mask_id=151666, eos_id=151643),
+                ModelConfig(family="qwen2", vocab_size=151936, mask_id=None, eos_id=151645, bos_id=151643))
     with pytest.raises(ValueError, match="the guide is a dream model, not a causal LM"):
         check_guide(dream, dream)
     with pytest.raises(ValueError, match="not a diffusion LM"):
