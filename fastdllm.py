@@ -13,6 +13,7 @@ A diffusion LM generates by denoising: the answer starts as gen_length [MASK] to
     python fastdllm.py --model demo/llada-arith --prompt "..."      # the tiny model we ship, on a CPU
 """
 import argparse
+import numbers
 import os
 import sys
 import time
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 import sampler as S
 from cache import KVCache, feed_span
 from chat import Chat
-from model import Guide, check_guide, load_model, resolve_model_dir
+from model import Guide, check_guide, check_readable, load_model, read_config, resolve_model_dir
 
 CACHE_MODES = ("none", "prefix", "dual", "free")
 LLADA_REMASKING = ("low_confidence", "random")
@@ -32,11 +33,24 @@ DREAM_REMASKING = ("origin", "maskgit_plus", "topk_margin", "entropy", "position
 
 
 def check_settings(gen_length, block_length, steps, cache, threshold, factor, temperature, top_p=None,
-                   top_k=None, alg_temp=None):
+                   top_k=None, alg_temp=None, eps=None, generator=None):
     """The checks that need no model (the CLI runs them before loading gigabytes of weights). Every
     impossible request fails in one line that names the fix, never deep inside torch."""
     def bad(msg):
         raise ValueError(msg)
+    # A wrong type gets the same one line as a wrong value, not a TypeError from deep inside torch.
+    for name, v, kind in (("gen_length", gen_length, int), ("block_length", block_length, int), ("steps", steps, int),
+                          ("temperature", temperature, float), ("top_k", top_k, int), ("threshold", threshold, float),
+                          ("factor", factor, float), ("top_p", top_p, float), ("alg_temp", alg_temp, float),
+                          ("eps", eps, float)):
+        optional = name not in ("gen_length", "block_length", "steps", "temperature")
+        if not (optional and v is None or isinstance(v, numbers.Integral if kind is int else numbers.Real)
+                and not isinstance(v, bool)):
+            bad(f"{name} must be {'an integer' if kind is int else 'a number'}{' or None' * optional} (got {v!r})")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        bad(f"generator must be a torch.Generator, not {generator!r}: e.g. torch.Generator('cpu').manual_seed(0)")
+    if eps is not None and not 0 < eps < 1:
+        bad(f"eps must be in (0, 1) (got {eps}): Dream's time runs from 1 down to eps (default 1e-3)")
     if gen_length < 1 or block_length < 1:
         bad(f"gen_length ({gen_length}) and block_length ({block_length}) must be positive")
     if gen_length % block_length:
@@ -65,15 +79,26 @@ def check_settings(gen_length, block_length, steps, cache, threshold, factor, te
         bad(f"alg_temp must be >= 0 (got {alg_temp})")
 
 
-def check_prompt(cfg, prompt, gen_length, remasking, top_p, top_k, alg_temp):
+def check_prompt(cfg, prompt, gen_length, remasking, top_p, top_k, alg_temp, attention_mask=None):
     """The checks that depend on the model: the prompt's ids and length, and the family's options."""
     def bad(msg):
         raise ValueError(msg)
-    if prompt.ndim == 2 and prompt.shape[1] == 0:
+    if not isinstance(prompt, torch.Tensor):
+        bad(f"the prompt must be a torch.Tensor of token ids, not a {type(prompt).__name__}: e.g. torch.tensor([ids])")
+    if prompt.ndim == 2 and prompt.shape[0] == 0:
+        bad("the prompt batch has 0 rows: pass at least one prompt")
+    if prompt.ndim == 2 and prompt.shape[1] == 0:      # (torch.tensor([[]]) is float: say "empty" first)
         bad("the prompt is empty: pass at least one token")
-    if prompt.ndim != 2 or prompt.is_floating_point() or prompt.dtype == torch.bool:
-        bad(f"the prompt must be a (batch, length) tensor of integer token ids, not {prompt.dtype} of shape "
-            f"{tuple(prompt.shape)}")
+    # torch.long only, as the official code: int32 fails late inside Dream's sampler, uint8 wraps around.
+    if prompt.ndim != 2 or prompt.dtype != torch.long:
+        bad(f"the prompt must be a (batch, length) tensor of integer token ids of dtype torch.long, not "
+            f"{prompt.dtype} of shape {tuple(prompt.shape)}: e.g. torch.tensor([ids]), or prompt.long()")
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != prompt.shape:
+            bad(f"attention_mask must be a tensor of the prompt's shape {tuple(prompt.shape)} (1 = token, 0 = pad), "
+                f"not {getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
+        if not attention_mask.bool().any(-1).all():
+            bad("attention_mask has a row of zeros: every prompt needs at least one real token (a 1)")
     if prompt.min() < 0 or prompt.max() >= cfg.vocab_size:
         bad(f"the prompt has token id {prompt.min() if prompt.min() < 0 else prompt.max()} outside the vocabulary "
             f"[0, {cfg.vocab_size}): tokenize it with this model's tokenizer")
@@ -166,8 +191,9 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
     remasking = remasking or ("entropy" if dream else "low_confidence")
     block_length = gen_length if guided else block_length or gen_length
     steps = gen_length if steps is None or guided else steps
-    check_settings(gen_length, block_length, steps, cache, threshold, factor, temperature, top_p, top_k, alg_temp)
-    check_prompt(cfg, prompt, gen_length, remasking, top_p, top_k, alg_temp)
+    check_settings(gen_length, block_length, steps, cache, threshold, factor, temperature, top_p, top_k, alg_temp,
+                   eps, generator)
+    check_prompt(cfg, prompt, gen_length, remasking, top_p, top_k, alg_temp, attention_mask)
     parallel = threshold is not None or factor is not None
     if guided:
         check_guided(model, guide, threshold, factor, temperature, accept, accept_k, accept_ratio, verify_chunk)
@@ -188,7 +214,7 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
     if generator.device.type != device.type:
         raise ValueError(f"the generator is on {generator.device.type} but the model on {device.type}: "
                          f"create it with torch.Generator({device.type!r})")
-    eos = torch.tensor(sorted(set(eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
+    eos = torch.tensor(sorted(set(eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
     rules = S.Rules(cfg.mask_id, remasking, temperature, top_p, top_k, alg_temp, threshold, factor,
                   whole_canvas and threshold is not None, generator)
     x = F.pad(prompt, (0, gen_length), value=cfg.mask_id)
@@ -348,39 +374,62 @@ def pick_device_dtype(device: str | None, dtype: str | None):
 
 
 def optional_float(text: str):
-    return None if text.lower() in ("none", "off") else float(text)
+    try:
+        return None if text.lower() in ("none", "off") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or none, got {text!r}") from None
+
+
+def check_text(text: str, what: str = "the prompt"):
+    # Bytes that are not UTF-8 reach us as lone surrogates (Python's surrogateescape on argv, and on stdin
+    # in a C locale), which the tokenizer refuses with a TypeError.
+    if not text.isascii() and any(0xDC80 <= ord(c) <= 0xDCFF for c in text):
+        raise ValueError(f"{what} is not valid UTF-8 text: pass UTF-8 (convert it with e.g. iconv)")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
-        description="Fast-dLLM inference for LLaDA and Dream. Defaults are the method's headline setting: "
-                    "--cache dual --threshold 0.9 --block-length 32 --gen-length 256. The plain baseline is "
-                    "--cache none --threshold none.")
-    p.add_argument("--model", default="GSAI-ML/LLaDA-8B-Instruct", help="Hugging Face repo id or local folder")
-    p.add_argument("--prompt", help="the user message (omit with --interactive or --bench uses a default)")
-    p.add_argument("--gen-length", type=int, default=256, help="tokens to generate")
+    p = argparse.ArgumentParser(description="Fast-dLLM inference for LLaDA and Dream. The defaults are the "
+                                "method's headline setting; the plain baseline is --cache none --threshold none.")
+
+    def error(message):   # argparse would print its usage too: our errors are one line (see __main__)
+        raise ValueError(f"{message} (see --help)")
+    p.error = error
+    # SUPPRESS: --gen-length and --threshold are absent unless given, so we can tell a default from a choice.
+    p.add_argument("--model", default="GSAI-ML/LLaDA-8B-Instruct", help="Hugging Face repo id or local folder "
+                   "(default: %(default)s)")
+    p.add_argument("--prompt", help="the user message (required unless --interactive; --bench has a default)")
+    p.add_argument("--gen-length", type=int, default=argparse.SUPPRESS, help="tokens to generate (default: 256, "
+                   "or the largest multiple of --block-length that fits the model's positions)")
     p.add_argument("--block-length", type=int, default=32, help="semi-autoregressive block size; 0 = one block "
-                   "(for Dream: Dream's own whole-canvas sampler)")
+                   "(for Dream: Dream's own whole-canvas sampler) (default: %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: gen-length)")
-    p.add_argument("--cache", default="dual", help="KV cache: none | prefix | dual")
-    p.add_argument("--threshold", type=optional_float, default=0.9,
-                   help="parallel decoding: unmask every token with confidence >= this (none = off)")
-    p.add_argument("--factor", type=float, default=None, help="factor-based parallel decoding (replaces threshold)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--remasking", default=None, help="LLaDA: low_confidence|random; Dream: entropy|maskgit_plus|"
-                   "topk_margin|origin")
-    p.add_argument("--top-p", type=float, default=None, help="Dream only")
-    p.add_argument("--top-k", type=int, default=None, help="Dream only")
+    p.add_argument("--cache", default="dual", help=f"KV cache: {' | '.join(CACHE_MODES)} (default: %(default)s)")
+    p.add_argument("--threshold", type=optional_float, default=argparse.SUPPRESS, help="parallel decoding: "
+                   "unmask every token with confidence >= this; none = off (default: 0.9; none with --factor)")
+    p.add_argument("--factor", type=float, default=None, help="factor-based parallel decoding (default: off)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--remasking", default=None, help="LLaDA: low_confidence (default) | random; Dream: entropy "
+                   "(default) | maskgit_plus | topk_margin | origin")
+    p.add_argument("--top-p", type=float, default=None, help="Dream only (default: off)")
+    p.add_argument("--top-k", type=int, default=None, help="Dream only (default: off)")
     p.add_argument("--alg-temp", type=float, default=None, help="Dream only: randomness of the position choice")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default: %(default)s)")
     p.add_argument("--no-chat", action="store_true", help="raw prompt, no chat template (base models)")
-    p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin")
+    p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin (a model without a chat "
+                   "template, like the demo, answers each question alone)")
     p.add_argument("--bench", action="store_true", help="speed-up table: baseline vs caches vs parallel decoding")
     args = p.parse_args(argv)
-    if args.factor is not None:
-        args.threshold = None      # --factor replaces the default threshold
+    args.fit_gen_length = "gen_length" not in vars(args)
+    args.gen_length = getattr(args, "gen_length", 256)
+    if "threshold" not in vars(args):   # --factor replaces the default; both given is check_settings' error
+        args.threshold = None if args.factor is not None else 0.9
+    if not args.prompt and not args.interactive and not args.bench:
+        raise ValueError("no prompt: pass --prompt \"...\" (or --interactive)")
+    check_text(args.prompt or "")
+    if not -2**63 <= args.seed < 2**64:   # torch's seed is 64-bit: say so before loading, not after
+        raise ValueError(f"--seed {args.seed} does not fit in 64 bits: use a seed between 0 and 2**64 - 1")
     return args
 
 
@@ -409,10 +458,39 @@ def bench(model, ids, args, device):
     print(f"| mode | NFE | tokens/s | speed-up | same answer as baseline |\n|---|---|---|---|---|")
     base = None
     for name, cache, thr in rows:
-        out, st = run_once(model, ids, args, device, cache=cache, threshold=thr, factor=None)
+        out, st = run_once(model, ids, args, device, cache=cache, threshold=None if args.factor else thr,
+                           factor=args.factor if thr else None)
         base = base or (out, st["tokens_per_s"])
         print(f"| {name} | {st['nfe']} | {st['tokens_per_s']:.1f} | {st['tokens_per_s'] / base[1]:.2f}x | "
               f"{'yes' if out == base[0] else 'no'} |", flush=True)
+
+
+def fit_gen_length(args, n_prompt: int, max_seq_len: int) -> int:
+    """An explicit --gen-length as given (generate() checks it); the default 256 cut to the largest multiple
+    of --block-length that fits the model's positions (the demo model has 128), said on stderr."""
+    block = args.block_length or 1
+    fit = (max_seq_len - n_prompt) // block * block
+    if not args.fit_gen_length or n_prompt + args.gen_length <= max_seq_len or fit < 1:
+        return args.gen_length
+    print(f"note: the prompt ({n_prompt} tokens) + gen-length {args.gen_length} exceed the model's {max_seq_len} "
+          f"positions: generating {fit} tokens (pass --gen-length to choose)", file=sys.stderr)
+    return fit
+
+
+def read_turn() -> str | None:
+    """One --interactive question from stdin; None at its end (Ctrl-D, or the end of piped input)."""
+    try:
+        text = input("user> ").strip()
+    except EOFError:
+        print()
+        return None
+    except UnicodeDecodeError:   # a strict UTF-8 stdin (a lenient one gives surrogates: check_text)
+        raise ValueError("the input is not valid UTF-8 text: pass UTF-8 (convert it with e.g. iconv)") from None
+    except (OSError, RuntimeError):   # stdin closed (`<&-`): "input(): lost sys.stdin", or EBADF
+        raise ValueError("--interactive reads questions from stdin, which is closed: run it in a terminal or "
+                         "pipe the questions in") from None
+    check_text(text, "the input")
+    return text
 
 
 def main(argv=None):
@@ -420,37 +498,52 @@ def main(argv=None):
     device, dtype = pick_device_dtype(args.device, args.dtype)
     kw = settings(args)
     check_settings(**{k: v for k, v in kw.items() if k != "remasking"} |
-                   {"block_length": kw["block_length"] or kw["gen_length"], "steps": kw["steps"] or kw["gen_length"]})
+                   {"block_length": kw["block_length"] or kw["gen_length"],
+                    "steps": kw["gen_length"] if kw["steps"] is None else kw["steps"]})
     model_dir = resolve_model_dir(args.model)
+    # config.json and tokenizer.json are small: their checks come before gigabytes of weights are read.
+    cfg = read_config(model_dir)
+    if cfg.family == "dream" and not args.block_length and (args.cache != "none" or args.threshold is not None
+                                                          or args.factor is not None):
+        raise ValueError("--block-length 0 selects Dream's own whole-canvas sampler, which has no cache and no "
+                         "parallel decoding: add --cache none --threshold none, or pass a --block-length")
+    check_readable(os.path.join(model_dir, "tokenizer.json"))
+    chat = Chat(model_dir, cfg, chat=not args.no_chat)
+    # The mask id must be a special token: an ordinary word means config.json does not match the tokenizer
+    # (blame the config, not a prompt that happens to use the word).
+    word = chat.tok.id_to_token(cfg.mask_id)
+    if word is not None and not getattr(chat.tok.get_added_tokens_decoder().get(cfg.mask_id), "special", False):
+        raise ValueError(f"config.json's mask_token_id {cfg.mask_id} is the ordinary token {word!r} of "
+                         f"tokenizer.json, not a special mask token: fix config.json or re-download the checkpoint")
+    chat.stop_ids |= set(cfg.eos_ids)     # config.json may list several end-of-text ids
     model = load_model(model_dir, device=device, dtype=dtype)
-    chat = Chat(model_dir, model.config, chat=not args.no_chat)
     if args.bench:
         prompt = args.prompt or "Tom has 23 apples and buys 45 more. How many apples does he have?"
-        return bench(model, chat.encode(chat.render([{"role": "user", "content": prompt}])), args, device)
-    if not args.interactive and not args.prompt:
-        raise ValueError("no prompt: pass --prompt \"...\" (or --interactive)")
+        ids = chat.encode(chat.render([{"role": "user", "content": prompt}]))
+        args.gen_length = fit_gen_length(args, len(ids), cfg.max_seq_len)
+        return bench(model, ids, args, device)
     messages, ids = [], []
     while True:
-        try:
-            text = args.prompt if not args.interactive else input("user> ").strip()
-        except EOFError:   # Ctrl-D (or the end of piped input) ends the chat, like "exit"
-            print()
+        text = args.prompt if not args.interactive else read_turn()
+        if args.interactive and text in (None, "", "exit", "quit"):
             return
-        if args.interactive and text in ("", "exit", "quit"):
-            return
-        messages.append({"role": "user", "content": text})
+        # Without a chat template there are no turns to keep (the demo model was trained on one question
+        # each, and earlier questions would only fill its 128 positions): each question is a new prompt.
+        messages = (messages if chat.chat else []) + [{"role": "user", "content": text}]
         if ids and chat.chat and chat.family == "llada":
             # LLaDA's chat.py keeps the previous turns as ids, with every <|endoftext|> filler removed, and
             # appends the new turn without its bos.
-            ids = [t for t in ids if t != model.config.eos_id] + chat.encode(chat.render(messages[-1:]))[1:]
+            ids = [t for t in ids if t != cfg.eos_id] + chat.encode(chat.render(messages[-1:]))[1:]
         else:
             ids = chat.encode(chat.render(messages))
+        gen_length = fit_gen_length(args, len(ids), cfg.max_seq_len)
         live = {}
         try:
-            out, stats = run_once(model, ids, args, device, on_step=lambda x, st: live.update(x=x, nfe=st["nfe"]))
+            out, stats = run_once(model, ids, args, device, gen_length=gen_length,
+                                  on_step=lambda x, st: live.update(x=x, nfe=st["nfe"]))
         except KeyboardInterrupt:
             partial = live["x"][0, len(ids):].tolist() if "x" in live else []
-            partial = [t for t in partial if t != model.config.mask_id]
+            partial = [t for t in partial if t != cfg.mask_id]
             print(f"\n[interrupted after {live.get('nfe', 0)} steps] {chat.answer(partial)}")
             return 130
         answer = chat.answer(out[len(ids):])
@@ -466,7 +559,7 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:   # OSError: FileNotFoundError and any file error we did not foresee
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -41,9 +41,14 @@ class ModelConfig:
     max_seq_len: int = 4096    # LLaDA `max_sequence_length`, Dream `max_position_embeddings`
     mask_id: int | None = 1000 # the [MASK] token the diffusion process denoises (None: the causal guide has none)
     eos_id: int | None = None
+    eos_ids: tuple = ()        # every end-of-text id: config.json may list several (eos_id is the first)
     pad_id: int | None = None
     bos_id: int | None = None
     tie_embeddings: bool = False   # the LM head *is* the embedding matrix (Qwen2.5 <= 3B: tie_word_embeddings)
+
+    def __post_init__(self):
+        if not self.eos_ids and self.eos_id is not None:
+            self.eos_ids = (self.eos_id,)
 
     @property
     def head_dim(self) -> int:
@@ -73,20 +78,23 @@ class ModelConfig:
             if hf.get(key, value) != value:   # an architecture variant we would otherwise load silently wrong
                 raise ValueError(f"config.json sets {key} = {hf[key]!r}; fastdllm implements the LLaDA-8B / "
                                  f"Dream-7B / Qwen2.5 architecture ({key} = {value!r}) only")
+        # eos_token_id may be a list (Qwen2.5's generation config lists two): every one of them ends the text.
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else () if eos is None else (eos,)
+        ids = dict(eos_id=eos_ids[0] if eos_ids else None, eos_ids=eos_ids, pad_id=hf.get("pad_token_id"),
+                   bos_id=hf.get("bos_token_id"))
         if kind == "llada":
             return cls(family="llada", vocab_size=hf.get("embedding_size") or hf["vocab_size"], dim=hf["d_model"],
                        n_layers=hf["n_layers"], n_heads=hf["n_heads"], n_kv_heads=hf.get("n_kv_heads") or hf["n_heads"],
                        ffn_dim=hf["mlp_hidden_size"], rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"],
                        qkv_bias=bool(hf.get("include_qkv_bias")),
-                       max_seq_len=hf["max_sequence_length"], mask_id=hf.get("mask_token_id", 126336),
-                       eos_id=hf.get("eos_token_id"), pad_id=hf.get("pad_token_id"), bos_id=hf.get("bos_token_id"))
+                       max_seq_len=hf["max_sequence_length"], mask_id=hf.get("mask_token_id", 126336), **ids)
         if kind == "dream":
             return cls(family="dream", vocab_size=hf["vocab_size"], dim=hf["hidden_size"],
                        n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
                        n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
                        ffn_dim=hf["intermediate_size"], rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"],
-                       qkv_bias=True, max_seq_len=hf["max_position_embeddings"], mask_id=hf["mask_token_id"],
-                       eos_id=hf.get("eos_token_id"), pad_id=hf.get("pad_token_id"), bos_id=hf.get("bos_token_id"))
+                       qkv_bias=True, max_seq_len=hf["max_position_embeddings"], mask_id=hf["mask_token_id"], **ids)
         if kind == "qwen2":
             # The guide: Dream's blocks (Qwen2 hard-codes q/k/v biases; there is no attention_bias field), no mask.
             return cls(family="qwen2", vocab_size=hf["vocab_size"], dim=hf["hidden_size"],
@@ -94,8 +102,7 @@ class ModelConfig:
                        n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
                        ffn_dim=hf["intermediate_size"], rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"],
                        qkv_bias=True, max_seq_len=hf["max_position_embeddings"], mask_id=None,
-                       eos_id=hf.get("eos_token_id"), pad_id=hf.get("pad_token_id"), bos_id=hf.get("bos_token_id"),
-                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **ids)
         raise ValueError(f"unknown model_type {hf.get('model_type')!r} in config.json: fastdllm runs LLaDA "
                          f"(model_type 'llada') and Dream (model_type 'Dream') checkpoints only, guided by a "
                          f"Qwen2 model (model_type 'qwen2')")
@@ -297,10 +304,27 @@ class Transformer(nn.Module):
 # ----------------------------------------------------------------------------------------------------------
 # Loading: a local folder or a Hugging Face repo id -> Transformer, strict, shard by shard, no float32 copy.
 
+def check_readable(path: str):
+    """A folder where a file should be, or a file we may not read, is said as such: os.path.isfile() is
+    False for both, and "missing" would send the user to re-download what is there."""
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a folder, not a file: remove it and re-download the checkpoint's file")
+    if os.path.exists(path) and not os.access(path, os.R_OK):
+        raise ValueError(f"cannot read {path}: permission denied; fix its permissions (chmod a+r)")
+
+
 def resolve_model_dir(name_or_path: str) -> str:
     """A local folder as is; otherwise a Hugging Face repo id, fetched (json, safetensors, tokenizer only)."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ValueError(f"the model must be a folder path or a Hugging Face repo id such as "
+                         f"GSAI-ML/LLaDA-8B-Instruct, not {name_or_path!r}")
+    name_or_path = os.fspath(name_or_path)
     path = os.path.expanduser(name_or_path)
     if os.path.isdir(path):
+        # Inside a folder we may not enter every file looks missing: say what is wrong instead.
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise ValueError(f"cannot read the model folder {path}: permission denied; fix its permissions "
+                             f"(chmod a+rx)")
         return path
     if os.path.isfile(path):
         raise FileNotFoundError(f"{name_or_path!r} is a file: pass the model folder (the one with config.json "
@@ -315,12 +339,17 @@ def resolve_model_dir(name_or_path: str) -> str:
         # special_tokens_map.json, and merges.txt completes them. Never a pickle (*.bin, *.pt) or remote code.
         return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "merges.txt"])
     except Exception as e:  # network, auth or a missing repo: one line, not a stack of HTTP frames
+        from huggingface_hub import constants
+        if constants.HF_HUB_OFFLINE:
+            raise FileNotFoundError(f"{name_or_path!r} is not in the local Hugging Face cache and offline mode is "
+                                    f"on (HF_HUB_OFFLINE is set): unset it to download, or pass a local folder") from None
         raise FileNotFoundError(f"could not fetch {name_or_path!r} from the Hugging Face Hub "
                                 f"({type(e).__name__}): check the repo id and your network, or pass a local folder") from None
 
 
 def read_config(model_dir: str) -> ModelConfig:
     path = os.path.join(model_dir, "config.json")
+    check_readable(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} is missing: {model_dir!r} is not a Hugging Face model folder "
                                 f"(it needs config.json and *.safetensors)")
@@ -348,12 +377,20 @@ def read_config(model_dir: str) -> ModelConfig:
     if not cfg.causal and (type(cfg.mask_id) is not int or not 0 <= cfg.mask_id < cfg.vocab_size):
         raise ValueError(f"{path}: mask_token_id {cfg.mask_id!r} is not a token id below {cfg.vocab_size}: "
                          f"re-download the checkpoint")
+    if not all(type(i) is int and i >= 0 for i in cfg.eos_ids):
+        raise ValueError(f"{path}: eos_token_id {hf.get('eos_token_id')!r} is not a token id or a list of them: "
+                         f"re-download the checkpoint")
+    # A string or null here would fail deep inside torch; a theta <= 0 would silently rotate by NaN.
+    for key, value in (("rope_theta", cfg.rope_theta), ("rms_norm_eps", cfg.norm_eps)):
+        if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{path} gives {key} = {value!r}, not a positive number: re-download the checkpoint")
     return cfg
 
 
 def shard_files(model_dir: str) -> list[str]:
     """The safetensors files, in the order the index names them (or the single model.safetensors)."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
+    check_readable(index)
     if os.path.isfile(index):
         try:
             with open(index) as f:
@@ -362,11 +399,13 @@ def shard_files(model_dir: str) -> list[str]:
             raise ValueError(f"{index} is not a valid safetensors index (no weight_map): re-download it") from None
         files = [os.path.join(model_dir, n) for n in names]
         for p in files:
+            check_readable(p)
             if not os.path.isfile(p):
                 raise FileNotFoundError(f"shard {os.path.basename(p)} named in {index} is missing: "
                                         f"re-download the checkpoint")
         return files
     single = os.path.join(model_dir, "model.safetensors")
+    check_readable(single)
     if os.path.isfile(single):
         return [single]
     raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {model_dir!r}: "
@@ -402,6 +441,9 @@ def load_model(name_or_path: str, device=None, dtype=None) -> Transformer:
     except (RuntimeError, AssertionError):   # torch's words for "not built with it" / "no such device"
         raise ValueError(f"device {str(device)!r} is not available here: use 'cpu' (or 'cuda' on a machine "
                          f"with CUDA)") from None
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype {dtype!r} is not a torch float dtype: pass torch.float32, torch.bfloat16 or "
+                         f"torch.float16")
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model_dir = resolve_model_dir(name_or_path)
     cfg = read_config(model_dir)
@@ -554,7 +596,7 @@ def check_guide(model_cfg: ModelConfig, guide_cfg: ModelConfig, model_tok=None, 
     if model_tok is None or guide_tok is None:
         # Configs alone: the diffusion model's end of text must be one of the guide's special ids. Dream-7B
         # ends with 151643, which Qwen2.5-1.5B-Instruct's config names as its bos (its eos is <|im_end|>).
-        guide_ids = (guide_cfg.eos_id if isinstance(guide_cfg.eos_id, list) else [guide_cfg.eos_id]) + [guide_cfg.bos_id]
+        guide_ids = [*guide_cfg.eos_ids, guide_cfg.bos_id]
         if eos not in guide_ids:
             raise ValueError(f"the diffusion model's end-of-text id {eos} is none of the guide's special ids "
                              f"{sorted(set(guide_ids) - {None})}: the guide must use the diffusion model's tokenizer")

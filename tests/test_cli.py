@@ -1,11 +1,13 @@
 """The command line end to end on the fixture checkpoints, as a user runs it (a subprocess, no test-only
 branch): the same path a GPU user takes with the real 8B checkpoint, minus the download."""
+import io
 import os
 import subprocess
 import sys
 
 import pytest
 
+import fastdllm
 from conftest import ROOT, copy_checkpoint, write_tokenizer
 
 LLADA_CHAT = {1000: "<|mdm_mask|>", 1022: "<|endoftext|>", 1019: "<|startoftext|>",
@@ -66,3 +68,58 @@ def test_cli_checks_settings_before_loading_the_model():
     not even exist, and the error is about the flag)."""
     r = cli("--model", "/nonexistent/model", "--prompt", "hi", "--cache", "full")
     assert r.returncode == 2 and "unknown cache mode 'full'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_default_gen_length_fits_the_model():
+    """The docstring's own example: the demo model has 128 positions, so the default 256 can't fit. Without
+    --gen-length it is cut to the largest block multiple that fits, said in one line; given, it is an error."""
+    prompt = "Tom has 23 apples and buys 45 more. How many apples does he have?"
+    demo = os.path.join(ROOT, "demo", "llada-arith")
+    r = cli("--model", demo, "--prompt", prompt)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "note: the prompt (18 tokens) + gen-length 256 exceed the model's 128 positions: generating 96 tokens "
+        "(pass --gen-length to choose)"]
+    assert r.stdout.strip().splitlines()[-1].startswith("NFE ")
+    r = cli("--model", demo, "--prompt", prompt, "--gen-length", "256")
+    assert r.returncode == 2 and "exceeds the model's 128 positions" in r.stderr
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        fastdllm.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())     # argparse wraps lines
+    for default in ("(default: 256,", "(default: 32)", "(default: dual)", "(default: 0.9;", "(default: 0.0)",
+                    "(default: gen-length)", "(default: 0)"):
+        assert default in text, default
+
+
+def recording_generate(monkeypatch):
+    """fastdllm.generate, recording each call's prompt and keyword arguments."""
+    calls, real = [], fastdllm.generate
+    monkeypatch.setattr(fastdllm, "generate", lambda model, prompt, **kw: calls.append((prompt, kw)) or
+                        real(model, prompt, **kw))
+    return calls
+
+
+def test_cli_bench_passes_factor_to_the_parallel_rows(llada_dir, monkeypatch, capsys):
+    calls = recording_generate(monkeypatch)
+    fastdllm.main(["--model", llada_dir, "--bench", "--prompt", "w1 w2", "--gen-length", "16", "--block-length", "8",
+                   "--factor", "2"])
+    rules = [(kw["cache"], kw["threshold"], kw["factor"]) for _, kw in calls]
+    assert rules == [("none", None, None),   # warm-up
+                     ("none", None, None), ("prefix", None, None), ("dual", None, None),
+                     ("none", None, 2.0), ("prefix", None, 2.0), ("dual", None, 2.0)]
+    assert "+dual+parallel" in capsys.readouterr().out
+
+
+def test_cli_interactive_without_chat_template_answers_each_question_alone(tmp_path, monkeypatch, capsys):
+    """Without a chat template there are no turns to keep: the second prompt is the second question only
+    (it used to be every question so far, which filled the demo model's context in ~5 turns)."""
+    d = copy_checkpoint("llada-tiny", tmp_path)
+    write_tokenizer(d, {1000: "<|mdm_mask|>", 1022: "<|endoftext|>"})     # no chat tokens
+    calls = recording_generate(monkeypatch)
+    monkeypatch.setattr("sys.stdin", io.StringIO("w1 w2 w3\nw4\nexit\n"))
+    fastdllm.main(["--model", d, "--interactive", "--gen-length", "8", "--block-length", "8"])
+    assert [prompt[0].tolist() for prompt, _ in calls] == [[1, 2, 3], [4]]
+    assert capsys.readouterr().out.count("assistant>") == 2

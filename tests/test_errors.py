@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import tokenize
 
 import pytest
@@ -81,6 +82,21 @@ def remove(d, *names):
     return d
 
 
+def make_folder(d, name):
+    """A folder where a file should be."""
+    path = os.path.join(d, name)
+    if os.path.exists(path):
+        os.remove(path)
+    os.mkdir(path)
+    return d
+
+
+def deny(monkeypatch, path):
+    """Make `path` unreadable as os.access sees it: the tests run as root, which chmod does not stop."""
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, *a, **kw: os.fspath(p) != path and real(p, mode, *a, **kw))
+
+
 def one_line(e) -> str:
     msg = str(e.value)
     assert msg and "\n" not in msg, f"not one line: {msg!r}"
@@ -121,8 +137,21 @@ FILE_CASES = {
                             r"width of 32 does not split into 5 heads"),
     "mask id outside vocab": (lambda d: edit_config(d, mask_token_id=5000), ValueError,
                               r"mask_token_id 5000 is not a token id below 1024"),
+    "eos_token_id a string": (lambda d: edit_config(d, eos_token_id="</s>"), ValueError,
+                              r"eos_token_id '</s>' is not a token id or a list of them"),
+    "rope_theta a string": (lambda d: edit_config(d, rope_theta="500000"), ValueError,
+                            r"gives rope_theta = '500000', not a positive number: re-download"),
+    "rope_theta null": (lambda d: edit_config(d, rope_theta=None), ValueError, r"rope_theta = None, not a positive"),
+    "rope_theta 0": (lambda d: edit_config(d, rope_theta=0), ValueError, r"rope_theta = 0, not a positive number"),
+    "rope_theta negative": (lambda d: edit_config(d, rope_theta=-10000.0), ValueError, r"rope_theta = -10000\.0, not"),
+    "rms_norm_eps a string": (lambda d: edit_config(d, rms_norm_eps="1e-5"), ValueError,
+                              r"gives rms_norm_eps = '1e-5', not a positive number"),
+    "rms_norm_eps null": (lambda d: edit_config(d, rms_norm_eps=None), ValueError, r"rms_norm_eps = None, not"),
+    "config.json a folder": (lambda d: make_folder(d, "config.json"), ValueError,
+                             r"config\.json is a folder, not a file"),
     "shard named in index missing": (lambda d: remove(d, SHARD2), FileNotFoundError,
                                      rf"shard {SHARD2} named in .*index\.json is missing"),
+    "shard a folder": (lambda d: make_folder(d, SHARD), ValueError, rf"{SHARD} is a folder, not a file"),
     "no safetensors at all": (lambda d: remove(d, SHARD, SHARD2, "model.safetensors.index.json"), FileNotFoundError,
                               r"no model\.safetensors or model\.safetensors\.index\.json"),
     "index without weight_map": (lambda d: rewrite_bytes(d, lambda b: b"{}", "model.safetensors.index.json"),
@@ -159,6 +188,37 @@ def test_bad_model_files(tmp_path, case):
     assert re.search(pattern, one_line(e)), str(e.value)
 
 
+def test_eos_token_id_list_keeps_every_id(tmp_path):
+    """Real configs list several end-of-text ids (Qwen2.5's generation config lists two): all are kept."""
+    cfg = load_model(edit_config(checkpoint(tmp_path), eos_token_id=[1022, 7]), device="cpu").config
+    assert cfg.eos_id == 1022 and cfg.eos_ids == (1022, 7)
+
+
+@pytest.mark.parametrize("name,pattern", [
+    ("", r"cannot read the model folder .*llada-tiny: permission denied; fix its permissions \(chmod a\+rx\)"),
+    ("config.json", r"cannot read .*config\.json: permission denied; fix its permissions \(chmod a\+r\)"),
+    ("model.safetensors.index.json", r"cannot read .*index\.json: permission denied"),
+    (SHARD2, rf"cannot read .*{SHARD2}: permission denied"),
+])
+def test_unreadable_files_are_not_called_missing(tmp_path, monkeypatch, name, pattern):
+    d = checkpoint(tmp_path)
+    deny(monkeypatch, os.path.join(d, name) if name else d)
+    with pytest.raises(ValueError) as e:
+        load_model(d, device="cpu")
+    assert re.search(pattern, one_line(e)), str(e.value)
+
+
+@pytest.mark.parametrize("kw,pattern", [
+    (dict(name_or_path=None), r"the model must be a folder path or a Hugging Face repo id .*, not None"),
+    (dict(dtype="bfloat16"), r"dtype 'bfloat16' is not a torch float dtype: pass torch\.float32, torch\.bfloat16"),
+    (dict(dtype=torch.int8), r"dtype torch\.int8 is not a torch float dtype"),
+])
+def test_bad_load_arguments(kw, pattern):
+    with pytest.raises(ValueError) as e:
+        load_model(**{"name_or_path": os.path.join(GOLDEN, "llada-tiny"), "device": "cpu", **kw})
+    assert re.search(pattern, one_line(e)), str(e.value)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 @pytest.mark.parametrize("device", ["cuda", "cuda:1", "mps", "bogus"])
 def test_unavailable_device(device):
@@ -185,12 +245,21 @@ ARG_CASES = {
     "factor negative": (dict(factor=-1.0), r"factor must be > 0"),
     "threshold and factor": (dict(threshold=0.9, factor=1.0), r"pass threshold or factor, not both"),
     "temperature negative": (dict(temperature=-0.1), r"temperature must be >= 0 \(got -0\.1\); 0 is greedy"),
-    "unknown cache": (dict(cache="full"), r"unknown cache mode 'full': use one of none, prefix, dual"),
+    "unknown cache": (dict(cache="full"), r"unknown cache mode 'full': use one of none, prefix, dual, free$"),
     "unknown remasking": (dict(remasking="entropy"),
         r"unknown remasking 'entropy' for llada: use one of low_confidence, random"),
     "Dream option on LLaDA": (dict(top_p=0.9), r"top_p, top_k and alg_temp are Dream options"),
     "prompt + gen_length too long": (dict(gen_length=4096, block_length=32),
         r"prompt \(4 tokens\) \+ gen_length \(4096\) exceeds the model's 4096 positions: shorten"),
+    # Wrong types: the same one line, not a TypeError (or AttributeError) from inside the loop.
+    "gen_length a float": (dict(gen_length=8.0), r"gen_length must be an integer \(got 8\.0\)"),
+    "block_length a string": (dict(block_length="4"), r"block_length must be an integer \(got '4'\)"),
+    "steps a float": (dict(steps=8.0), r"steps must be an integer \(got 8\.0\)"),
+    "threshold a string": (dict(threshold="0.9"), r"threshold must be a number or None \(got '0\.9'\)"),
+    "temperature None": (dict(temperature=None), r"temperature must be a number \(got None\)"),
+    "generator a string": (dict(generator="cpu"), r"generator must be a torch\.Generator, not 'cpu': e\.g\."),
+    "eps 0": (dict(eps=0.0), r"eps must be in \(0, 1\) \(got 0\.0\)"),
+    "eps 1": (dict(eps=1.0), r"eps must be in \(0, 1\) \(got 1\.0\)"),
 }
 
 
@@ -202,6 +271,12 @@ DREAM_CASES = {
     "one step per block": (dict(steps=2), r"needs >= 2 steps per block \(got 1\): raise steps to at least 4"),
     "top_p 0": (dict(top_p=0.0), r"top_p must be in \(0, 1\] \(got 0\.0\)"),
     "top_k 0": (dict(top_k=0), r"top_k must be >= 1"),
+    "top_k a float": (dict(top_k=2.5), r"top_k must be an integer or None \(got 2\.5\)"),
+    "attention_mask of the wrong shape": (dict(attention_mask=torch.ones(1, 3)),
+        r"attention_mask must be a tensor of the prompt's shape \(1, 4\) \(1 = token, 0 = pad\), not .*3"),
+    "attention_mask a list": (dict(attention_mask=[[1, 1, 1, 1]]), r"attention_mask must be a tensor .*not list"),
+    "attention_mask all zeros": (dict(attention_mask=torch.zeros(1, 4)),
+        r"attention_mask has a row of zeros: every prompt needs at least one real token"),
 }
 
 
@@ -229,6 +304,20 @@ def test_bad_prompts(llada, prompt, pattern):
     assert re.search(pattern, one_line(e))
 
 
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("prompt,pattern", [
+    ([[5, 6, 7]], r"the prompt must be a torch\.Tensor of token ids, not a list: e\.g\. torch\.tensor\(\[ids\]\)"),
+    (torch.zeros(0, 4, dtype=torch.long), r"the prompt batch has 0 rows: pass at least one prompt"),
+    (PROMPT.int(), r"integer token ids of dtype torch\.long, not torch\.int32 .*prompt\.long\(\)"),
+    (PROMPT.to(torch.uint8), r"integer token ids of dtype torch\.long, not torch\.uint8"),
+    (PROMPT[0], r"a \(batch, length\) tensor .* of shape \(4,\)"),
+], ids=["a list", "0 rows", "int32", "uint8", "1-D"])
+def test_bad_prompt_types(request, family, prompt, pattern):
+    with pytest.raises(ValueError) as e:
+        generate(request.getfixturevalue(family), prompt, gen_length=8, block_length=4)
+    assert re.search(pattern, one_line(e)), str(e.value)
+
+
 # NaN settings (NaN > 0 is False, so a plain `<= 0` check let them through) and malformed prompts.
 @pytest.mark.parametrize("kw,prompt,pattern", [
     (dict(threshold=float("nan")), PROMPT, r"threshold must be in \(0, 1\]"),
@@ -248,6 +337,14 @@ def test_corrupt_tokenizer_json(tmp_path, llada):
     with pytest.raises(ValueError) as e:
         Chat(d, llada.config)
     assert re.search(r"tokenizer\.json is not a readable tokenizer\.json .*re-download it", one_line(e))
+
+
+def test_unreadable_tokenizer_json_is_not_called_missing(tmp_path, monkeypatch):
+    d = checkpoint(tmp_path, tokenizer=True)
+    deny(monkeypatch, os.path.join(d, "tokenizer.json"))
+    with pytest.raises(ValueError) as e:
+        fastdllm.main(["--model", d, "--prompt", "w5", "--gen-length", "8", "--block-length", "8"])
+    assert re.search(r"cannot read .*tokenizer\.json: permission denied", one_line(e)), str(e.value)
 
 
 def test_interactive_ends_on_ctrl_d(tmp_path, monkeypatch):
@@ -318,11 +415,19 @@ def test_no_pickle_anywhere():
 # ---------------------------------------------------------------------------------- the CLI
 
 def cli_cases(tmp):
+    """name: (argv, the pattern of the one error line, run with stdin closed)."""
     ok = checkpoint(tmp / "ok", tokenizer=True)
     truncated = rewrite_bytes(checkpoint(tmp / "trunc", tokenizer=True), lambda b: b[:len(b) // 2])
     no_tok = checkpoint(tmp / "notok")
     run = ["--prompt", "w5 w6 w7", "--gen-length", "16", "--block-length", "8"]
     return {
+        # Three that need a real process: argv bytes, a closed stdin, the environment.
+        "prompt not UTF-8": ([*run, "--model", ok, "--prompt", b"w5 \xff w6"], r"the prompt is not valid UTF-8 text"),
+        "stdin closed": (["--model", ok, "--interactive"], r"--interactive reads questions from stdin, which is "
+                         r"closed: run it in a terminal or pipe the questions in", True),
+        "repo id not cached, offline": (["--model", "nobody/no-such-model", *run],
+                                        r"'nobody/no-such-model' is not in the local Hugging Face cache and offline "
+                                        r"mode is on \(HF_HUB_OFFLINE is set\)"),
         "folder missing": ([*run, "--model", str(tmp / "nope")], r"model folder .*nope' not found"),
         "--device cuda without CUDA": ([*run, "--model", ok, "--device", "cuda"],
                                        r"--device cuda was asked for but CUDA is not available here: use --device cpu"),
@@ -339,17 +444,31 @@ def cli_cases(tmp):
 @pytest.fixture(scope="module")
 def cli_results(tmp_path_factory):
     """Every CLI case started at once (they are mostly torch imports), then collected."""
-    cases = cli_cases(tmp_path_factory.mktemp("cli"))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}      # conftest already sets OMP_NUM_THREADS=1
-    procs = {name: subprocess.Popen([sys.executable, os.path.join(ROOT, "fastdllm.py"), *argv], env=env,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for name, (argv, _) in cases.items()}
-    return {name: (p, *p.communicate(timeout=300), cases[name][1]) for name, p in procs.items()}
+    tmp = tmp_path_factory.mktemp("cli")
+    cases = cli_cases(tmp)
+    # Offline, with an empty Hugging Face cache (conftest already sets OMP_NUM_THREADS=1).
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "hf")}
+    procs = {}
+    for name, (argv, _, *closed) in cases.items():
+        cmd = [sys.executable, os.path.join(ROOT, "fastdllm.py"), *argv]
+        if closed:
+            cmd = ["sh", "-c", 'exec "$@" <&-', "sh", *cmd]      # no stdin at all, not an empty one
+        procs[name] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True)
+    out = {}
+    for name, p in procs.items():
+        try:
+            out[name] = (p, *p.communicate(timeout=120), cases[name][1])
+        except subprocess.TimeoutExpired:      # a hang fails its case, not the whole run
+            p.kill()
+            out[name] = (p, *p.communicate(), cases[name][1])
+    return out
 
 
 # A representative subset (the API tests cover every message): one per stage a CLI run goes through.
 CLI_CASES = ["folder missing", "--device cuda without CUDA", "--dtype float16 on CPU", "truncated shard",
-             "tokenizer.json missing", "mask token in prompt", "empty prompt"]
+             "tokenizer.json missing", "mask token in prompt", "empty prompt",
+             "prompt not UTF-8", "stdin closed", "repo id not cached, offline"]
 
 
 @pytest.mark.parametrize("case", CLI_CASES)
@@ -362,6 +481,49 @@ def test_cli_error_is_one_line_and_exit_2(cli_results, case):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert re.search(pattern, lines[0]), lines[0]
+
+
+RUN = ["--prompt", "w5 w6 w7", "--gen-length", "16", "--block-length", "8"]
+BEFORE_RESOLVING = {   # argv: the error, said before the model is even looked up (it may be a 16 GB download)
+    "no prompt": ([], r"^no prompt: pass --prompt"),
+    "bad flag value": (["--gen-length", "x"], r"^argument --gen-length: invalid int value: 'x' \(see --help\)$"),
+    "unknown flag": ([*RUN, "--tresh", "1"], r"^unrecognized arguments: --tresh 1 \(see --help\)$"),
+    "--seed beyond 64 bits": ([*RUN, "--seed", str(2**64)], r"^--seed \d+ does not fit in 64 bits: use a seed"),
+    "--factor and --threshold": ([*RUN, "--factor", "1", "--threshold", "0.5"], r"pass threshold or factor, not both"),
+    "prompt not UTF-8": ([*RUN, "--prompt", "w5 \udcff w6"], r"^the prompt is not valid UTF-8 text: pass UTF-8"),
+}
+
+
+@pytest.mark.parametrize("case", BEFORE_RESOLVING)
+def test_cli_checks_arguments_before_the_model(monkeypatch, case):
+    monkeypatch.setattr(fastdllm, "resolve_model_dir", lambda *a: pytest.fail("resolved the model first"))
+    argv, pattern = BEFORE_RESOLVING[case]
+    with pytest.raises(ValueError) as e:
+        fastdllm.main(argv)
+    assert re.search(pattern, one_line(e)), str(e.value)
+
+
+BEFORE_LOADING = {   # a bad checkpoint folder: the error, said from config.json / tokenizer.json before the weights
+    "Dream --block-length 0 with the default cache": (
+        lambda d: checkpoint(d, "dream-tiny", tokenizer=True), ["--block-length", "0"],
+        r"--block-length 0 selects Dream's own whole-canvas sampler, .*: add --cache none --threshold none"),
+    "mask id an ordinary token": (
+        lambda d: edit_config(checkpoint(d, tokenizer=True), mask_token_id=5), [],
+        r"config\.json's mask_token_id 5 is the ordinary token 'w5' of tokenizer\.json, not a special mask "
+        r"token: fix config\.json"),
+    "tokenizer.json a folder": (
+        lambda d: make_folder(checkpoint(d, tokenizer=True), "tokenizer.json"), [],
+        r"tokenizer\.json is a folder, not a file"),
+}
+
+
+@pytest.mark.parametrize("case", BEFORE_LOADING)
+def test_cli_checks_the_small_files_before_the_weights(tmp_path, monkeypatch, case):
+    make, argv, pattern = BEFORE_LOADING[case]
+    monkeypatch.setattr(fastdllm, "load_model", lambda *a, **kw: pytest.fail("loaded the weights first"))
+    with pytest.raises(ValueError) as e:
+        fastdllm.main(["--model", make(tmp_path), *RUN, *argv])
+    assert re.search(pattern, one_line(e)), str(e.value)
 
 
 # Runs fastdllm.py's own __main__ (runpy), with one hook: the second denoising step says so on stderr, so
@@ -388,12 +550,19 @@ def test_ctrl_c_prints_the_partial_answer(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", INTERRUPT, "--model", d, "--prompt", "w5 w6 w7", "--gen-length",
                           "2048", "--block-length", "2048", "--cache", "none", "--threshold", "none"],
                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # readline() has no timeout: a watchdog kills a run that never gets to its second step, which then
+    # fails here in two minutes instead of waiting out all 2048 steps.
+    watchdog = threading.Timer(120, p.kill)
+    watchdog.start()
     try:
         line = p.stderr.readline()
-        assert line == "second step\n", line + p.stderr.read()     # else it failed before generating
+        if line != "second step\n":       # it failed before generating (or printed something first)
+            p.kill()
+            pytest.fail(f"no second step: {line}{p.stderr.read()}")
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=60)
     finally:
+        watchdog.cancel()
         p.kill()
     assert "Traceback" not in out + err, err
     assert p.returncode == 130, (p.returncode, out, err)
