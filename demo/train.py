@@ -22,7 +22,10 @@ a small causal LM in the exact Qwen2.5 on-disk format (config.json with Qwen2's 
 tensor names), with the same tokenizer, hence the same token ids, and the ordinary next-token loss on the same
 problems. Every position is a target, so it learns far faster than the diffusion model:
 
-    python demo/train.py --guide               # the shipped demo/qwen2-arith/ (see --help for its defaults)
+    python demo/train.py --guide --threads 1   # the shipped demo/qwen2-arith/: 0.45M parameters (dim 128,
+                                               # 3 layers, 4 heads / 2 kv heads, MLP 256), 1,500 steps,
+                                               # 15 min on one thread of a busy 2-core VM (~8 min idle);
+                                               # greedy on its own: valid on 0.990 of 200 held-out problems
 """
 import argparse
 import json
