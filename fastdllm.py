@@ -185,6 +185,9 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
         after every step with the live canvas.
     """
     cfg = model.config
+    if cfg.causal:
+        raise ValueError("this is a causal LM (model_type qwen2), not a diffusion LM: pass it as guide= and a "
+                         "LLaDA or Dream checkpoint as the model")
     dream = cfg.family == "dream"
     guided = guide is not None
     whole_canvas = dream and block_length is None and not guided     # Dream's own diffusion_generate

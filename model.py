@@ -6,7 +6,7 @@ that guides them, and nothing else.
   attention, no biases, SwiGLU MLP, untied LM head, RMSNorm, rotate-half RoPE (theta 500000).
 - Dream-7B (`model_type: "Dream"`): the Qwen2.5-7B layout with grouped-query attention and q/k/v biases,
   and a next-token LM head, hence the one-position logits shift (see `Transformer.forward`).
-- The guide of FlashDLM's guided diffusion (arXiv 2505.21467, section 4; Qwen2.5-1.5B-Instruct for Dream-7B,
+- The guide of FlashDLM's guided diffusion (arXiv 2505.21467; spec/flashdlm.md 2; Qwen2.5-1.5B-Instruct for Dream-7B,
   `model_type: "qwen2"`): the same Qwen2 blocks as Dream, but an ordinary autoregressive LM: causal attention,
   no logits shift, and usually a tied LM head. `Guide` below holds its state (the KV cache of committed text).
 
@@ -496,7 +496,7 @@ def load_model(name_or_path: str, device=None, dtype=None) -> Transformer:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The guide's state (FlashDLM guided diffusion, arXiv 2505.21467 section 4): one row of committed text.
+# The guide's state (FlashDLM guided diffusion, arXiv 2505.21467; spec/flashdlm.md 2): one row of committed text.
 
 class Guide:
     """
@@ -505,7 +505,7 @@ class Guide:
 
     Invariant: cache rows [0, length) hold the committed text *except its last token*. Each verification
     teacher-forces [last committed token, d0, d1, ...]: the row fed `last` predicts d0, the row fed d_i
-    predicts d_{i+1}, so one forward scores a whole run of drafts at once (section 4, as in speculative
+    predicts d_{i+1}, so one forward scores a whole run of drafts at once (as in speculative
     decoding). The rows a step then commits were all computed on accepted text, so keeping them is just
     moving `length` forward: nothing is recomputed and nothing is copied.
     """

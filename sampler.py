@@ -13,7 +13,7 @@ block; confidences (B, N) hold -inf at non-candidates so they can never be chose
   (`dream_num_transfer`), or MaskGIT-style random unmasking (`origin`) (spec/dream.md section 5).
 - Fast-dLLM's parallel decoding (paper section 3.3): `select_threshold` (Theorem 1: unmask every token
   whose confidence clears tau, and always the most confident) and `select_factor`.
-- FlashDLM's guided diffusion (arXiv 2505.21467, section 4): `accept_drafts`, the guide's verdict on the
+- FlashDLM's guided diffusion (arXiv 2505.21467; spec/flashdlm.md 2): `accept_drafts`, the guide's verdict on the
   diffusion model's drafts.
 """
 from functools import partial
