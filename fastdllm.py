@@ -422,14 +422,32 @@ def parse_args(argv=None):
     p.add_argument("--no-chat", action="store_true", help="raw prompt, no chat template (base models)")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin (a model without a chat "
                    "template, like the demo, answers each question alone)")
+    p.add_argument("--prompt-file", help="one prompt per line, decoded in batches (answers in input order)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per batch with --prompt-file "
+                   "(default: %(default)s)")
+    p.add_argument("--no-early-stop", action="store_true", help="decode every block even after the answer "
+                   "ended (default: stop once a finished block holds an end token)")
+    p.add_argument("--no-stream", action="store_true", help="print the answer at the end, not block by block")
+    p.add_argument("--trace", action="store_true", help="print which tokens each step unmasked")
+    p.add_argument("--guide", help="a causal LM sharing the model's tokenizer (Qwen2 format, repo id or folder): "
+                   "FlashDLM's guided diffusion (default: off)")
+    p.add_argument("--accept", default="deterministic", help="guided: deterministic | topk | topk_relative "
+                   "(default: %(default)s)")
+    p.add_argument("--accept-k", type=int, default=5, help="guided top-k (default: %(default)s)")
+    p.add_argument("--accept-ratio", type=float, default=0.95, help="guided topk_relative ratio (default: "
+                   "%(default)s)")
     p.add_argument("--bench", action="store_true", help="speed-up table: baseline vs caches vs parallel decoding")
     args = p.parse_args(argv)
     args.fit_gen_length = "gen_length" not in vars(args)
     args.gen_length = getattr(args, "gen_length", 256)
-    if "threshold" not in vars(args):   # --factor replaces the default; both given is check_settings' error
-        args.threshold = None if args.factor is not None else 0.9
-    if not args.prompt and not args.interactive and not args.bench:
-        raise ValueError("no prompt: pass --prompt \"...\" (or --interactive)")
+    if "threshold" not in vars(args):   # --factor or --guide replaces the default; both given is an error
+        args.threshold = None if args.factor is not None or args.guide else 0.9
+    if not args.prompt and not args.interactive and not args.bench and not args.prompt_file:
+        raise ValueError("no prompt: pass --prompt \"...\" (or --prompt-file, --interactive)")
+    if args.prompt_file and (args.prompt or args.interactive):
+        raise ValueError("pass one of --prompt, --prompt-file, --interactive")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1 (got {args.batch_size})")
     check_text(args.prompt or "")
     if not -2**63 <= args.seed < 2**64:   # torch's seed is 64-bit: say so before loading, not after
         raise ValueError(f"--seed {args.seed} does not fit in 64 bits: use a seed between 0 and 2**64 - 1")
@@ -440,16 +458,27 @@ def settings(args, **override):
     kw = dict(gen_length=args.gen_length, block_length=args.block_length or None, steps=args.steps,
               cache=args.cache, threshold=args.threshold, factor=args.factor, temperature=args.temperature,
               remasking=args.remasking, top_p=args.top_p, top_k=args.top_k, alg_temp=args.alg_temp)
+    if args.guide:
+        kw.update(accept=args.accept, accept_k=args.accept_k, accept_ratio=args.accept_ratio)
     kw.update(override)
     return kw
 
 
 def run_once(model, ids, args, device, on_step=None, **override):
     """One generate() call on one prompt with the CLI's settings, seeded from --seed."""
+    out, stats = run_batch(model, [ids], args, device, on_step, **override)
+    return out[0], stats
+
+
+def run_batch(model, rows, args, device, on_step=None, **override):
+    """generate() on prompts of any lengths (left-padded), with the CLI's settings -> (prompt + answer ids per
+    row, pads dropped; stats). Early stop at the end of text is on unless --no-early-stop."""
+    ids, am = pad_prompts(rows, model.config.pad_id if model.config.pad_id is not None else model.config.eos_id)
     gen = torch.Generator(device).manual_seed(args.seed)
-    x, stats = generate(model, torch.tensor([ids], device=device), generator=gen, on_step=on_step,
-                        **settings(args, **override))
-    return x[0].tolist(), stats
+    kw = dict(stop_at_eos=not args.no_early_stop, eos_ids=getattr(args, "stop_ids", None), guide=args.guide_model)
+    x, stats = generate(model, ids.to(device), attention_mask=am.to(device), generator=gen, on_step=on_step,
+                        **kw | settings(args, **override))
+    return [row[ids.shape[1] - len(r):] for row, r in zip(x.tolist(), rows)], stats
 
 
 def bench(model, ids, args, device):
@@ -496,11 +525,55 @@ def read_turn() -> str | None:
     return text
 
 
+def load_guide(args, cfg, chat, device, dtype):
+    """--guide: check that it shares the model's token ids on its small files, then load it (or None)."""
+    if not args.guide:
+        return None
+    from chat import load_tokenizer
+    guide_dir = resolve_model_dir(args.guide)
+    try:   # with both tokenizers every shared id is compared token by token; else the configs' ids
+        guide_tok = load_tokenizer(guide_dir)
+    except FileNotFoundError:
+        guide_tok = None
+    check_guide(cfg, read_config(guide_dir), chat.tok, guide_tok)
+    return load_model(guide_dir, device=device, dtype=dtype)
+
+
+def streamer(chat, P: int, mask_id: int):
+    """on_step for the CLI: print the answer as it is decided, up to the first still-masked position."""
+    new_text = chat.stream()
+
+    def on_step(x, stats):
+        row = x[0, P:].tolist()
+        decided = row[:row.index(mask_id)] if mask_id in row else row
+        print(new_text(decided, final=mask_id not in row), end="", flush=True)
+    return on_step
+
+
+def answer_prompts(model, chat, args, device):
+    """--prompt-file: every line a prompt, decoded in batches of --batch-size; answers in input order."""
+    with open(args.prompt_file, encoding="utf-8") as f:
+        prompts = [line.strip() for line in f if line.strip()]
+    if not prompts:
+        raise ValueError(f"{args.prompt_file} has no prompt: write one prompt per line")
+    rows = [chat.encode(chat.render([{"role": "user", "content": q}])) for q in prompts]
+    args.gen_length = fit_gen_length(args, max(map(len, rows)), model.config.max_seq_len)
+    nfe, seconds = 0, 0.0
+    for i in range(0, len(rows), args.batch_size):
+        batch = rows[i:i + args.batch_size]
+        outs, stats = run_batch(model, batch, args, device)
+        for ids, out in zip(batch, outs):
+            print(chat.answer(out[len(ids):]))
+        nfe, seconds = nfe + stats["nfe"], seconds + stats["seconds"]
+    print(f"{len(rows)} prompts | NFE {nfe} | {len(rows) * args.gen_length / max(seconds, 1e-9):.1f} tokens/s | "
+          f"{seconds:.2f} s")
+
+
 def main(argv=None):
     args = parse_args(argv)
     device, dtype = pick_device_dtype(args.device, args.dtype)
     kw = settings(args)
-    check_settings(**{k: v for k, v in kw.items() if k != "remasking"} |
+    check_settings(**{k: v for k, v in kw.items() if k not in ("remasking", "accept", "accept_k", "accept_ratio")} |
                    {"block_length": kw["block_length"] or kw["gen_length"],
                     "steps": kw["gen_length"] if kw["steps"] is None else kw["steps"]})
     model_dir = resolve_model_dir(args.model)
@@ -519,12 +592,16 @@ def main(argv=None):
         raise ValueError(f"config.json's mask_token_id {cfg.mask_id} is the ordinary token {word!r} of "
                          f"tokenizer.json, not a special mask token: fix config.json or re-download the checkpoint")
     chat.stop_ids |= set(cfg.eos_ids)     # config.json may list several end-of-text ids
+    args.stop_ids = sorted(chat.stop_ids)
+    args.guide_model = load_guide(args, cfg, chat, device, dtype)
     model = load_model(model_dir, device=device, dtype=dtype)
     if args.bench:
         prompt = args.prompt or "Tom has 23 apples and buys 45 more. How many apples does he have?"
         ids = chat.encode(chat.render([{"role": "user", "content": prompt}]))
         args.gen_length = fit_gen_length(args, len(ids), cfg.max_seq_len)
         return bench(model, ids, args, device)
+    if args.prompt_file:
+        return answer_prompts(model, chat, args, device)
     messages, ids = [], []
     while True:
         text = args.prompt if not args.interactive else read_turn()
@@ -540,19 +617,32 @@ def main(argv=None):
         else:
             ids = chat.encode(chat.render(messages))
         gen_length = fit_gen_length(args, len(ids), cfg.max_seq_len)
-        live = {}
+        live, steps = {}, []
+        stream = None if args.no_stream or args.trace else streamer(chat, len(ids), cfg.mask_id)
+
+        def on_step(x, st):
+            live.update(x=x, nfe=st["nfe"])
+            if args.trace:
+                steps.append(x[0, len(ids):].tolist())
+            if stream:
+                stream(x, st)
+        if args.interactive:
+            print("assistant> ", end="", flush=True)
         try:
-            out, stats = run_once(model, ids, args, device, gen_length=gen_length,
-                                  on_step=lambda x, st: live.update(x=x, nfe=st["nfe"]))
+            out, stats = run_once(model, ids, args, device, gen_length=gen_length, on_step=on_step)
         except KeyboardInterrupt:
             partial = live["x"][0, len(ids):].tolist() if "x" in live else []
             partial = [t for t in partial if t != cfg.mask_id]
             print(f"\n[interrupted after {live.get('nfe', 0)} steps] {chat.answer(partial)}")
             return 130
         answer = chat.answer(out[len(ids):])
-        print(answer if not args.interactive else f"assistant> {answer}")
+        if args.trace:
+            from chat import render_trace
+            print("\n".join(render_trace(steps, chat.tok, cfg.mask_id, chat.stop_ids)))
+        print("" if stream else answer)
         peak = f" | peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else ""
-        print(f"NFE {stats['nfe']} | {stats['tokens_per_s']:.1f} tokens/s | {stats['seconds']:.2f} s{peak}")
+        guided = f" | guide calls {stats['guide_calls']}" if args.guide else ""
+        print(f"NFE {stats['nfe']} | {stats['tokens_per_s']:.1f} tokens/s | {stats['seconds']:.2f} s{guided}{peak}")
         if not args.interactive:
             return
         messages.append({"role": "assistant", "content": answer})

@@ -123,3 +123,72 @@ def test_cli_interactive_without_chat_template_answers_each_question_alone(tmp_p
     fastdllm.main(["--model", d, "--interactive", "--gen-length", "8", "--block-length", "8"])
     assert [prompt[0].tolist() for prompt, _ in calls] == [[1, 2, 3], [4]]
     assert capsys.readouterr().out.count("assistant>") == 2
+
+
+DEMO = os.path.join(ROOT, "demo", "llada-arith")
+QUESTIONS = ["Tom has 23 apples and buys 45 more. How many apples does he have?",
+             "A box has 24 apples. Tom takes 10. How many apples are left?",
+             "Sara has 31 pens and finds 17 more. How many pens does she have?"]
+
+
+def run_main(capsys, *args):
+    """main() in this process (no subprocess: these tests only read what it prints)."""
+    assert fastdllm.main(list(args)) is None
+    return capsys.readouterr().out.splitlines()
+
+
+def test_streamed_answer_equals_the_unstreamed_one(capsys):
+    """The CLI prints the answer block by block as it is decided; the pieces add up to the final answer."""
+    common = ("--model", DEMO, "--gen-length", "32", "--block-length", "8", "--prompt", QUESTIONS[0])
+    streamed = run_main(capsys, *common)
+    plain = run_main(capsys, *common, "--no-stream")
+    assert streamed[0] == plain[0] == "45 + 23 = 68. The answer is 68."
+    assert streamed[1].startswith("NFE ")
+
+
+def test_streaming_prints_pieces_as_steps_decide_them(monkeypatch, capsys):
+    pieces = []
+    real_print = print
+    monkeypatch.setattr("builtins.print", lambda *a, **k: (pieces.append(a[0]) if k.get("end") == "" else None,
+                                                          real_print(*a, **k)))
+    run_main(capsys, "--model", DEMO, "--gen-length", "32", "--block-length", "8", "--prompt", QUESTIONS[0])
+    assert len([p for p in pieces if p]) >= 2 and "".join(pieces) == "45 + 23 = 68. The answer is 68."
+
+
+def test_early_stop_saves_calls_and_keeps_the_answer(capsys):
+    common = ("--model", DEMO, "--gen-length", "64", "--block-length", "8", "--prompt", QUESTIONS[0])
+    stop, full = run_main(capsys, *common), run_main(capsys, *common, "--no-early-stop")
+    assert stop[0] == full[0]
+    nfe = lambda lines: int(lines[1].split()[1])   # noqa: E731
+    assert nfe(stop) < nfe(full)
+
+
+def test_prompt_file_answers_in_input_order(tmp_path, capsys):
+    """--prompt-file with --batch-size: left-padded batches, each answer as the single-prompt run gives it."""
+    f = tmp_path / "prompts.txt"
+    f.write_text("\n".join(QUESTIONS) + "\n\n")
+    lines = run_main(capsys, "--model", DEMO, "--gen-length", "32", "--block-length", "8",
+                     "--prompt-file", str(f), "--batch-size", "2")
+    alone = [run_main(capsys, "--model", DEMO, "--gen-length", "32", "--block-length", "8", "--prompt", q)[0]
+             for q in QUESTIONS]
+    assert lines[:3] == alone and lines[3].startswith("3 prompts | NFE ")
+
+
+def test_trace_shows_each_step(capsys):
+    lines = run_main(capsys, "--model", DEMO, "--gen-length", "32", "--block-length", "8", "--trace",
+                     "--prompt", QUESTIONS[1])
+    steps = [ln for ln in lines if ln.startswith("step ")]
+    assert len(steps) == int(lines[-1].split()[1])                 # one line per model call
+    assert "[" in steps[0] and "_" in steps[0] and lines[-2] == "24 - 10 = 14. The answer is 14."
+
+
+def test_guided_cli_answers_offline(capsys):
+    lines = run_main(capsys, "--model", DEMO, "--guide", os.path.join(ROOT, "demo", "qwen2-arith"),
+                     "--gen-length", "32", "--prompt", QUESTIONS[0])
+    assert lines[0] in ("45 + 23 = 68. The answer is 68.", "23 + 45 = 68. The answer is 68.")
+    assert "guide calls" in lines[1]
+
+
+def test_guided_cli_refuses_a_guide_with_other_ids(llada_dir):
+    r = cli("--model", DEMO, "--guide", os.path.join(ROOT, "tests", "golden", "qwen2-tiny"), "--prompt", "x")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "guide" in r.stderr
