@@ -2,7 +2,7 @@
 demo/eval.py: what Fast-dLLM's parallel decoding does to the demo model's answers, on a CPU in seconds.
 
     python demo/eval.py                 # markdown table: valid accuracy / mean NFE / tokens/s per setting
-    python demo/eval.py --trace         # which tokens each step unmasks, at threshold 0.9 and at 0.5
+    python demo/eval.py --trace         # which tokens each step unmasks, at threshold 0.9 and 0.5, and guided
 
 "valid" checks the whole worked solution, not only the final number: "x op y = z. The answer is z." must
 parse, use each number of the question exactly once, be right, and end with the right answer. Threshold
@@ -92,14 +92,36 @@ def guide_greedy(model, tok, problems, gen_length: int = 32):
     return [answer_text(tok, row, model.config.eos_id) for row in ids]
 
 
-def table(model, tok, problems, caches):
+GUIDED = [  # (name, acceptance): FlashDLM's rules; k = 2 since the demo vocabulary has only 48 tokens
+    ("guided, deterministic", dict(accept="deterministic")),
+    ("guided, top-2", dict(accept="topk", accept_k=2)),
+    ("guided, top-2 relative 0.5", dict(accept="topk_relative", accept_k=2, accept_ratio=0.5)),
+]
+
+
+def solve_guided(model, guide, tok, problems, **kw):
+    """Guided decoding of a batch (generate() decodes its rows one by one) -> (answers, mean NFE, mean guide
+    forwards, tokens/s)."""
+    prompt = torch.tensor([e.ids for e in tok.encode_batch([q for q, _, _ in problems], add_special_tokens=False)])
+    out, stats = generate(model, prompt, guide=guide, gen_length=GEN["gen_length"], **kw)
+    answers = [answer_text(tok, row[prompt.shape[1]:], model.config.eos_id) for row in out.tolist()]
+    n = len(problems)
+    return answers, stats["nfe"] / n, stats["guide_calls"] / n, stats["tokens_per_s"]
+
+
+def table(model, tok, problems, caches, guide=None):
     solve(model, tok, problems[:8], steps=32, cache="none", **GEN)     # warm-up, not timed
-    print(f"| decoding | cache | valid | mean NFE | tokens/s (batch {len(problems)}) |\n|---|---|---|---|---|")
+    valid = lambda answers: sum(is_valid(a, key) for a, (_, _, key) in zip(answers, problems)) / len(problems)  # noqa
+    print(f"| decoding | cache | valid | mean NFE | mean guide calls | tokens/s (batch {len(problems)}) |\n"
+          f"|---|---|---|---|---|---|")
     for name, steps, tau in SETTINGS:
         for cache in caches:
             answers, nfe, tps = solve(model, tok, problems, steps=steps, cache=cache, threshold=tau, **GEN)
-            acc = sum(is_valid(a, key) for a, (_, _, key) in zip(answers, problems)) / len(problems)
-            print(f"| {name} | {cache} | {acc:.3f} | {nfe.mean():.1f} | {tps:.0f} |", flush=True)
+            print(f"| {name} | {cache} | {valid(answers):.3f} | {nfe.mean():.1f} | | {tps:.0f} |", flush=True)
+    for name, acc in GUIDED if guide is not None else []:
+        for cache in ("prefix", "free"):
+            answers, nfe, calls, tps = solve_guided(model, guide, tok, problems, cache=cache, **acc)
+            print(f"| {name} | {cache} | {valid(answers):.3f} | {nfe:.1f} | {calls:.1f} | {tps:.0f} |", flush=True)
 
 
 def trace(model, tok, problem, tau: float, cache: str):
@@ -118,6 +140,35 @@ def trace(model, tok, problem, tau: float, cache: str):
     print(f"  -> {answer!r} ({'valid' if is_valid(answer, problem[2]) else 'INVALID'}), NFE {stats['nfe']}\n")
 
 
+def trace_guided(model, guide, tok, problem, cache="prefix", **acc):
+    """A guided decode step by step: the drafts of each step (the diffusion model's argmax at every open
+    position), the run the guide accepted, and where it cut it."""
+    cfg = model.config
+    prompt = torch.tensor([tok.encode(problem[0], add_special_tokens=False).ids])
+    P, steps, drafts = prompt.shape[1], [], []
+    argmax = model.forward
+
+    def spy(*a, **k):                       # keep the drafts this step proposes, for the printout
+        logits = argmax(*a, **k)
+        drafts.append(logits[0].argmax(-1).tolist())
+        return logits
+    model.forward = spy
+    try:
+        out, stats = generate(model, prompt, guide=guide, gen_length=GEN["gen_length"], cache=cache,
+                              on_step=lambda x, st: steps.append(x[0, P:].tolist()), **acc)
+    finally:
+        del model.forward
+    print(f"guided ({acc or 'deterministic'}), cache {cache}:")
+    name = lambda t: "$" if t == cfg.eos_id else tok.id_to_token(t)   # noqa: E731
+    for i, (line, d, n) in enumerate(zip(render_trace(steps, tok, cfg.mask_id, {cfg.eos_id}), drafts,
+                                          stats["committed"])):
+        print(f"  {line}")
+        print(f"          drafts: {' '.join(name(t) for t in d[:n])} | cut: {' '.join(name(t) for t in d[n:n + 6])} ...")
+    answer = answer_text(tok, out[0, P:].tolist(), cfg.eos_id)
+    print(f"  -> {answer!r} ({'valid' if is_valid(answer, problem[2]) else 'INVALID'}), NFE {stats['nfe']}, "
+          f"guide calls {stats['guide_calls']}\n")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description="Evaluate Fast-dLLM decoding settings on the demo model.")
     p.add_argument("--model", default=os.path.join(HERE, "llada-arith"), help="model folder")
@@ -126,14 +177,17 @@ def main(argv=None):
     p.add_argument("--trace", action="store_true", help="print a decoding trace at threshold 0.9 and 0.5 instead")
     p.add_argument("--index", type=int, default=None,
                    help="held-out problem to trace (default: the first that 0.9 solves and 0.5 breaks)")
+    p.add_argument("--guide", default=os.path.join(HERE, "qwen2-arith"), help="guide for the guided rows "
+                   "('' = none)")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_model(args.model, device="cpu", dtype=torch.float32)
     tok = Tokenizer.from_file(os.path.join(args.model, "tokenizer.json"))
     problems = heldout(args.n)
+    guide = load_model(args.guide, device="cpu", dtype=torch.float32) if args.guide else None
     if not args.trace:
-        return table(model, tok, problems, args.caches.split(","))
+        return table(model, tok, problems, args.caches.split(","), guide)
     index = args.index
     if index is None:
         good = solve(model, tok, problems, steps=32, cache="dual", threshold=0.9, **GEN)[0]
@@ -143,6 +197,8 @@ def main(argv=None):
     print(f"problem {index}: {problems[index][0]}\n")
     for tau in (0.9, 0.5):
         trace(model, tok, problems[index], tau, "dual")
+    if guide is not None:
+        trace_guided(model, guide, tok, problems[index])
 
 
 if __name__ == "__main__":
