@@ -245,9 +245,13 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
             cand = x[:, s:e] == cfg.mask_id                                 # (B, N) open positions
             # 1. feed: one model call over the span the cache mode asks for
             first = stats["nfe"] == 0
-            # guided FreeCache: the block starts at the first mask (the committed text left of it is final)
-            head = (cand.long().argmax(-1).min().item() + s) if guided and cache == "free" else s
-            a, b = (0, L) if refresh_every_step else feed_span(cache, first, step, head, e, L, int(cfg.shift_logits))
+            # Guided FreeCache (FlashDLM's aggressive caching): the block starts at the first mask, and the feed
+            # one earlier, at the last committed token, for both families: each committed token is frozen with
+            # keys computed while it held its token, not while it was a mask.
+            head, shift = s, int(cfg.shift_logits)
+            if guided and cache == "free":
+                head, shift = cand.long().argmax(-1).min().item() + s, 1
+            a, b = (0, L) if refresh_every_step else feed_span(cache, first, step, head, e, L, shift)
             cols = cand.any(0).nonzero().squeeze(1)                        # LM head only where a token is open
             if cache == "free" and B > 1:
                 kv.write_rows = cand.any(-1)        # a row whose block is full stays frozen (cache.py)

@@ -127,3 +127,21 @@ def test_train_smoke_guide(tmp_path):
     assert g.prefill(prompt) == 1
     n, calls = g.verify(prompt[-1], torch.tensor([5, 6, 7]), accept_drafts, chunk=2)
     assert 0 <= n <= 3 and calls == (1 if n < 2 else 2)
+
+
+def test_guided_decoding_keeps_accuracy_where_threshold_0_5_breaks(shipped):
+    """FlashDLM's claim on our demo pair: guided decoding (deterministic acceptance) stays as right as one
+    token per step with far fewer diffusion calls, where threshold 0.5 breaks (README demo table: 0.14).
+    Bounds below the measured values on these 50 problems (this session: prefix valid 1.00, FreeCache 0.88,
+    whose tokens committed several at a time stay frozen with the keys they had as masks; mean NFE 2.0)."""
+    model, tok = shipped
+    guide = load_model(GUIDE, device="cpu", dtype=torch.float32)
+    problems = demo_train.heldout(50)
+    valid = lambda answers: sum(demo_eval.is_valid(a, k) for a, (_, _, k) in zip(answers, problems)) / len(problems)
+    for cache, bound in (("prefix", 0.9), ("free", 0.8)):
+        answers, nfe, calls, _ = demo_eval.solve_guided(model, guide, tok, problems, cache=cache)
+        assert valid(answers) >= bound, f"guided {cache}: valid {valid(answers):.2f}; answers: {answers[:3]}"
+        assert nfe <= 4 and calls <= nfe + 2, (nfe, calls)
+    loose, _, _ = demo_eval.solve(model, tok, problems, gen_length=32, block_length=8, steps=32, cache="dual",
+                                  threshold=0.5)
+    assert valid(loose) < 0.5         # the failure guidance fixes is real on this model

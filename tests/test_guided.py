@@ -102,8 +102,9 @@ def test_guided_batch_rows_equal_single_rows(dream, guide, cache, accept):
 
 
 def test_guided_llada(llada, guide, tmp_path):
-    """A LLaDA-format model with a guide that shares its ids works the same way (no logits shift: the
-    free feed starts at the first mask). Here the tiny guide is given LLaDA's special ids."""
+    """A LLaDA-format model with a guide that shares its ids works the same way. The free feed starts at
+    the last committed token for LLaDA too (no logits shift needs it, but then that token is frozen with
+    keys computed while it held its token). Here the tiny guide is given LLaDA's special ids."""
     from conftest import copy_checkpoint
     d = copy_checkpoint("qwen2-tiny", tmp_path)
     cfg = json.load(open(os.path.join(d, "config.json")))
@@ -115,9 +116,9 @@ def test_guided_llada(llada, guide, tmp_path):
         out, st = generate(llada, prompt, gen_length=16, guide=g, cache=cache, accept="topk", accept_k=512)
         assert not (out == llada.config.mask_id).any() and sum(st["committed"]) <= 16
         P = prompt.shape[1]
-        if cache == "free":   # after the first call each step feeds from the first mask to the end
+        if cache == "free":   # after the first call each step feeds from the last committed token to the end
             firsts = [P + sum(st["committed"][:i]) for i in range(1, st["nfe"])]
-            assert st["fed"][1:] == [P + 16 - f for f in firsts]
+            assert st["fed"][1:] == [P + 16 - f + 1 for f in firsts]
 
 
 def test_guided_settings_are_checked(dream, guide, llada):
