@@ -46,7 +46,7 @@ class KVCache:
         """Write k, v (B, n_kv_heads, T, head_dim) at canvas positions [start, start+T) in place and return
         this layer's keys/values over the whole canvas (views, no copy)."""
         T = k.shape[2]
-        if self.write_rows is None or self.write_rows.all():
+        if self.write_rows is None:
             self.k[layer, :, :, start:start + T] = k
             self.v[layer, :, :, start:start + T] = v
         else:

@@ -253,8 +253,9 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
                 head, shift = cand.long().argmax(-1).min().item() + s, 1
             a, b = (0, L) if refresh_every_step else feed_span(cache, first, step, head, e, L, shift)
             cols = cand.any(0).nonzero().squeeze(1)                        # LM head only where a token is open
-            if cache == "free" and B > 1:
-                kv.write_rows = cand.any(-1)        # a row whose block is full stays frozen (cache.py)
+            if cache == "free" and B > 1:           # a row whose block is full stays frozen (cache.py)
+                active = cand.any(-1)
+                kv.write_rows = None if active.all() else active
             stats["nfe"] += 1
             stats["fed"].append(b - a)
             logits = model(x[:, a:b], None if pos is None else pos[:, a:b], kv, a,
