@@ -21,16 +21,30 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def read_golden(name: str):
+    with open(os.path.join(GOLDEN, name)) as f:
+        return json.load(f)
+
+
 @pytest.fixture(scope="session")
 def llada_golden():
-    with open(os.path.join(GOLDEN, "llada-golden.json")) as f:
-        return json.load(f)
+    return read_golden("llada-golden.json")
 
 
 @pytest.fixture(scope="session")
 def dream_golden():
-    with open(os.path.join(GOLDEN, "dream-golden.json")) as f:
-        return json.load(f)
+    return read_golden("dream-golden.json")
+
+
+@pytest.fixture(scope="session")
+def flashdlm_golden():
+    return read_golden("flashdlm-golden.json")
+
+
+@pytest.fixture(scope="session")
+def qwen2():
+    """The causal guide checkpoint (Qwen2.5-1.5B-Instruct layout), the same ids as dream-tiny."""
+    return load_model(os.path.join(GOLDEN, "qwen2-tiny"), device="cpu", dtype=torch.float32)
 
 
 @pytest.fixture(scope="session")

@@ -21,14 +21,13 @@ ATOL = 1e-4   # spec: the guide's logits within 1e-4 of the official float32 run
 
 
 @pytest.fixture(scope="module")
-def golden():
-    with open(os.path.join(GOLDEN, "flashdlm-golden.json")) as f:
-        return json.load(f)
+def golden(flashdlm_golden):
+    return flashdlm_golden
 
 
 @pytest.fixture(scope="module")
-def qwen():
-    return load_model(os.path.join(GOLDEN, "qwen2-tiny"), device="cpu", dtype=torch.float32)
+def qwen(qwen2):
+    return qwen2
 
 
 def check_guide_summary(logits, ref):

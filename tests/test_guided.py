@@ -21,8 +21,8 @@ OFFICIAL_EXTRA_GUIDE_CALLS = {"as_prompt_topk512_g64_vb4": 1}
 
 
 @pytest.fixture(scope="module")
-def guide():
-    return load_model(os.path.join(GOLDEN, "qwen2-tiny"), device="cpu", dtype=torch.float32)
+def guide(qwen2):
+    return qwen2
 
 
 def guided_call(st):
