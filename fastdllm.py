@@ -3,14 +3,17 @@ fastdllm.py: fast inference for masked-diffusion LLMs (LLaDA-8B, Dream-7B), the 
 its command line.
 
 A diffusion LM generates by denoising: the answer starts as gen_length [MASK] tokens, and each model call
-("step", counted as NFE) predicts every masked position at once and commits some of them. This file runs:
-- semi-autoregressive *blocks* (LLaDA): the canvas is filled block by block, left to right;
-- Fast-dLLM (arXiv 2505.22618): the block-wise approximate KV cache, `cache="prefix"` / `"dual"` (section
-  3.2, cache.py) and confidence-aware parallel decoding, `threshold=` / `factor=` (section 3.3, sampler.py);
-- Dream's own whole-canvas sampler (`block_length=None`) and Fast-dLLM's Dream block sampler.
+("step", counted as NFE) predicts every masked position at once and commits some of them. generate() runs
+every method as one loop over semi-autoregressive blocks, each step reading feed -> propose -> select ->
+commit:
+- feed: what the KV cache reuses (cache.py `feed_span`): none, Fast-dLLM's prefix cache and DualCache
+  (arXiv 2505.22618 section 3.2), FlashDLM's FreeCache (arXiv 2505.21467);
+- propose / select (sampler.py): LLaDA's and Dream's samplers, Fast-dLLM's confidence-aware parallel
+  decoding (threshold / factor, section 3.3), FlashDLM's guided diffusion (a causal guide verifies drafts);
+- commit, and stop at the end of text.
 
     python fastdllm.py --prompt "What is 7 * 8?"                    # LLaDA-8B-Instruct, dual cache, tau 0.9
-    python fastdllm.py --model demo/llada-arith --prompt "..."      # the tiny model we ship, on a CPU
+    python fastdllm.py --model demo/llada-arith --gen-length 32 --prompt "Tom has 23 apples and buys 45 more. How many apples does he have?"
 """
 import argparse
 import numbers
