@@ -421,7 +421,17 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator")
     p.add_argument("--no-chat", action="store_true", help="raw prompt, no chat template (base models)")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin")
-    p.add_argument("--bench", action="store_true", help="speed-up table: baseline vs caches vs parallel decoding")
+    p.add_argument("--bench", action="store_true", help="every decoding mode side by side: calls, tokens fed, "
+                   "time, tokens/s, memory and agreement with the exact decode (bench.py)")
+    p.add_argument("--bench-caches", default="none,prefix,dual,free", help="--bench: cache modes, comma-separated")
+    p.add_argument("--bench-thresholds", default="0.9", help="--bench: threshold values, comma-separated")
+    p.add_argument("--bench-factors", default="1.0", help="--bench: factor values, comma-separated ('' = none)")
+    p.add_argument("--bench-stop", default="off,on", help="--bench: early stop values: off, on (at a block's end), "
+                   "k (k end tokens in a row)")
+    p.add_argument("--bench-batch", type=int, default=1, help="--bench: batch size (the prompt repeated)")
+    p.add_argument("--bench-repeat", type=int, default=1, help="--bench: best wall time of this many runs per row")
+    p.add_argument("--bench-json", default=None, help="--bench: also write every row, the settings and the "
+                   "environment to this JSON file")
     args = p.parse_args(argv)
     if args.factor is not None:
         args.threshold = None      # --factor replaces the default threshold
@@ -444,19 +454,15 @@ def run_once(model, ids, args, device, on_step=None, **override):
     return x[0].tolist(), stats
 
 
-def bench(model, ids, args, device):
-    """One table: every mode side by side on the same prompt, after one warm-up call."""
-    tau = args.threshold if args.threshold is not None else 0.9
-    rows = [("baseline", "none", None), ("+prefix cache", "prefix", None), ("+dual cache", "dual", None),
-            ("+parallel", "none", tau), ("+prefix+parallel", "prefix", tau), ("+dual+parallel", "dual", tau)]
-    run_once(model, ids, args, device, cache="none", threshold=None, factor=None)   # warm-up
-    print(f"| mode | NFE | tokens/s | speed-up | same answer as baseline |\n|---|---|---|---|---|")
-    base = None
-    for name, cache, thr in rows:
-        out, st = run_once(model, ids, args, device, cache=cache, threshold=thr, factor=None)
-        base = base or (out, st["tokens_per_s"])
-        print(f"| {name} | {st['nfe']} | {st['tokens_per_s']:.1f} | {st['tokens_per_s'] / base[1]:.2f}x | "
-              f"{'yes' if out == base[0] else 'no'} |", flush=True)
+def bench(model, ids, args, device, eos_ids=None):
+    """--bench: every decoding mode side by side on the same prompt, with its cost and its agreement with
+    the exact decode (bench.py does the work; see its docstring for what each column means)."""
+    import bench as B      # here, not at the top: bench.py imports this file's generate()
+    guide = None
+    if getattr(args, "guide", None):   # the --guide flag of guided decoding, when the CLI has it
+        guide = load_model(resolve_model_dir(args.guide), device=device, dtype=model.lm_head.weight.dtype)
+    prompt = torch.tensor([ids] * args.bench_batch, device=device)     # the one prompt, bench-batch times
+    B.cli_bench(model, prompt, args, settings(args), eos_ids, guide)
 
 
 def main(argv=None):
@@ -470,7 +476,8 @@ def main(argv=None):
     chat = Chat(model_dir, model.config, chat=not args.no_chat)
     if args.bench:
         prompt = args.prompt or "Tom has 23 apples and buys 45 more. How many apples does he have?"
-        return bench(model, chat.encode(chat.render([{"role": "user", "content": prompt}])), args, device)
+        return bench(model, chat.encode(chat.render([{"role": "user", "content": prompt}])), args, device,
+                     chat.stop_ids)
     if not args.interactive and not args.prompt:
         raise ValueError("no prompt: pass --prompt \"...\" (or --interactive)")
     messages, ids = [], []
