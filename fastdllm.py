@@ -444,7 +444,17 @@ def parse_args(argv=None):
     p.add_argument("--accept-k", type=int, default=5, help="guided top-k (default: %(default)s)")
     p.add_argument("--accept-ratio", type=float, default=0.95, help="guided topk_relative ratio (default: "
                    "%(default)s)")
-    p.add_argument("--bench", action="store_true", help="speed-up table: baseline vs caches vs parallel decoding")
+    p.add_argument("--bench", action="store_true", help="every decoding mode side by side: calls, tokens fed, "
+                   "time, tokens/s, memory and agreement with the exact decode (bench.py)")
+    p.add_argument("--bench-caches", default="none,prefix,dual,free", help="--bench: cache modes, comma-separated")
+    p.add_argument("--bench-thresholds", default="0.9", help="--bench: threshold values, comma-separated")
+    p.add_argument("--bench-factors", default="1.0", help="--bench: factor values, comma-separated ('' = none)")
+    p.add_argument("--bench-stop", default="off,on", help="--bench: early stop values: off, on (at a block's end), "
+                   "k (k end tokens in a row)")
+    p.add_argument("--bench-batch", type=int, default=1, help="--bench: batch size (the prompt repeated)")
+    p.add_argument("--bench-repeat", type=int, default=1, help="--bench: best wall time of this many runs per row")
+    p.add_argument("--bench-json", default=None, help="--bench: also write every row, the settings and the "
+                   "environment to this JSON file")
     args = p.parse_args(argv)
     args.fit_gen_length = "gen_length" not in vars(args)
     args.gen_length = getattr(args, "gen_length", 256)
@@ -489,20 +499,13 @@ def run_batch(model, rows, args, device, on_step=None, **override):
     return [row[ids.shape[1] - len(r):] for row, r in zip(x.tolist(), rows)], stats
 
 
-def bench(model, ids, args, device):
-    """One table: every mode side by side on the same prompt, after one warm-up call."""
-    tau = args.threshold if args.threshold is not None else 0.9
-    rows = [("baseline", "none", None), ("+prefix cache", "prefix", None), ("+dual cache", "dual", None),
-            ("+parallel", "none", tau), ("+prefix+parallel", "prefix", tau), ("+dual+parallel", "dual", tau)]
-    run_once(model, ids, args, device, cache="none", threshold=None, factor=None)   # warm-up
-    print(f"| mode | NFE | tokens/s | speed-up | same answer as baseline |\n|---|---|---|---|---|")
-    base = None
-    for name, cache, thr in rows:
-        out, st = run_once(model, ids, args, device, cache=cache, threshold=None if args.factor else thr,
-                           factor=args.factor if thr else None)
-        base = base or (out, st["tokens_per_s"])
-        print(f"| {name} | {st['nfe']} | {st['tokens_per_s']:.1f} | {st['tokens_per_s'] / base[1]:.2f}x | "
-              f"{'yes' if out == base[0] else 'no'} |", flush=True)
+def bench(model, ids, args, device, eos_ids=None):
+    """--bench: every decoding mode side by side on the same prompt, with its cost and its agreement with
+    the exact decode (bench.py does the work; see its docstring for what each column means)."""
+    import bench as B      # here, not at the top: bench.py imports this file's generate()
+    guide = getattr(args, "guide_model", None)    # loaded and checked by main() when --guide is given
+    prompt = torch.tensor([ids] * args.bench_batch, device=device)     # the one prompt, bench-batch times
+    B.cli_bench(model, prompt, args, settings(args), eos_ids, guide)
 
 
 def fit_gen_length(args, n_prompt: int, max_seq_len: int) -> int:
@@ -607,7 +610,7 @@ def main(argv=None):
         prompt = args.prompt or "Tom has 23 apples and buys 45 more. How many apples does he have?"
         ids = chat.encode(chat.render([{"role": "user", "content": prompt}]))
         args.gen_length = fit_gen_length(args, len(ids), cfg.max_seq_len)
-        return bench(model, ids, args, device)
+        return bench(model, ids, args, device, args.stop_ids)
     if args.prompt_file:
         return answer_prompts(model, chat, args, device)
     messages, ids = [], []

@@ -21,10 +21,10 @@ import subprocess
 import sys
 import tempfile
 
-import torch
-from safetensors.torch import save_file
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench import make_checkpoint  # noqa: E402  (the one writer of random checkpoints in the real format)
+
 GB = 1e9
 
 CHILD = """
@@ -50,57 +50,12 @@ print(json.dumps(dict(before=before, peak=peak, after=after, touched=status("VmH
 """
 
 
-def llada_config(d_model: int, n_layers: int, vocab: int) -> dict:
-    """LLaDA-8B's config.json fields (from our tiny LLaDA fixture, itself a copy of the real one), resized."""
-    with open(os.path.join(ROOT, "tests", "golden", "llada-tiny", "config.json")) as f:
-        cfg = json.load(f)
-    cfg.update(d_model=d_model, n_heads=d_model // 128, n_kv_heads=d_model // 128, mlp_hidden_size=3 * d_model,
-               mlp_ratio=3, n_layers=n_layers, embedding_size=vocab, vocab_size=vocab, mask_token_id=vocab - 128,
-               eos_token_id=vocab - 2, pad_token_id=vocab - 2, max_sequence_length=4096)
-    return cfg
-
-
-def llada_shapes(cfg: dict) -> dict:
-    """checkpoint name -> shape, in the order the real checkpoint stores them."""
-    d, f, v = cfg["d_model"], cfg["mlp_hidden_size"], cfg["embedding_size"]
-    shapes = {"model.transformer.wte.weight": (v, d)}
-    for i in range(cfg["n_layers"]):
-        b = f"model.transformer.blocks.{i}."
-        shapes.update({b + "attn_norm.weight": (d,), b + "q_proj.weight": (d, d), b + "k_proj.weight": (d, d),
-                       b + "v_proj.weight": (d, d), b + "attn_out.weight": (d, d), b + "ff_norm.weight": (d,),
-                       b + "ff_proj.weight": (f, d), b + "up_proj.weight": (f, d), b + "ff_out.weight": (d, f)})
-    shapes["model.transformer.ln_f.weight"] = (d,)
-    shapes["model.transformer.ff_out.weight"] = (v, d)
-    return shapes
-
-
 def write_checkpoint(folder: str, gb: float, n_shards: int = 6) -> int:
-    """A random bf16 LLaDA-layout checkpoint of about `gb` GB; returns its size in bytes."""
+    """A random bf16 LLaDA-layout checkpoint of about `gb` GB (bench.make_checkpoint); returns its bytes."""
     d_model, vocab = 1536, 32768
     per_layer = (4 * d_model * d_model + 9 * d_model * d_model + 2 * d_model) * 2
     n_layers = max(1, round((gb * GB - 2 * vocab * d_model * 2) / per_layer))
-    cfg = llada_config(d_model, n_layers, vocab)
-    shapes = llada_shapes(cfg)
-    sizes = {k: torch.Size(s).numel() * 2 for k, s in shapes.items()}
-    total = sum(sizes.values())
-    # Shard i holds the tensors whose middle falls in the i-th sixth of the bytes, as HF's sharding does.
-    shard_of, offset = {}, 0
-    for k, n in sizes.items():
-        shard_of[k] = min(n_shards - 1, int((offset + n / 2) / total * n_shards))
-        offset += n
-    names = [f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors" for i in range(n_shards)]
-    gen = torch.Generator().manual_seed(0)
-    for i, name in enumerate(names):
-        tensors = {k: (torch.randn(shapes[k], generator=gen) * 0.02).to(torch.bfloat16)
-                   for k in shapes if shard_of[k] == i}
-        save_file(tensors, os.path.join(folder, name), metadata={"format": "pt"})
-        del tensors
-    index = {"metadata": {"total_size": total}, "weight_map": {k: names[shard_of[k]] for k in shapes}}
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump(index, f, indent=2)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    return total
+    return make_checkpoint(folder, "llada", d_model, n_layers, vocab, shards=n_shards)
 
 
 def measure(folder: str, dtype: str) -> dict:

@@ -53,16 +53,6 @@ def test_cli_interactive_two_turns(llada_dir):
     assert r.stdout.count("assistant>") == 2 and r.stdout.count("NFE") == 2
 
 
-def test_cli_bench_table(llada_dir):
-    r = cli("--model", llada_dir, "--bench", "--prompt", "w1 w2 w3", "--gen-length", "32", "--block-length", "8")
-    assert r.returncode == 0, r.stderr
-    rows = [l for l in r.stdout.splitlines() if l.startswith("| +") or l.startswith("| baseline")]
-    assert [l.split("|")[1].strip() for l in rows] == ["baseline", "+prefix cache", "+dual cache", "+parallel",
-                                                       "+prefix+parallel", "+dual+parallel"]
-    assert rows[0].split("|")[5].strip() == "yes"      # the baseline agrees with itself
-    assert int(rows[0].split("|")[2]) == 32 and int(rows[-1].split("|")[2]) < 32
-
-
 def test_cli_checks_settings_before_loading_the_model():
     """A typo in a flag must not cost an 8B load: settings are checked first (the model path here does
     not even exist, and the error is about the flag)."""
@@ -106,11 +96,9 @@ def test_cli_bench_passes_factor_to_the_parallel_rows(llada_dir, monkeypatch, ca
     calls = recording_generate(monkeypatch)
     fastdllm.main(["--model", llada_dir, "--bench", "--prompt", "w1 w2", "--gen-length", "16", "--block-length", "8",
                    "--factor", "2"])
-    rules = [(kw["cache"], kw["threshold"], kw["factor"]) for _, kw in calls]
-    assert rules == [("none", None, None),   # warm-up
-                     ("none", None, None), ("prefix", None, None), ("dual", None, None),
-                     ("none", None, 2.0), ("prefix", None, 2.0), ("dual", None, 2.0)]
-    assert "+dual+parallel" in capsys.readouterr().out
+    rules = {(kw["cache"], kw.get("threshold"), kw.get("factor")) for _, kw in calls}
+    assert {(c, None, 2.0) for c in ("none", "prefix", "dual", "free")} <= rules   # --factor F is a row per cache
+    assert "factor 2" in capsys.readouterr().out
 
 
 def test_cli_interactive_without_chat_template_answers_each_question_alone(tmp_path, monkeypatch, capsys):

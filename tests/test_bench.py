@@ -1,0 +1,192 @@
+"""bench.py: that its numbers are computed right (never how fast anything is), that its random checkpoints
+are in the real format, that the GPU check's small CPU shape still runs end to end, and that computing the
+LM head only at open positions (generate's `cols`) changes no decision."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import bench
+from conftest import GOLDEN, ROOT, copy_checkpoint, write_tokenizer
+from fastdllm import generate
+from model import load_model
+from test_cache import PROMPT_DREAM, PROMPT_LLADA
+from test_cli import LLADA_CHAT, cli
+
+
+def test_agreement_counts_the_reference_answer_up_to_its_end_token():
+    eos = {9}
+    ref = torch.tensor([[1, 2, 3, 9, 9, 9], [1, 2, 3, 4, 5, 6]])
+    assert bench.answer_lengths(ref, eos).tolist() == [3, 6]
+    assert bench.agreement(ref, ref, eos) == (1.0, None)
+    # row 0 is scored on [1, 2, 3, 9] only: what follows its end token is filler
+    gen = torch.tensor([[1, 2, 3, 9, 7, 7], [1, 2, 0, 4, 5, 0]])
+    share, first = bench.agreement(gen, ref, eos)
+    assert share == pytest.approx(8 / 10) and first == 2
+    gen = torch.tensor([[1, 2, 3, 4, 9, 9], [1, 2, 3, 4, 5, 6]])     # the end token itself is scored
+    assert bench.agreement(gen, ref, eos) == (pytest.approx(9 / 10), 3)
+
+
+def test_real_special_ids_and_config_fields():
+    """The real vocabularies get the real ids, and config.json has exactly the real files' fields."""
+    llada = bench.hf_config("llada", **{k: v for k, v in bench.SHAPES["llada-8b"].items() if k != "family"})
+    assert (llada["mask_token_id"], llada["eos_token_id"], llada["d_model"], llada["embedding_size"],
+            llada["mlp_hidden_size"]) == (126336, 126081, 4096, 126464, 12288)
+    dream = bench.hf_config("dream", **{k: v for k, v in bench.SHAPES["dream-7b"].items() if k != "family"})
+    assert (dream["mask_token_id"], dream["eos_token_id"], dream["hidden_size"], dream["num_key_value_heads"],
+            dream["intermediate_size"], dream["vocab_size"]) == (151666, 151643, 3584, 4, 18944, 152064)
+    for family, cfg in (("llada", llada), ("dream", dream)):
+        with open(os.path.join(GOLDEN, f"{family}-tiny", "config.json")) as f:
+            assert set(cfg) == set(json.load(f))
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_make_checkpoint_writes_the_real_layout(tmp_path, family):
+    """Same tensor names and sharding files as the golden checkpoints (copies of the official layouts), and
+    the strict loader takes it."""
+    size = bench.make_checkpoint(str(tmp_path), family, 32, 2, 1024, n_heads=4, n_kv_heads=2 if family == "dream" else 4,
+                                 ffn=64, shards=3)
+    with open(tmp_path / "model.safetensors.index.json") as f:
+        index = json.load(f)
+    with open(os.path.join(GOLDEN, f"{family}-tiny", "model.safetensors.index.json")) as f:
+        golden = json.load(f)
+    assert set(index["weight_map"]) == set(golden["weight_map"])
+    assert sorted(set(index["weight_map"].values())) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert index["metadata"]["total_size"] == size == golden["metadata"]["total_size"]
+    model = load_model(str(tmp_path), device="cpu", dtype=torch.float32)
+    assert model.config.family == family and model.config.mask_id == 1024 - bench.SPECIALS_FROM_END[family]["mask"]
+
+
+def test_modes_rows_count_calls_tokens_and_agreement(llada):
+    """The exact reference comes first and agrees with itself; calls x tokens per call = tokens; without a
+    cache every call feeds the whole canvas."""
+    G, P = 32, PROMPT_LLADA.shape[1]
+    mode_list = bench.modes(["prefix", "dual"], [0.9], [], [False, True])
+    assert mode_list[0] == dict(cache="none", threshold=None, factor=None, stop=False, guided=None)
+    assert len(mode_list) == 1 + 2 * 2 * 2
+    rows, _ = bench.run_modes(llada, PROMPT_LLADA, mode_list, dict(gen_length=G, block_length=8, steps=G), warmup=False)
+    ref = rows[0]
+    assert (ref["nfe"], ref["fed_per_call"], ref["agreement"], ref["first_diff"], ref["speedup"]) == (G, P + G, 1.0, None, 1.0)
+    for r in rows:
+        assert "error" not in r and 0 <= r["agreement"] <= 1
+        if r["stop"] == "-":
+            assert r["tokens_per_call"] * r["nfe"] == pytest.approx(G)
+        assert r["answer_tokens"] <= G and r["all_tokens_per_s"] == pytest.approx(G / r["seconds"])
+        assert (r["first_diff"] is None) == (r["agreement"] == 1.0)
+    dual = next(r for r in rows if r["cache"] == "dual" and r["rule"] == "1 tok/step" and r["stop"] == "-")
+    assert dual["fed_per_call"] == pytest.approx((4 * (P + G) + 4 * 7 * 8) / 32)   # one refresh + 7 blocks-only per block
+
+
+def test_a_mode_the_settings_forbid_is_a_row_not_a_crash(dream):
+    """Dream's whole-canvas sampler has no cache: those rows say why, the others run."""
+    rows, _ = bench.run_modes(dream, PROMPT_DREAM, bench.modes(["dual"]), dict(gen_length=16, block_length=None, steps=16),
+                              warmup=False)
+    assert "error" not in rows[0] and "no cache" in rows[1]["error"]
+    assert "n/a" in bench.table(rows, bench.MODE_COLUMNS).splitlines()[-1]
+
+
+class FullHead(torch.nn.Module):
+    """The model before the cut: the LM head over every fed position, indexed afterwards."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner, self.config, self.lm_head, self.rows = model, model.config, model.lm_head, []
+
+    def forward(self, idx, pos=None, cache=None, start=0, mask=None, logits_range=None):
+        logits = self.inner(idx, pos, cache, start, mask)
+        self.rows.append(len(logits_range))
+        return logits[:, logits_range]
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual", "free"])
+@pytest.mark.parametrize("rule", [{}, {"threshold": 0.9}, {"threshold": 0.5}, {"factor": 1.0}])
+def test_lm_head_only_at_open_positions_changes_nothing(llada, dream, family, cache, rule):
+    """generate() computes the LM head only at block positions where some row still has a mask. Against the
+    model computing every fed position's logits and indexing them afterwards: the same ids, calls, and tokens
+    committed per call; and at one token per step the head did skip decided positions."""
+    model, prompt, kw = ((llada, PROMPT_LLADA, dict(gen_length=32, block_length=8, steps=32)) if family == "llada"
+                         else (dream, PROMPT_DREAM, dict(gen_length=64, block_length=16, steps=64)))
+    prompt = torch.cat([prompt, prompt.flip(1)])          # two rows: a position is skipped once both decided it
+    full = FullHead(model)
+    ids, st = generate(model, prompt, cache=cache, **kw, **rule)
+    ids_full, st_full = generate(full, prompt, cache=cache, **kw, **rule)
+    assert torch.equal(ids, ids_full)
+    assert (st["nfe"], st["committed"], st["fed"]) == (st_full["nfe"], st_full["committed"], st_full["fed"])
+    if not rule:
+        assert sum(full.rows) < st["nfe"] * kw["block_length"]
+
+
+@pytest.mark.parametrize("name", ["llada", "dream"])
+def test_golden_runs_with_the_whole_head(llada, dream, llada_golden, dream_golden, name):
+    """Every golden run of the official code through the whole-head model: the official ids and calls, so
+    the cut is exactly what the official code decides."""
+    from test_golden import DREAM_RUNS, LLADA_RUNS, dream_call, llada_call
+    model = FullHead(llada if name == "llada" else dream)
+    runs = ([(torch.tensor(llada_golden["prompts"][r["batch"]]), llada_call(r), r["output"], r["nfe"]) for r in LLADA_RUNS]
+            if name == "llada" else
+            [(torch.tensor(r["input_ids"]), dream_call(r), r["sequences"], r["nfe"]) for r in DREAM_RUNS])
+    for prompt, kw, want, nfe in runs:
+        out, st = generate(model, prompt, **kw)
+        assert out.tolist() == want and st["nfe"] == nfe
+
+
+def test_cli_bench_table_and_json(tmp_path):
+    d = copy_checkpoint("llada-tiny", tmp_path)
+    write_tokenizer(d, LLADA_CHAT)
+    out = tmp_path / "bench.json"
+    r = cli("--model", d, "--bench", "--prompt", "w1 w2 w3", "--gen-length", "32", "--block-length", "8",
+            "--bench-caches", "prefix,dual,free", "--bench-thresholds", "0.9,0.5", "--bench-stop", "off,on",
+            "--bench-batch", "2", "--bench-json", str(out))
+    assert r.returncode == 0, r.stderr
+    lines = [l for l in r.stdout.splitlines() if l.startswith("| ")]
+    header, rows = [c.strip() for c in lines[0].strip("|").split("|")], lines[1:]
+    assert header[:4] == ["cache", "rule", "early stop", "NFE"] and "agreement" in header and "answer tok/s" in header
+    cells = [dict(zip(header, (c.strip() for c in l.strip("|").split("|")))) for l in rows]
+    assert (cells[0]["cache"], cells[0]["rule"], cells[0]["NFE"], cells[0]["agreement"]) == ("none", "1 tok/step", "32", "1.000")
+    assert len(cells) == 1 + 3 * 4 * 2            # reference + caches x (1 tok, tau 0.9, tau 0.5, factor 1) x stop
+    assert int(next(c for c in cells if c["rule"] == "tau 0.5")["NFE"]) < 32
+    saved = json.loads(out.read_text())
+    assert len(saved["rows"]) == len(cells) and saved["settings"]["batch"] == 2
+    assert {"torch", "device", "dtype", "threads", "cpu"} <= set(saved["environment"])
+    same = bench.compare(str(out), str(out))
+    assert same.count("| yes |") == len(cells) and "1.00x" in same
+
+
+def test_sweep_feeds_what_each_cache_feeds(tmp_path):
+    """Positions fed per generated token (one token per step): none feeds the canvas, dual one refresh per
+    block plus the block."""
+    out = tmp_path / "sweep.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "sweep", "--d-model", "64", "--layers", "1",
+                        "--vocab", "1024", "--prompt-length", "8", "--block-length", "8", "--lengths", "16,32",
+                        "--caches", "none,dual", "--thresholds", "", "--json", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "| gen | cache |" in r.stdout
+    rows = json.loads(out.read_text())["rows"]
+    fed = {(x["gen_length"], x["cache"]): x["fed_per_token"] for x in rows}
+    assert fed == {(16, "none"): 24, (32, "none"): 40, (16, "dual"): (2 * 24 + 2 * 7 * 8) / 16,
+                   (32, "dual"): (4 * 40 + 4 * 7 * 8) / 32}
+
+
+def test_gpu_check_small_shape_on_cpu(tmp_path):
+    """The GPU check's whole path (write sharded checkpoints, load, every mode at two batch sizes, roofline,
+    golden parity in float32 and bf16) at a tiny shape on the CPU, so it cannot rot between GPU runs."""
+    out = tmp_path / "gpu.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "gpu-check", "--shape", "tiny", "--device", "cpu",
+                        "--dtype", "float32", "--batches", "1,2", "--gen-length", "16", "--block-length", "8",
+                        "--prompt-length", "8", "--factors", "", "--dir", str(tmp_path), "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert set(res["load"]) == {"llada", "dream"} and os.listdir(tmp_path) == ["gpu.json"]   # checkpoints removed
+    rows = [x for x in res["rows"] if "error" not in x]
+    assert len(rows) == len(res["rows"]) == 2 * 2 * (1 + 4 + 4 - 1)   # families x batches x (ref + 4 caches x 2 rules - dup)
+    assert all(x["roofline"] > 0 and x["steps_per_s"] > 0 for x in rows)
+    g = res["golden"]["float32"]
+    assert g["exact"] == g["total"] > 20                                # float32: the official ids, every run
+    assert 0 < res["golden"]["bfloat16"]["agreement"] <= 1
+    assert "| model | batch | run |" in r.stdout
