@@ -93,7 +93,10 @@ def recording_generate(monkeypatch):
 
 
 def test_cli_bench_passes_factor_to_the_parallel_rows(llada_dir, monkeypatch, capsys):
-    calls = recording_generate(monkeypatch)
+    import bench
+    calls, real = [], bench.generate        # bench.py runs the rows with its own reference to generate()
+    monkeypatch.setattr(bench, "generate", lambda model, prompt, **kw: calls.append((prompt, kw)) or
+                        real(model, prompt, **kw))
     fastdllm.main(["--model", llada_dir, "--bench", "--prompt", "w1 w2", "--gen-length", "16", "--block-length", "8",
                    "--factor", "2"])
     rules = {(kw["cache"], kw.get("threshold"), kw.get("factor")) for _, kw in calls}
