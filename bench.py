@@ -435,7 +435,7 @@ SWEEP_COLUMNS = [
 GOLDEN_CHILD = """
 import json, sys, torch
 sys.path[:0] = [{root!r}, {tests!r}]
-import test_golden as G, test_flashdlm as F
+import test_golden as G, test_flashdlm as F, test_guided as GD
 from fastdllm import generate
 from model import load_model
 dev, dtype = torch.device({device!r}), getattr(torch, {dtype!r})
@@ -445,6 +445,9 @@ cases = [("llada", r["fn"], prompts[r["batch"]], G.llada_call(r), r["output"], r
 cases += [("dream", r["name"], r["input_ids"], G.dream_call(r), r["sequences"], r["nfe"], None) for r in G.DREAM_RUNS]
 cases += [("dream", r["name"], [F.FLASH["prompts"][r["prompt"]]], F.freecache_call(r["settings"]), [r["output"]],
            r["nfe"], r["settings"].get("eos_bias", {{}}).get("dream")) for r in F.FREECACHE_RUNS]
+guide = load_model(f"{{G.GOLDEN}}/qwen2-tiny", device=dev, dtype=dtype)
+cases += [("dream", r["name"], [F.FLASH["prompts"][r["prompt"]]], dict(GD.guided_call(r["settings"]), guide=guide),
+           [r["output"]], r["nfe"], r["settings"].get("eos_bias", {{}}).get("dream")) for r in GD.GUIDED_RUNS]
 
 def eos_bias(bias, eos):   # the golden EOS runs add `bias` to the eos logit at every forward
     def hook(module, inputs, out):
