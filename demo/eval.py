@@ -163,7 +163,7 @@ def trace_guided(model, guide, tok, problem, cache="prefix", **acc):
     for i, (line, d, n) in enumerate(zip(render_trace(steps, tok, cfg.mask_id, {cfg.eos_id}), drafts,
                                           stats["committed"])):
         print(f"  {line}")
-        print(f"          drafts: {' '.join(name(t) for t in d[:n])} | cut: {' '.join(name(t) for t in d[n:n + 6])} ...")
+        print(f"          committed: {' '.join(name(t) for t in d[:n])} | not committed: {' '.join(name(t) for t in d[n:n + 6])} ...")
     answer = answer_text(tok, out[0, P:].tolist(), cfg.eos_id)
     print(f"  -> {answer!r} ({'valid' if is_valid(answer, problem[2]) else 'INVALID'}), NFE {stats['nfe']}, "
           f"guide calls {stats['guide_calls']}\n")
