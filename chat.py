@@ -199,3 +199,40 @@ class Chat:
             return piece
 
         return new_text
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The CLI's text input and output
+
+def check_text(text: str, what: str = "the prompt"):
+    # Bytes that are not UTF-8 reach us as lone surrogates (Python's surrogateescape on argv, and on stdin
+    # in a C locale), which the tokenizer refuses with a TypeError.
+    if not text.isascii() and any(0xDC80 <= ord(c) <= 0xDCFF for c in text):
+        raise ValueError(f"{what} is not valid UTF-8 text: pass UTF-8 (convert it with e.g. iconv)")
+
+
+def read_turn() -> str | None:
+    """One --interactive question from stdin; None at its end (Ctrl-D, or the end of piped input)."""
+    try:
+        text = input("user> ").strip()
+    except EOFError:
+        print()
+        return None
+    except UnicodeDecodeError:   # a strict UTF-8 stdin (a lenient one gives surrogates: check_text)
+        raise ValueError("the input is not valid UTF-8 text: pass UTF-8 (convert it with e.g. iconv)") from None
+    except (OSError, RuntimeError):   # stdin closed (`<&-`): "input(): lost sys.stdin", or EBADF
+        raise ValueError("--interactive reads questions from stdin, which is closed: run it in a terminal or "
+                         "pipe the questions in") from None
+    check_text(text, "the input")
+    return text
+
+
+def streamer(chat, P: int, mask_id: int):
+    """on_step for the CLI: print the answer as it is decided, up to the first still-masked position."""
+    new_text = chat.stream()
+
+    def on_step(x, stats):
+        row = x[0, P:].tolist()
+        decided = row[:row.index(mask_id)] if mask_id in row else row
+        print(new_text(decided, final=mask_id not in row), end="", flush=True)
+    return on_step

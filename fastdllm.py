@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import sampler as S
 from cache import KVCache, feed_span
-from chat import Chat
+from chat import Chat, check_text, read_turn, streamer
 from model import Guide, check_guide, check_readable, load_model, read_config, resolve_model_dir
 
 CACHE_MODES = ("none", "prefix", "dual", "free")
@@ -391,13 +391,6 @@ def optional_float(text: str):
         raise argparse.ArgumentTypeError(f"expected a number or none, got {text!r}") from None
 
 
-def check_text(text: str, what: str = "the prompt"):
-    # Bytes that are not UTF-8 reach us as lone surrogates (Python's surrogateescape on argv, and on stdin
-    # in a C locale), which the tokenizer refuses with a TypeError.
-    if not text.isascii() and any(0xDC80 <= ord(c) <= 0xDCFF for c in text):
-        raise ValueError(f"{what} is not valid UTF-8 text: pass UTF-8 (convert it with e.g. iconv)")
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Fast-dLLM inference for LLaDA and Dream. The defaults are the "
                                 "method's headline setting; the plain baseline is --cache none --threshold none.")
@@ -444,17 +437,8 @@ def parse_args(argv=None):
     p.add_argument("--accept-k", type=int, default=5, help="guided top-k (default: %(default)s)")
     p.add_argument("--accept-ratio", type=float, default=0.95, help="guided topk_relative ratio (default: "
                    "%(default)s)")
-    p.add_argument("--bench", action="store_true", help="every decoding mode side by side: calls, tokens fed, "
-                   "time, tokens/s, memory and agreement with the exact decode (bench.py)")
-    p.add_argument("--bench-caches", default="none,prefix,dual,free", help="--bench: cache modes, comma-separated")
-    p.add_argument("--bench-thresholds", default="0.9", help="--bench: threshold values, comma-separated")
-    p.add_argument("--bench-factors", default="1.0", help="--bench: factor values, comma-separated ('' = none)")
-    p.add_argument("--bench-stop", default="off,on", help="--bench: early stop values: off, on (at a block's end), "
-                   "k (k end tokens in a row)")
-    p.add_argument("--bench-batch", type=int, default=1, help="--bench: batch size (the prompt repeated)")
-    p.add_argument("--bench-repeat", type=int, default=1, help="--bench: best wall time of this many runs per row")
-    p.add_argument("--bench-json", default=None, help="--bench: also write every row, the settings and the "
-                   "environment to this JSON file")
+    import bench   # its flags live with it (bench.py imports this file's generate(), so not at the top)
+    bench.add_arguments(p)
     args = p.parse_args(argv)
     args.fit_gen_length = "gen_length" not in vars(args)
     args.gen_length = getattr(args, "gen_length", 256)
@@ -520,22 +504,6 @@ def fit_gen_length(args, n_prompt: int, max_seq_len: int) -> int:
     return fit
 
 
-def read_turn() -> str | None:
-    """One --interactive question from stdin; None at its end (Ctrl-D, or the end of piped input)."""
-    try:
-        text = input("user> ").strip()
-    except EOFError:
-        print()
-        return None
-    except UnicodeDecodeError:   # a strict UTF-8 stdin (a lenient one gives surrogates: check_text)
-        raise ValueError("the input is not valid UTF-8 text: pass UTF-8 (convert it with e.g. iconv)") from None
-    except (OSError, RuntimeError):   # stdin closed (`<&-`): "input(): lost sys.stdin", or EBADF
-        raise ValueError("--interactive reads questions from stdin, which is closed: run it in a terminal or "
-                         "pipe the questions in") from None
-    check_text(text, "the input")
-    return text
-
-
 def load_guide(args, cfg, chat, device, dtype):
     """--guide: check that it shares the model's token ids on its small files, then load it (or None)."""
     if not args.guide:
@@ -548,17 +516,6 @@ def load_guide(args, cfg, chat, device, dtype):
         guide_tok = None
     check_guide(cfg, read_config(guide_dir), chat.tok, guide_tok)
     return load_model(guide_dir, device=device, dtype=dtype)
-
-
-def streamer(chat, P: int, mask_id: int):
-    """on_step for the CLI: print the answer as it is decided, up to the first still-masked position."""
-    new_text = chat.stream()
-
-    def on_step(x, stats):
-        row = x[0, P:].tolist()
-        decided = row[:row.index(mask_id)] if mask_id in row else row
-        print(new_text(decided, final=mask_id not in row), end="", flush=True)
-    return on_step
 
 
 def answer_prompts(model, chat, args, device):
