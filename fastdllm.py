@@ -181,9 +181,10 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
     stop_at_eos: False | True (once a block is complete and holds an end token, fill the rest with eos and
         stop) | k (FlashDLM's rule: k end tokens in a row at the decoded frontier). eos_ids: the end tokens
         (default the config's eos id).
-    guide: a causal model (model.Guide) that verifies the drafts (FlashDLM guided diffusion): one block
-        over the answer, accept "deterministic" | "topk" (accept_k) | "topk_relative" (accept_k,
-        accept_ratio), verified in chunks of verify_chunk tokens.
+    guide: a causal LM (model_type qwen2, sharing the model's token ids) that verifies the drafts (FlashDLM
+        guided diffusion): one block over the answer (so "dual" is "prefix" here), accept "deterministic" |
+        "topk" (accept_k) | "topk_relative" (accept_k, accept_ratio), verified in chunks of verify_chunk
+        tokens; a committed end token always ends the answer. Batches are decoded row by row.
     generator: the only source of randomness (default: a fresh one seeded 0). on_step(x, stats) is called
         after every step with the live canvas.
     """
@@ -206,7 +207,8 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
         if prompt.shape[0] > 1:
             return generate_rows(model, prompt, attention_mask, gen_length=gen_length, cache=cache,
                                  guide=guide, accept=accept, accept_k=accept_k, accept_ratio=accept_ratio,
-                                 verify_chunk=verify_chunk, eos_ids=eos_ids, on_step=on_step)
+                                 verify_chunk=verify_chunk, eos_ids=eos_ids, on_step=on_step,
+                                 refresh_every_step=refresh_every_step)
     n_blocks = gen_length // block_length
     spb = steps // n_blocks                                        # steps per block
     if dream and not guided:
