@@ -138,18 +138,18 @@ def pad_prompts(rows: list[list[int]], pad_id: int):
 def eos_reached(x, P: int, e: int, eos: torch.Tensor, mask_id: int, run: int | bool):
     """(B,) rows whose answer has ended, so the rest can be filled with eos without another model call.
     run=True (at a block's end): the finished answer [P, e) holds an end token. run=k (FlashDLM's
-    `_check_early_stop`, any step): the right-most decoded token and the k-1 before it are end tokens and no
-    mask lies before it."""
+    `_check_early_stop`, any step): the right-most decoded token r and the k-1 canvas tokens before it are end
+    tokens (prompt tokens included, as FlashDLM counts them) and no mask lies before r."""
     ans = x[:, P:e]
-    is_eos = torch.isin(ans, eos)
     if run is True:
-        return is_eos.any(-1) & (ans != mask_id).all(-1)
-    idx = torch.arange(ans.shape[1], device=x.device)
-    decoded = ans != mask_id
-    r = torch.where(decoded, idx, -1).max(-1).values                     # right-most decoded, -1 if none
-    no_gap = (torch.where(~decoded, idx, ans.shape[1]).min(-1).values > r)
-    tail = torch.where((idx <= r[:, None]) & (idx > r[:, None] - run), is_eos, True).all(-1)
-    return (r >= 0) & (r + P + 1 >= run) & no_gap & tail
+        return torch.isin(ans, eos).any(-1) & (ans != mask_id).all(-1)
+    idx = torch.arange(x.shape[1], device=x.device)
+    decoded = (x != mask_id) & (idx >= P)
+    r = torch.where(decoded, idx, -1).max(-1).values                      # right-most decoded, -1 if none
+    no_gap = torch.where(x == mask_id, idx, x.shape[1]).min(-1).values > r
+    window = (idx <= r[:, None]) & (idx > r[:, None] - run)
+    tail = torch.where(window, torch.isin(x, eos), True).all(-1)
+    return (r >= 0) & (r + 1 >= run) & no_gap & tail
 
 
 @torch.inference_mode()

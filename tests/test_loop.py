@@ -83,3 +83,17 @@ def test_dream_whole_canvas_threshold(dream):
     assert st2["committed"][:4] == [1, 1, 1, 1] and st2["nfe"] == 64   # unreachable tau: one per step
     with pytest.raises(ValueError, match="steps .* must divide gen_length"):
         generate(dream, prompt, gen_length=64, block_length=None, steps=5, threshold=0.9)
+
+
+def test_eos_reached_rules():
+    """The two early-stop rules on hand-made canvases (prompt 3 tokens, mask 9, eos 0)."""
+    from fastdllm import eos_reached
+    eos, M = torch.tensor([0]), 9
+    x = torch.tensor([[5, 6, 7, 1, 0, 0, M, M],      # FlashDLM k=2: answer "1 $ $" then masks -> stop
+                      [5, 6, 7, 1, M, 0, 0, M],      # a mask before the right-most decoded token -> no
+                      [5, 6, 7, 0, M, M, M, M],      # k=2 window reaches into the prompt (7 is no eos) -> no
+                      [5, 6, 0, 0, M, M, M, M]])     # ... and here the prompt's last token is an eos -> stop
+    assert eos_reached(x, 3, 8, eos, M, 2).tolist() == [True, False, False, True]
+    assert eos_reached(x, 3, 8, eos, M, 3).tolist() == [False, False, False, False]
+    block = torch.tensor([[5, 6, 7, 1, 0, 4, M, M], [5, 6, 7, 1, 4, M, M, M], [5, 6, 7, 1, 2, 4, M, M]])
+    assert eos_reached(block, 3, 6, eos, M, True).tolist() == [True, False, False]   # block [3, 6) done, holds eos
