@@ -46,9 +46,13 @@ def num_transfer_tokens(mask_count: torch.Tensor, steps: int) -> torch.Tensor:
 def argmax_except(scores, banned: int):
     """argmax over the last axis, never returning the id `banned` (the mask token: a proposal that is the
     mask itself would leave its position masked, and a loop that waits for the block to fill would never
-    end). Takes the runner-up only where the mask wins, so every other decision is untouched."""
-    top2 = scores.topk(2, dim=-1).indices
-    return torch.where(top2[..., 0] == banned, top2[..., 1], top2[..., 0])
+    end). The plain argmax everywhere else (the same tie-breaking as the official code), the runner-up only
+    where the mask wins."""
+    x = scores.argmax(-1)
+    hit = x == banned
+    if hit.any():
+        x = torch.where(hit, scores.topk(2, dim=-1).indices[..., 1], x)
+    return x
 
 
 def llada_predict(logits, temperature: float, remasking: str, generator=None, rand_span=None, mask_id=None):
