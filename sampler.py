@@ -15,6 +15,8 @@ block; confidences (B, N) hold -inf at non-candidates so they can never be chose
   whose confidence clears tau, and always the most confident) and `select_factor`.
 - FlashDLM's guided diffusion (arXiv 2505.21467; spec/flashdlm.md 2): `accept_drafts`, the guide's verdict on the
   diffusion model's drafts.
+- One step's propose-and-select per family, as generate() calls it: `llada_select`, `dream_select` and
+  `guided_select` (the one exception to "no model": it asks the guide, through model.Guide, for its verdict).
 """
 from functools import partial
 from typing import NamedTuple
