@@ -496,7 +496,7 @@ def bench(model, ids, args, device, eos_ids=None):
 
 def fit_gen_length(args, n_prompt: int, max_seq_len: int) -> int:
     """An explicit --gen-length as given (generate() checks it); the default 256 cut to the largest multiple
-    of --block-length that fits the model's positions (the demo model has 128), said on stderr."""
+    of --block-length that fits the model's positions (the demo model has 64), said on stderr."""
     block = args.block_length or 1
     fit = (max_seq_len - n_prompt) // block * block
     if not args.fit_gen_length or n_prompt + args.gen_length <= max_seq_len or fit < 1:
@@ -578,7 +578,7 @@ def main(argv=None):
         if args.interactive and text in (None, "", "exit", "quit"):
             return
         # Without a chat template there are no turns to keep (the demo model was trained on one question
-        # each, and earlier questions would only fill its 128 positions): each question is a new prompt.
+        # each, and earlier questions would only fill its 64 positions): each question is a new prompt.
         messages = (messages if chat.chat else []) + [{"role": "user", "content": text}]
         if ids and chat.chat and chat.family == "llada":
             # LLaDA's chat.py keeps the previous turns as ids, with every <|endoftext|> filler removed, and

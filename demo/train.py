@@ -306,8 +306,10 @@ def train(out: str, steps: int = 20000, batch: int = 64, lr: float = 2e-3, dim: 
                           bos_id=tok.token_to_id("<|startoftext|>"), tie_embeddings=True)
         loss_fn = causal_loss
     else:
+        # 64 positions: the 18-token prompts and 32-token answers it learns fit, and the CLI's default
+        # gen-length (fitted to the model, 256 -> 32 here) is then the answer length it was trained for.
         cfg = ModelConfig(family="llada", vocab_size=V, dim=dim, n_layers=n_layers, n_heads=n_heads,
-                          n_kv_heads=n_kv_heads or n_heads, ffn_dim=ffn_dim, max_seq_len=128, mask_id=V - 1,
+                          n_kv_heads=n_kv_heads or n_heads, ffn_dim=ffn_dim, max_seq_len=64, mask_id=V - 1,
                           eos_id=0, pad_id=0)
         loss_fn = lambda model, x, P, gen: sft_loss(model, x, P, cfg.mask_id, gen)   # noqa: E731
     model = Transformer(cfg)

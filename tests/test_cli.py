@@ -61,18 +61,20 @@ def test_cli_checks_settings_before_loading_the_model():
 
 
 def test_cli_default_gen_length_fits_the_model():
-    """The docstring's own example: the demo model has 128 positions, so the default 256 can't fit. Without
-    --gen-length it is cut to the largest block multiple that fits, said in one line; given, it is an error."""
+    """The docstring's own example: the demo model has 64 positions, so the default 256 can't fit. Without
+    --gen-length it is cut to the largest block multiple that fits, said in one line (here 32, the answer
+    length the demo was trained for, so the answer is right); given, it is an error."""
     prompt = "Tom has 23 apples and buys 45 more. How many apples does he have?"
     demo = os.path.join(ROOT, "demo", "llada-arith")
     r = cli("--model", demo, "--prompt", prompt)
     assert r.returncode == 0, r.stderr
     assert r.stderr.strip().splitlines() == [
-        "note: the prompt (18 tokens) + gen-length 256 exceed the model's 128 positions: generating 96 tokens "
+        "note: the prompt (18 tokens) + gen-length 256 exceed the model's 64 positions: generating 32 tokens "
         "(pass --gen-length to choose)"]
-    assert r.stdout.strip().splitlines()[-1].startswith("NFE ")
+    answer, stats = r.stdout.strip().splitlines()[-2:]
+    assert answer == "45 + 23 = 68. The answer is 68." and stats.startswith("NFE ")
     r = cli("--model", demo, "--prompt", prompt, "--gen-length", "256")
-    assert r.returncode == 2 and "exceeds the model's 128 positions" in r.stderr
+    assert r.returncode == 2 and "exceeds the model's 64 positions" in r.stderr
 
 
 def test_help_shows_the_defaults(capsys):
@@ -147,7 +149,7 @@ def test_streaming_prints_pieces_as_steps_decide_them(monkeypatch, capsys):
 
 
 def test_early_stop_saves_calls_and_keeps_the_answer(capsys):
-    common = ("--model", DEMO, "--gen-length", "64", "--block-length", "8", "--prompt", QUESTIONS[0])
+    common = ("--model", DEMO, "--gen-length", "40", "--block-length", "8", "--prompt", QUESTIONS[0])
     stop, full = run_main(capsys, *common), run_main(capsys, *common, "--no-early-stop")
     assert stop[0] == full[0]
     nfe = lambda lines: int(lines[1].split()[1])   # noqa: E731
