@@ -18,7 +18,6 @@ no remote code. Decoding policies live in sampler.py, the loop in fastdllm.py, t
 import json
 import math
 import os
-import re
 from dataclasses import dataclass
 
 import torch
@@ -458,8 +457,8 @@ def load_model(name_or_path: str, device=None, dtype=None) -> Transformer:
                 for key in f.keys():
                     ours = names.get(key)
                     if ours is None and key == "lm_head.weight" and cfg.tie_embeddings:
-                        raise ValueError(f"the checkpoint stores lm_head.weight but config.json sets "
-                                         f"tie_word_embeddings: true (the head is the embedding): set it to false")
+                        raise ValueError("the checkpoint stores lm_head.weight but config.json sets "
+                                         "tie_word_embeddings: true (the head is the embedding): set it to false")
                     if ours is None:
                         raise ValueError(f"unexpected tensor {key!r} in {os.path.basename(path)}: this is not a "
                                          f"{cfg.family} checkpoint of the layout config.json describes")

@@ -50,7 +50,7 @@ def cached_vs_naive_gap(model, prompt, cache, **kw):
     generate(model, prompt, cache=cache, on_step=lambda x, st: canvases.append(x.clone()), **kw)
     P, L, bl = prompt.shape[1], canvases[0].shape[1], kw["block_length"]
     start = torch.cat([prompt, torch.full((1, L - P), model.config.mask_id)], 1)
-    gap, prev = 0.0, start
+    gap, prev, refresh = 0.0, start, start
     for x in canvases:
         s = P + ((prev[0, P:] == model.config.mask_id).nonzero()[0].item() // bl) * bl   # current block
         refresh = prev if (prev[0, s:s + bl] == model.config.mask_id).all() else refresh
