@@ -372,13 +372,18 @@ def add_arguments(p):
     """fastdllm.py's --bench flags."""
     p.add_argument("--bench", action="store_true", help="every decoding mode side by side: calls, tokens fed, "
                    "time, tokens/s, memory and agreement with the exact decode (bench.py)")
-    p.add_argument("--bench-caches", default="none,prefix,dual,free", help="--bench: cache modes, comma-separated")
-    p.add_argument("--bench-thresholds", default="0.9", help="--bench: threshold values, comma-separated")
-    p.add_argument("--bench-factors", default="1.0", help="--bench: factor values, comma-separated ('' = none)")
+    p.add_argument("--bench-caches", default="none,prefix,dual,free", help="--bench: cache modes, "
+                   "comma-separated (default: %(default)s)")
+    p.add_argument("--bench-thresholds", default="0.9", help="--bench: threshold values, comma-separated "
+                   "(default: %(default)s)")
+    p.add_argument("--bench-factors", default="1.0", help="--bench: factor values, comma-separated ('' = none) "
+                   "(default: %(default)s)")
     p.add_argument("--bench-stop", default="off,on", help="--bench: early stop values: off, on (at a block's end), "
-                   "k (k end tokens in a row)")
-    p.add_argument("--bench-batch", type=int, default=1, help="--bench: batch size (the prompt repeated)")
-    p.add_argument("--bench-repeat", type=int, default=1, help="--bench: best wall time of this many runs per row")
+                   "k (k end tokens in a row) (default: %(default)s)")
+    p.add_argument("--bench-batch", type=int, default=1, help="--bench: batch size, the prompt repeated "
+                   "(default: %(default)s)")
+    p.add_argument("--bench-repeat", type=int, default=1, help="--bench: best wall time of this many runs per row "
+                   "(default: %(default)s)")
     p.add_argument("--bench-json", default=None, help="--bench: also write every row, the settings and the "
                    "environment to this JSON file")
 
