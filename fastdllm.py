@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 import sampler as S
-from cache import KVCache, feed_span
+from cache import Guide, KVCache, feed_span
 from chat import Chat, check_text, read_turn, streamer
-from model import Guide, check_guide, check_readable, load_model, read_config, resolve_model_dir
+from model import check_guide, check_readable, load_model, read_config, resolve_model_dir
 
 CACHE_MODES = ("none", "prefix", "dual", "free")
 LLADA_REMASKING = ("low_confidence", "random")
@@ -357,10 +357,7 @@ def generate_rows(model, prompt, attention_mask, **kw):
         real = prompt[b] if attention_mask is None else prompt[b][attention_mask[b].bool().to(prompt.device)]
         out, st = generate(model, real[None], **kw)
         rows.append(torch.cat([prompt[b, :prompt.shape[1] - real.numel()].to(out.device), out[0]]))
-        for key in ("nfe", "calls_saved", "guide_calls", "seconds"):
-            stats[key] += st[key]
-        stats["fed"] += st["fed"]
-        stats["committed"] += st["committed"]
+        stats = {key: total + st[key] for key, total in stats.items()}      # lists concatenate, counts add
     stats["tokens_per_s"] = prompt.shape[0] * kw["gen_length"] / max(stats["seconds"], 1e-9)
     return torch.stack(rows), stats
 
@@ -466,12 +463,6 @@ def settings(args, **override):
         kw.update(accept=args.accept, accept_k=args.accept_k, accept_ratio=args.accept_ratio)
     kw.update(override)
     return kw
-
-
-def run_once(model, ids, args, device, on_step=None, **override):
-    """One generate() call on one prompt with the CLI's settings, seeded from --seed."""
-    out, stats = run_batch(model, [ids], args, device, on_step, **override)
-    return out[0], stats
 
 
 def run_batch(model, rows, args, device, on_step=None, **override):
@@ -599,7 +590,7 @@ def main(argv=None):
         if args.interactive:
             print("assistant> ", end="", flush=True)
         try:
-            out, stats = run_once(model, ids, args, device, gen_length=gen_length, on_step=on_step)
+            (out,), stats = run_batch(model, [ids], args, device, on_step, gen_length=gen_length)
         except KeyboardInterrupt:
             partial = live["x"][0, len(ids):].tolist() if "x" in live else []
             partial = [t for t in partial if t != cfg.mask_id]

@@ -8,7 +8,7 @@ that guides them, and nothing else.
   and a next-token LM head, hence the one-position logits shift (see `Transformer.forward`).
 - The guide of FlashDLM's guided diffusion (arXiv 2505.21467; spec/flashdlm.md 2; Qwen2.5-1.5B-Instruct for Dream-7B,
   `model_type: "qwen2"`): the same Qwen2 blocks as Dream, but an ordinary autoregressive LM: causal attention,
-  no logits shift, and usually a tied LM head. `Guide` below holds its state (the KV cache of committed text).
+  no logits shift, and usually a tied LM head. cache.Guide holds its state (the KV cache of committed text).
 
 The diffusion families are run *bidirectionally*: a diffusion LM predicts every masked position from the whole
 canvas, so attention has no causal mask; only the guide masks the future. Weights are read straight from the
@@ -495,70 +495,6 @@ def load_model(name_or_path: str, device=None, dtype=None) -> Transformer:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The guide's state (FlashDLM guided diffusion, arXiv 2505.21467; spec/flashdlm.md 2): one row of committed text.
-
-class Guide:
-    """
-    A causal guide model and its KV cache of the committed text, for ONE row (the decoding loop keeps one
-    Guide per batch row: rows commit different numbers of tokens per step).
-
-    Invariant: cache rows [0, length) hold the committed text *except its last token*. Each verification
-    teacher-forces [last committed token, d0, d1, ...]: the row fed `last` predicts d0, the row fed d_i
-    predicts d_{i+1}, so one forward scores a whole run of drafts at once (as in speculative
-    decoding). The rows a step then commits were all computed on accepted text, so keeping them is just
-    moving `length` forward: nothing is recomputed and nothing is copied.
-    """
-
-    def __init__(self, model: Transformer, max_len: int):
-        if not model.config.causal:
-            raise ValueError(f"the guide must be a causal LM (model_type 'qwen2'), not a {model.config.family} "
-                             f"diffusion model: pass a Qwen2-format checkpoint as the guide")
-        if max_len > model.config.max_seq_len:
-            raise ValueError(f"the text ({max_len} tokens) is longer than the guide's {model.config.max_seq_len} "
-                             f"positions: shorten the prompt or gen_length, or use a guide with a longer context")
-        from cache import KVCache
-        self.model = model
-        self.cache = KVCache.for_model(model, 1, max_len)   # max_len: the canvas, prompt + answer
-        self.length = 0
-
-    def prefill(self, ids: torch.Tensor) -> int:
-        """Start a new text: push the committed ids (T,) except the last token, in one forward (the last
-        token is fed by the first verification, where its row predicts the first draft). -> guide calls."""
-        self.length = 0
-        if ids.numel() < 2:
-            return 0
-        self.model(ids[None, :-1], cache=self.cache, start=0)
-        self.length = ids.numel() - 1
-        return 1
-
-    def verify(self, last: int | torch.Tensor, drafts: torch.Tensor, accept, chunk: int = 32):
-        """
-        Score drafts (N,) that follow the committed token `last`. accept(logits (n, V), drafts (n,)) -> bool (n,)
-        is the acceptance rule (sampler.accept_drafts). The fed text [last, d0, ..., d_{N-2}] goes in chunks
-        of `chunk` tokens, each verifying `chunk` drafts (the official verify_batch_size, 32), and stops after
-        the first chunk with a rejection: a run of n < N accepted drafts costs n // chunk + 1 forwards, a
-        fully accepted one ceil(N / chunk). The last draft is never fed: no draft follows it.
-        -> (n, calls): n = length of the accepted run from d0, calls = guide forwards made.
-        Leaves `length` alone; the caller commits with `commit`.
-        """
-        fed = torch.cat([torch.as_tensor(last, device=drafts.device).view(1), drafts[:-1]])   # (N,)
-        calls = 0
-        for a in range(0, drafts.numel(), chunk):
-            logits = self.model(fed[None, a:a + chunk], cache=self.cache, start=self.length + a)[0]   # (n, V)
-            calls += 1
-            ok = accept(logits, drafts[a:a + chunk])
-            if not ok.all():
-                return a + int(ok.long().argmin()), calls                  # index of the first rejection
-        return drafts.numel(), calls
-
-    def commit(self, n: int):
-        """The step committed n >= 1 tokens. Keep the rows of `last` and of the first n - 1 of them: that is
-        the committed text minus its (new) last token again. This also covers a rejected d0 that the loop
-        commits anyway (n = 1: only `last` is kept) and a run cut at an end-of-text token. Rows past `length`
-        are stale drafts; the next chunk overwrites them and the causal mask never reads past the chunk."""
-        self.length += n
-
-
 def check_guide(model_cfg: ModelConfig, guide_cfg: ModelConfig, model_tok=None, guide_tok=None):
     """
     Refuse a guide that does not share the diffusion model's token ids, in one line that says why. The

@@ -16,7 +16,7 @@ block; confidences (B, N) hold -inf at non-candidates so they can never be chose
 - FlashDLM's guided diffusion (arXiv 2505.21467; spec/flashdlm.md 2): `accept_drafts`, the guide's verdict on the
   diffusion model's drafts.
 - One step's propose-and-select per family, as generate() calls it: `llada_select`, `dream_select` and
-  `guided_select` (the one exception to "no model": it asks the guide, through model.Guide, for its verdict).
+  `guided_select` (the one exception to "no model": it asks the guide, through cache.Guide, for its verdict).
 """
 from functools import partial
 from typing import NamedTuple

@@ -19,7 +19,8 @@ sys.path.insert(0, DEMO)
 import eval as demo_eval   # demo/eval.py
 import train as demo_train  # demo/train.py
 from fastdllm import generate
-from model import Guide, check_guide, load_model
+from cache import Guide
+from model import check_guide, load_model
 from sampler import accept_drafts
 
 SHIPPED = os.path.join(DEMO, "llada-arith")

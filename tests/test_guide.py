@@ -1,6 +1,6 @@
 """
 The guide of FlashDLM's guided diffusion (arXiv 2505.21467, section 4): the causal Qwen2 family in model.py,
-its state (model.Guide), the acceptance rules (sampler.accept_drafts) and the shared-vocabulary check
+its state (cache.Guide), the acceptance rules (sampler.accept_drafts) and the shared-vocabulary check
 (model.check_guide). Golden numbers are the official code's (tests/golden/flashdlm-golden.json).
 """
 import functools
@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models
 
 from conftest import GOLDEN, copy_checkpoint
-from cache import KVCache
-from model import Guide, ModelConfig, check_guide, load_model
+from cache import Guide, KVCache
+from model import ModelConfig, check_guide, load_model
 from sampler import accept_drafts
 
 ATOL = 1e-4   # spec: the guide's logits within 1e-4 of the official float32 run
