@@ -22,6 +22,8 @@ The storage never advances itself: every write names its position, and the gener
 decides what to feed. `Guide` at the end is the other cache: the guided-diffusion guide's keys/values of the
 committed text, which only ever grows by what a step commits.
 """
+from typing import NamedTuple
+
 import torch
 
 
@@ -59,7 +61,7 @@ class KVCache:
 
 def feed_span(cache: str, first: bool, block_step: int, s: int, e: int, L: int, shift: int):
     """Which canvas positions [a, b) a step feeds. Everything outside is read from the KV cache as the last
-    forward that fed it left it (cache.py); that choice *is* the difference between the caches:
+    forward that fed it left it; that choice *is* the difference between the caches:
     - none: the whole canvas every step (the exact reference);
     - prefix / dual (Fast-dLLM section 3.2): a block's first step refreshes the whole canvas, its later steps
       feed the block and everything after it [s, L) (prefix) or the block alone [s, e) (dual);
@@ -74,6 +76,75 @@ def feed_span(cache: str, first: bool, block_step: int, s: int, e: int, L: int, 
     if block_step == 0:
         return 0, L
     return s, L if cache == "prefix" else e
+
+
+# ---------------------------------------------------------------------------------------- cache policies
+# A cache policy is what the decoding loop asks at every step: which span [a, b) to feed (`span`), and which
+# batch rows may write their keys/values (`rows`, None = all). A fork adds a policy by subclassing Feed and
+# passing an instance as generate(cache=...).
+class Step(NamedTuple):
+    """Where a decoding step stands: what a cache policy and a step rule decide from."""
+    n: int                 # model calls so far in this generation (0 = the first)
+    step: int              # steps so far in the current block
+    s: int                 # the block is canvas positions [s, e)
+    e: int
+    cand: torch.Tensor     # (B, e - s) bool: the block's positions still masked
+    x: torch.Tensor        # (B, L) the canvas
+
+
+class Feed:
+    """The base policy: feed the whole canvas at every step. keeps_cache: the model writes a KVCache (False:
+    every call attends over its own chunk alone)."""
+    keeps_cache = True
+
+    def span(self, at: Step) -> tuple[int, int]:
+        return 0, at.x.shape[1]
+
+    def rows(self, at: Step):
+        return None
+
+
+class CacheMode(Feed):
+    """A built-in mode ("none", "prefix", "dual", "free"): feed_span decides. shift: Dream's logits shift."""
+
+    def __init__(self, mode: str, shift: int = 0):
+        self.mode, self.shift, self.keeps_cache = mode, shift, mode != "none"
+
+    def span(self, at: Step) -> tuple[int, int]:
+        return feed_span(self.mode, at.n == 0, at.step, at.s, at.e, at.x.shape[1], self.shift)
+
+
+class FreeCache(CacheMode):
+    """FreeCache freezes a block as its *last* step left it: in a batch, a row that finished its block early
+    must not be rewritten by the steps the other rows still need, or it would not decode as it would alone."""
+
+    def __init__(self, shift: int = 0):
+        super().__init__("free", shift)
+
+    def rows(self, at: Step):
+        active = at.cand.any(-1)
+        return None if active.all() else active
+
+
+class GuidedFreeCache(FreeCache):
+    """Guided FreeCache (FlashDLM's aggressive caching): the block starts at the first mask and the feed one
+    earlier, at the last committed token, for both families: each committed token is frozen with keys
+    computed while it held its token, not while it was a mask."""
+
+    def span(self, at: Step) -> tuple[int, int]:
+        head = at.s + int(at.cand.long().argmax(-1).min())
+        return feed_span("free", at.n == 0, at.step, head, at.e, at.x.shape[1], 1)
+
+
+class Refresh(Feed):
+    """refresh_every_step: another policy's cache, fed the whole canvas at every step (a check of the cache
+    plumbing: the decode then equals the uncached one)."""
+
+    def __init__(self, inner: Feed):
+        self.inner, self.keeps_cache = inner, inner.keeps_cache
+
+    def rows(self, at: Step):
+        return self.inner.rows(at)
 
 
 # The guide's state (FlashDLM guided diffusion, arXiv 2505.21467; spec/flashdlm.md 2): one row of committed text.

@@ -16,106 +16,22 @@ commit:
     python fastdllm.py --model demo/llada-arith --gen-length 32 --prompt "Tom has 23 apples and buys 45 more. How many apples does he have?"
 """
 import argparse
-import numbers
+import dataclasses
 import os
 import sys
 import time
+from dataclasses import dataclass
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 import sampler as S
-from cache import Guide, KVCache, feed_span
+from cache import CacheMode, Feed, FreeCache, Guide, GuidedFreeCache, KVCache, Refresh, Step
 from chat import Chat, check_text, read_turn, streamer
+from checks import CACHE_MODES, check_call, check_settings
 from model import check_guide, check_readable, load_model, read_config, resolve_model_dir
-
-CACHE_MODES = ("none", "prefix", "dual", "free")
-LLADA_REMASKING = ("low_confidence", "random")
-DREAM_REMASKING = ("origin", "maskgit_plus", "topk_margin", "entropy", "position_weighted")
-
-
-def check_settings(gen_length, block_length, steps, cache, threshold, factor, temperature, top_p=None,
-                   top_k=None, alg_temp=None, eps=None, generator=None):
-    """The checks that need no model (the CLI runs them before loading gigabytes of weights). Every
-    impossible request fails in one line that names the fix, never deep inside torch."""
-    def bad(msg):
-        raise ValueError(msg)
-    # A wrong type gets the same one line as a wrong value, not a TypeError from deep inside torch.
-    for name, v, kind in (("gen_length", gen_length, int), ("block_length", block_length, int), ("steps", steps, int),
-                          ("temperature", temperature, float), ("top_k", top_k, int), ("threshold", threshold, float),
-                          ("factor", factor, float), ("top_p", top_p, float), ("alg_temp", alg_temp, float),
-                          ("eps", eps, float)):
-        optional = name not in ("gen_length", "block_length", "steps", "temperature")
-        if not (optional and v is None or isinstance(v, numbers.Integral if kind is int else numbers.Real)
-                and not isinstance(v, bool)):
-            bad(f"{name} must be {'an integer' if kind is int else 'a number'}{' or None' * optional} (got {v!r})")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        bad(f"generator must be a torch.Generator, not {generator!r}: e.g. torch.Generator('cpu').manual_seed(0)")
-    if eps is not None and not 0 < eps < 1:
-        bad(f"eps must be in (0, 1) (got {eps}): Dream's time runs from 1 down to eps (default 1e-3)")
-    if gen_length < 1 or block_length < 1:
-        bad(f"gen_length ({gen_length}) and block_length ({block_length}) must be positive")
-    if gen_length % block_length:
-        bad(f"gen_length {gen_length} is not a multiple of block_length {block_length}: "
-            f"pick a block_length that divides it, e.g. {next(b for b in range(block_length, 0, -1) if gen_length % b == 0)}")
-    if steps < 1:
-        bad(f"steps must be >= 1 (got {steps})")
-    if steps % (gen_length // block_length):
-        bad(f"steps {steps} is not divisible by the number of blocks {gen_length // block_length} "
-            f"(gen_length / block_length): use a multiple, e.g. steps={gen_length}")
-    if cache not in CACHE_MODES:
-        bad(f"unknown cache mode {cache!r}: use one of {', '.join(CACHE_MODES)}")
-    if threshold is not None and not threshold > 0:      # `not >` also catches NaN
-        bad(f"threshold must be in (0, 1] (got {threshold}); above 1 means one token per step, None turns it off")
-    if factor is not None and not factor > 0:
-        bad(f"factor must be > 0 (got {factor})")
-    if threshold is not None and factor is not None:
-        bad("pass threshold or factor, not both: they are two parallel-decoding rules")
-    if not temperature >= 0:
-        bad(f"temperature must be >= 0 (got {temperature}); 0 is greedy")
-    if top_p is not None and not 0 < top_p <= 1:
-        bad(f"top_p must be in (0, 1] (got {top_p})")
-    if top_k is not None and top_k < 1:
-        bad(f"top_k must be >= 1 (got {top_k})")
-    if alg_temp is not None and not alg_temp >= 0:
-        bad(f"alg_temp must be >= 0 (got {alg_temp})")
-
-
-def check_prompt(cfg, prompt, gen_length, remasking, top_p, top_k, alg_temp, attention_mask=None):
-    """The checks that depend on the model: the prompt's ids and length, and the family's options."""
-    def bad(msg):
-        raise ValueError(msg)
-    if not isinstance(prompt, torch.Tensor):
-        bad(f"the prompt must be a torch.Tensor of token ids, not a {type(prompt).__name__}: e.g. torch.tensor([ids])")
-    if prompt.ndim == 2 and prompt.shape[0] == 0:
-        bad("the prompt batch has 0 rows: pass at least one prompt")
-    if prompt.ndim == 2 and prompt.shape[1] == 0:      # (torch.tensor([[]]) is float: say "empty" first)
-        bad("the prompt is empty: pass at least one token")
-    # torch.long only, as the official code: int32 fails late inside Dream's sampler, uint8 wraps around.
-    if prompt.ndim != 2 or prompt.dtype != torch.long:
-        bad(f"the prompt must be a (batch, length) tensor of integer token ids of dtype torch.long, not "
-            f"{prompt.dtype} of shape {tuple(prompt.shape)}: e.g. torch.tensor([ids]), or prompt.long()")
-    if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != prompt.shape:
-            bad(f"attention_mask must be a tensor of the prompt's shape {tuple(prompt.shape)} (1 = token, 0 = pad), "
-                f"not {getattr(attention_mask, 'shape', type(attention_mask).__name__)}")
-        if not attention_mask.bool().any(-1).all():
-            bad("attention_mask has a row of zeros: every prompt needs at least one real token (a 1)")
-    if prompt.min() < 0 or prompt.max() >= cfg.vocab_size:
-        bad(f"the prompt has token id {prompt.min() if prompt.min() < 0 else prompt.max()} outside the vocabulary "
-            f"[0, {cfg.vocab_size}): tokenize it with this model's tokenizer")
-    if (prompt == cfg.mask_id).any():
-        bad(f"the prompt contains the mask token id {cfg.mask_id}: masks are reserved for the answer; "
-            f"remove them (infilling inside the prompt is not supported)")
-    if prompt.shape[1] + gen_length > cfg.max_seq_len:
-        bad(f"prompt ({prompt.shape[1]} tokens) + gen_length ({gen_length}) exceeds the model's "
-            f"{cfg.max_seq_len} positions: shorten the prompt or lower gen_length")
-    names = LLADA_REMASKING if cfg.family == "llada" else DREAM_REMASKING
-    if remasking not in names:
-        bad(f"unknown remasking {remasking!r} for {cfg.family}: use one of {', '.join(names)}")
-    if cfg.family == "llada" and (top_p is not None or top_k is not None or alg_temp):
-        bad("top_p, top_k and alg_temp are Dream options; LLaDA samples with temperature only")
 
 
 def padding(attention_mask, gen_length: int, device):
@@ -135,217 +51,157 @@ def pad_prompts(rows: list[list[int]], pad_id: int):
     return ids, (torch.arange(P) >= torch.tensor([[P - len(r)] for r in rows])).long()
 
 
-def eos_reached(x, P: int, e: int, eos: torch.Tensor, mask_id: int, run: int | bool):
-    """(B,) rows whose answer has ended, so the rest can be filled with eos without another model call.
-    run=True (at a block's end): the finished answer [P, e) holds an end token. run=k (FlashDLM's
-    `_check_early_stop`, any step): the right-most decoded token r and the k-1 canvas tokens before it are end
-    tokens (prompt tokens included, as FlashDLM counts them) and no mask lies before r."""
-    ans = x[:, P:e]
-    if run is True:
-        return torch.isin(ans, eos).any(-1) & (ans != mask_id).all(-1)
-    idx = torch.arange(x.shape[1], device=x.device)
-    decoded = (x != mask_id) & (idx >= P)
-    r = torch.where(decoded, idx, -1).max(-1).values                      # right-most decoded, -1 if none
-    no_gap = torch.where(x == mask_id, idx, x.shape[1]).min(-1).values > r
-    window = (idx <= r[:, None]) & (idx > r[:, None] - run)
-    tail = torch.where(window, torch.isin(x, eos), True).all(-1)
-    return (r >= 0) & (r + 1 >= run) & no_gap & tail
+@dataclass
+class Settings:
+    """Every decoding setting of generate(), with its default (generate(model, prompt, **settings) takes
+    them as keywords). None means "the family's or the method's default"."""
+    gen_length: int = 128              # tokens to generate
+    block_length: int | None = 32      # semi-autoregressive block; None = one block (Dream: its own sampler)
+    steps: int | None = None           # denoising steps over the answer (default gen_length: 1 token/step)
+    cache: str | Feed = "none"         # "none" | "prefix" | "dual" | "free", or a cache.Feed policy
+    threshold: float | None = None     # Fast-dLLM 3.3: commit every token with confidence >= threshold
+    factor: float | None = None        # Fast-dLLM 3.3: factor-based parallel decoding
+    select: Callable | None = None     # a custom selection rule (sampler.py: rule(proposal, cand, k))
+    temperature: float = 0.0           # 0 = greedy
+    remasking: str | None = None       # LLaDA "low_confidence" | "random"; Dream's alg (default "entropy")
+    top_p: float | None = None         # Dream's sampling options
+    top_k: int | None = None
+    alg_temp: float | None = None
+    eps: float = 1e-3                  # Dream's time grid runs from 1 down to eps
+    refresh_every_step: bool = False   # feed the whole canvas every step (checks the cache plumbing)
+    stop_at_eos: bool | int = False    # True: stop after a finished block holding an end token; k: FlashDLM's rule
+    eos_ids: list | None = None        # the end tokens (default the config's)
+    guide: torch.nn.Module | None = None   # FlashDLM guided diffusion: a causal LM with the same token ids
+    accept: str | None = None          # guided: "deterministic" (default) | "topk" | "topk_relative"
+    accept_k: int | None = None        # guided top-k (default 5)
+    accept_ratio: float | None = None  # guided topk_relative ratio (default 0.95)
+    verify_chunk: int | None = None    # guided: drafts verified per guide forward (default 32)
+
+
+GUIDED_DEFAULTS = dict(accept="deterministic", accept_k=5, accept_ratio=0.95, verify_chunk=32)
+
+
+@dataclass
+class Plan:
+    """What one generate() call decided before its loop: the blocks and the parts the loop calls."""
+    blocks: list              # [(s, e)] the semi-autoregressive blocks of the answer
+    feed: Feed                # cache.py: which span each step feeds
+    rule: object              # sampler.py: one family's propose + select, with its state
+    stop: S.StopRule          # sampler.py: when an answer has ended
+    forward: Callable         # (x, at, span, cols) -> logits at the block columns `cols`
+    calls_per_block: int      # the fewest calls a block takes (for calls_saved)
+
+
+def settings_of(options: dict) -> Settings:
+    names = {f.name for f in dataclasses.fields(Settings)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ValueError(f"unknown setting {unknown[0]!r}: generate() takes {', '.join(sorted(names))}")
+    return Settings(**options)
+
+
+def make_plan(model, prompt, st: Settings, attention_mask, generator) -> Plan:
+    """Turn (family, cache, rule, stop) into parts, once: everything here depends only on the call's settings."""
+    cfg, device = model.config, model.lm_head.weight.device
+    dream, guided = cfg.family == "dream", st.guide is not None
+    whole_canvas = dream and st.block_length is None and not guided     # Dream's own diffusion_generate
+    st = dataclasses.replace(
+        st, remasking=st.remasking or ("entropy" if dream else "low_confidence"),
+        block_length=st.gen_length if guided else st.block_length or st.gen_length,   # guided: one block
+        steps=st.gen_length if st.steps is None or guided else st.steps,
+        **({k: v if getattr(st, k) is None else getattr(st, k) for k, v in GUIDED_DEFAULTS.items()} if guided else {}))
+    check_call(model, prompt, st, attention_mask, generator, whole_canvas)
+    B, P = prompt.shape
+    L = P + st.gen_length
+    n_blocks = st.gen_length // st.block_length
+    generator = generator or torch.Generator(device).manual_seed(0)
+    eos = torch.tensor(sorted(set(st.eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
+    rule = S.selection_rule(st.threshold, st.factor, st.select)
+    shift = int(cfg.shift_logits)      # Dream predicts position i from hidden state i - 1
+    feed = (st.cache if isinstance(st.cache, Feed) else GuidedFreeCache() if guided and st.cache == "free"
+            else FreeCache(shift) if st.cache == "free" else CacheMode(st.cache, shift))
+    feed = Refresh(feed) if st.refresh_every_step else feed
+    if guided:                         # one block over the answer: "dual" is "prefix" here
+        step_rule = S.GuidedStep(Guide(st.guide, L), partial(S.accept_drafts, rule=st.accept, k=st.accept_k,
+                                 ratio=st.accept_ratio), st.verify_chunk, eos, cfg.mask_id, prompt.to(device))
+    elif dream:
+        family = S.DreamCanvasStep if whole_canvas else S.DreamFreeStep if st.cache == "free" else S.DreamStep
+        step_rule = family(rule, st.steps, n_blocks, st.block_length, st.temperature, st.remasking, st.top_p, st.top_k,
+                           st.alg_temp, st.eps, generator, cfg.mask_id, device)
+    else:
+        step_rule = S.LLaDAStep(rule, st.steps // n_blocks, st.temperature, st.remasking, generator, cfg.mask_id)
+    stop = S.stop_rule(1 if guided else st.stop_at_eos, P, eos, cfg.mask_id)   # guided: a committed end token ends
+    kv = KVCache.for_model(model, B, L) if feed.keeps_cache else None
+    return Plan([(s, s + st.block_length) for s in range(P, L, st.block_length)], feed, step_rule, stop,
+                model_call(model, kv, feed, *padding(attention_mask, st.gen_length, device)),
+                1 if getattr(rule, "parallel", True) or guided else st.steps // n_blocks)
+
+
+def model_call(model, kv, feed: Feed, pos, mask):
+    """One model call over the fed span [a, b) of the canvas, logits only at the block's open columns. The
+    NaN/inf check reads the logits' row sums (one reduction, into which any NaN/inf propagates): checking
+    every value was ~7% of a DualCache step on a 126k vocabulary."""
+    def forward(x, at: Step, span, cols):
+        a, b = span
+        if kv is not None:
+            kv.write_rows = feed.rows(at)
+        logits = model(x[:, a:b], None if pos is None else pos[:, a:b], kv, a,
+                       None if mask is None else mask[:, :, a:b], at.s + cols - a)
+        if not torch.isfinite(logits.sum(-1, dtype=torch.float32)).all():
+            raise ValueError(f"the model produced NaN/inf logits at step {at.n + 1}: the weights hold NaN/inf, "
+                             f"or the activations overflowed {logits.dtype} (try --dtype float32)")
+        return logits
+    return forward
 
 
 @torch.inference_mode()
-def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: int | None = 32,
-             steps: int | None = None, cache: str = "none", threshold: float | None = None,
-             factor: float | None = None, temperature: float = 0.0, remasking: str | None = None,
-             top_p: float | None = None, top_k: int | None = None, alg_temp: float | None = None,
-             eps: float = 1e-3, attention_mask: torch.Tensor | None = None,
-             generator: torch.Generator | None = None, refresh_every_step: bool = False,
-             stop_at_eos: bool | int = False, eos_ids=None, guide=None, accept: str = "deterministic",
-             accept_k: int = 5, accept_ratio: float = 0.95, verify_chunk: int = 32, on_step=None):
+def generate(model, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             generator: torch.Generator | None = None, on_step=None, **settings):
     """
     Decode gen_length tokens after `prompt` (B, P). Returns (ids (B, P + gen_length), stats) with stats
     {"nfe": model calls, "fed": tokens fed per call, "committed": tokens committed per call (all rows),
     "calls_saved", "guide_calls", "seconds", "tokens_per_s"}.
 
-    block_length: semi-autoregressive block size. None = one block over the whole answer; for Dream it
-        selects Dream's own `diffusion_generate` rules instead of Fast-dLLM's block sampler.
-    steps: denoising steps over the whole answer (default gen_length: one token per step); with a
-        threshold or factor the step count is decided by confidence and steps is only checked.
-    cache: "none" | "prefix" | "dual" (Fast-dLLM section 3.2) | "free" (FlashDLM's FreeCache); see
-        feed_span. refresh_every_step=True feeds the whole canvas at every step (a check of the cache
-        plumbing: the decode then equals cache="none").
-    threshold / factor: confidence-aware parallel decoding (Fast-dLLM section 3.3).
-    remasking: LLaDA "low_confidence" (default) | "random"; Dream "entropy" (default) | "maskgit_plus" |
-        "topk_margin" | "origin" | "position_weighted" (Dream's `alg`).
-    top_p, top_k, alg_temp, eps: Dream's sampling options. attention_mask: (B, P) 1/0 for left-padded
-        prompts, both families: each row decodes as it would alone.
-    stop_at_eos: False | True (once a block is complete and holds an end token, fill the rest with eos and
-        stop) | k (FlashDLM's rule: k end tokens in a row at the decoded frontier). eos_ids: the end tokens
-        (default the config's eos id).
-    guide: a causal LM (model_type qwen2, sharing the model's token ids) that verifies the drafts (FlashDLM
-        guided diffusion): one block over the answer (so "dual" is "prefix" here), accept "deterministic" |
-        "topk" (accept_k) | "topk_relative" (accept_k, accept_ratio), verified in chunks of verify_chunk
-        tokens; a committed end token always ends the answer. Batches are decoded row by row.
+    settings: the keywords of `Settings` (gen_length, block_length, steps, cache, threshold, factor, select,
+        temperature, remasking, top_p, top_k, alg_temp, eps, refresh_every_step, stop_at_eos, eos_ids, guide,
+        accept, accept_k, accept_ratio, verify_chunk); see its field comments and the README's API table.
+    attention_mask: (B, P) 1/0 for left-padded prompts, both families: each row decodes as it would alone.
     generator: the only source of randomness (default: a fresh one seeded 0). on_step(x, stats) is called
         after every step with the live canvas.
     """
-    cfg = model.config
-    if cfg.causal:
-        raise ValueError("this is a causal LM (model_type qwen2), not a diffusion LM: pass it as guide= and a "
-                         "LLaDA or Dream checkpoint as the model")
-    dream = cfg.family == "dream"
-    guided = guide is not None
-    whole_canvas = dream and block_length is None and not guided     # Dream's own diffusion_generate
-    remasking = remasking or ("entropy" if dream else "low_confidence")
-    block_length = gen_length if guided else block_length or gen_length
-    steps = gen_length if steps is None or guided else steps
-    check_settings(gen_length, block_length, steps, cache, threshold, factor, temperature, top_p, top_k, alg_temp,
-                   eps, generator)
-    check_prompt(cfg, prompt, gen_length, remasking, top_p, top_k, alg_temp, attention_mask)
-    parallel = threshold is not None or factor is not None
-    if guided:
-        check_guided(model, guide, threshold, factor, temperature, accept, accept_k, accept_ratio, verify_chunk)
-        if prompt.shape[0] > 1:
-            return generate_rows(model, prompt, attention_mask, gen_length=gen_length, cache=cache,
-                                 guide=guide, accept=accept, accept_k=accept_k, accept_ratio=accept_ratio,
-                                 verify_chunk=verify_chunk, eos_ids=eos_ids, on_step=on_step,
-                                 refresh_every_step=refresh_every_step)
-    n_blocks = gen_length // block_length
-    spb = steps // n_blocks                                        # steps per block
-    if dream and not guided:
-        check_dream_modes(whole_canvas, cache, remasking, threshold, factor, gen_length, steps, spb, n_blocks)
-
-    device = model.lm_head.weight.device
-    prompt = prompt.to(device)
-    B, P = prompt.shape
-    L = P + gen_length
-    generator = generator or torch.Generator(device).manual_seed(0)
-    if generator.device.type != device.type:
-        raise ValueError(f"the generator is on {generator.device.type} but the model on {device.type}: "
-                         f"create it with torch.Generator({device.type!r})")
-    eos = torch.tensor(sorted(set(eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
-    rules = S.Rules(cfg.mask_id, remasking, temperature, top_p, top_k, alg_temp, threshold, factor,
-                  whole_canvas and threshold is not None, generator)
-    x = F.pad(prompt, (0, gen_length), value=cfg.mask_id)
-    pos, mask = padding(attention_mask, gen_length, device)
-    kv = KVCache.for_model(model, B, L) if cache != "none" else None
-    # Dream's time grid, t from 1 down to eps: per block for Fast-dLLM's sampler, over all steps for Dream's
-    # own and for FlashDLM's FreeCache sampler (which indexes it by the global step).
-    timesteps = torch.linspace(1, eps, (steps if whole_canvas or cache == "free" else spb) + 1, device=device)
+    st = settings_of(settings)
+    if st.guide is not None and prompt.shape[0] > 1:   # checked row by row by the solo calls
+        return generate_rows(model, prompt, attention_mask, on_step=on_step, **settings)
+    p = make_plan(model, prompt, st, attention_mask, generator)
+    mask_id, on_step = model.config.mask_id, on_step or (lambda x, stats: None)
+    x = F.pad(prompt.to(model.lm_head.weight.device), (0, st.gen_length), value=mask_id)
     stats = {"nfe": 0, "fed": [], "committed": [], "calls_saved": 0, "guide_calls": 0}
-    if guided:   # the guide's KV cache of the committed text: the prompt, less its last token (fed with drafts)
-        verifier = Guide(guide, L)
-        stats["guide_calls"] += verifier.prefill(prompt[0])
-        accept_fn = partial(S.accept_drafts, rule=accept, k=accept_k, ratio=accept_ratio)
-    carry = torch.zeros(B, dtype=torch.long, device=device)      # whole-canvas threshold: offered, refused
     t0 = time.perf_counter()
-
-    for bi, s in enumerate(range(P, L, block_length)):
-        e = s + block_length
-        budget = S.num_transfer_tokens((x[:, s:e] == cfg.mask_id).sum(-1), spb)
+    for bi, (s, e) in enumerate(p.blocks):
+        p.rule.start_block(x[:, s:e] == mask_id, bi)
         step = 0
-        # Dream's own sampler runs exactly `steps` calls; everything else stops when the block is full.
-        while step < steps if whole_canvas and threshold is None else (x[:, s:e] == cfg.mask_id).any():
-            if step > max(spb, block_length) and not whole_canvas:
-                raise RuntimeError("decoding made no progress: every step commits at least one token, so this is a bug")
-            cand = x[:, s:e] == cfg.mask_id                                 # (B, N) open positions
-            # 1. feed: one model call over the span the cache mode asks for
-            first = stats["nfe"] == 0
-            # Guided FreeCache (FlashDLM's aggressive caching): the block starts at the first mask, and the feed
-            # one earlier, at the last committed token, for both families: each committed token is frozen with
-            # keys computed while it held its token, not while it was a mask.
-            head, shift = s, int(cfg.shift_logits)
-            if guided and cache == "free":
-                head, shift = cand.long().argmax(-1).min().item() + s, 1
-            a, b = (0, L) if refresh_every_step else feed_span(cache, first, step, head, e, L, shift)
-            cols = cand.any(0).nonzero().squeeze(1)                        # LM head only where a token is open
-            if cache == "free" and B > 1:           # a row whose block is full stays frozen (cache.py)
-                active = cand.any(-1)
-                kv.write_rows = None if active.all() else active
-            stats["nfe"] += 1
-            stats["fed"].append(b - a)
-            logits = model(x[:, a:b], None if pos is None else pos[:, a:b], kv, a,
-                           None if mask is None else mask[:, :, a:b], s + cols - a)
-            if not torch.isfinite(logits).all():
-                raise ValueError(f"the model produced NaN/inf logits at step {stats['nfe']}: the weights hold NaN/inf, "
-                                 f"or the activations overflowed {logits.dtype} (try --dtype float32)")
-            # 2. propose and 3. select: the tokens x0 (B, N) and which of them this step commits
-            if guided:
-                x0, transfer, n, calls, ended = S.guided_select(logits, cand, cols, x[0, s + cols[0] - 1],
-                                                                verifier, accept_fn, verify_chunk, eos, cfg.mask_id)
-                stats["guide_calls"] += calls
-            elif not dream:
-                k = budget[:, min(step, spb - 1)]          # threshold/factor steps past the schedule never read it
-                x0, transfer = S.llada_select(logits, cand, cols, rules, k, (s - a, cols, b - a))
-            else:
-                i = bi * spb + step if cache == "free" else step      # FreeCache's time grid spans all steps
-                i = min(i, len(timesteps) - 2)    # threshold/factor steps past the schedule never read the clock
-                clock = S.DreamClock(
-                    refresh_token=not whole_canvas and cache != "free" and step == 0,
-                    t=timesteps[i], t_next=timesteps[i + 1], last=step == (steps if whole_canvas else spb) - 1,
-                    later=(n_blocks - bi - 1) * block_length if cache == "free" else 0,
-                    pad=(P, 0) if whole_canvas else (0, L - e if cache in ("prefix", "none") else 0),
-                    offer=(gen_length // steps if step < steps else 0) + carry)
-                x0, transfer, carry = S.dream_select(logits, cand, cols, rules, clock)
-            # 4. commit
-            x[:, s:e] = torch.where(transfer, x0, x[:, s:e])
-            stats["committed"].append(int(transfer.sum()))
+        while p.rule.more(cand := x[:, s:e] == mask_id, step):
+            at = Step(stats["nfe"], step, s, e, cand, x)
+            span = p.feed.span(at)                                       # 1. feed: what the cache policy asks
+            cols = cand.any(0).nonzero().squeeze(1)                      # LM head only where a token is open
+            logits = p.forward(x, at, span, cols)
+            x0, transfer = p.rule.select(logits, cols, at, span)         # 2. propose and 3. select
+            x[:, s:e] = torch.where(transfer, x0, x[:, s:e])             # 4. commit
+            p.stop.step(x)                                               # 5. stop at the end of text
             step += 1
-            if guided:
-                verifier.commit(n)
-                if ended:                         # a committed end of text fills the rest and ends the answer
-                    x[x == cfg.mask_id] = eos[0]
-            elif stop_at_eos is not True and stop_at_eos:
-                done = eos_reached(x, P, L, eos, cfg.mask_id, stop_at_eos)
-                x[done] = x[done].masked_fill(x[done] == cfg.mask_id, eos[0])
-            if on_step is not None:
-                on_step(x, stats)
-        if stop_at_eos is True and e < L:
-            done = eos_reached(x, P, e, eos, cfg.mask_id, True)
-            x[done] = x[done].masked_fill(x[done] == cfg.mask_id, eos[0])
-            if done.all():
-                stats["calls_saved"] = (n_blocks - bi - 1) * (1 if parallel else spb)
-                break
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+            stats["nfe"] += 1
+            stats["fed"].append(span[1] - span[0])
+            stats["committed"].append(int(transfer.sum()))
+            stats["guide_calls"] = getattr(p.rule, "guide_calls", 0)
+            on_step(x, stats)
+        if p.stop.block(x, e):                                           # every row's answer has ended
+            stats["calls_saved"] = (len(p.blocks) - bi - 1) * p.calls_per_block
+            break
+    if x.device.type == "cuda":
+        torch.cuda.synchronize(x.device)
     stats["seconds"] = time.perf_counter() - t0
-    stats["tokens_per_s"] = B * gen_length / max(stats["seconds"], 1e-9)
+    stats["tokens_per_s"] = x.shape[0] * st.gen_length / max(stats["seconds"], 1e-9)
     return x, stats
-
-
-def check_dream_modes(whole_canvas, cache, remasking, threshold, factor, gen_length, steps, spb, n_blocks):
-    """Dream's samplers each implement some of the rules: say which one does what was asked."""
-    parallel = threshold is not None or factor is not None
-    if whole_canvas and (cache != "none" or factor is not None):
-        raise ValueError("Dream's whole-canvas sampler (block_length=None) has no cache or factor rule: pass a "
-                         "block_length to use Fast-dLLM's block sampler")
-    if whole_canvas and threshold is not None and gen_length % steps:
-        raise ValueError(f"Dream's whole-canvas threshold rule spreads the {gen_length} masks evenly over the "
-                         f"steps: steps ({steps}) must divide gen_length")
-    if not whole_canvas and cache != "free" and remasking != "entropy" and not parallel:
-        raise ValueError(f"Fast-dLLM's Dream block sampler ranks tokens by entropy; remasking={remasking!r} "
-                         f"needs Dream's whole-canvas sampler (block_length=None) or cache='free'")
-    if not whole_canvas and cache != "free" and not parallel and spb < 2:
-        raise ValueError(f"Fast-dLLM's Dream block sampler needs >= 2 steps per block (got {spb}): "
-                         f"raise steps to at least {2 * n_blocks}, or use threshold/factor or cache='free'")
-
-
-def check_guided(model, guide, threshold, factor, temperature, accept, accept_k, accept_ratio, verify_chunk):
-    """Guided diffusion's own settings (FlashDLM, spec/flashdlm.md 2): the guide decides how many drafts to commit,
-    so no other parallel rule applies, and drafts are the argmax (no sampling)."""
-    check_guide(model.config, guide.config)
-    if threshold is not None or factor is not None:
-        raise ValueError("pass a guide or threshold/factor, not both: with a guide the guide decides how many "
-                         "drafts each step commits")
-    if temperature:
-        raise ValueError(f"guided drafts are the diffusion model's argmax: temperature must be 0 (got {temperature})")
-    if accept not in S.ACCEPT_RULES:
-        raise ValueError(f"unknown accept rule {accept!r}: use one of {', '.join(S.ACCEPT_RULES)}")
-    if type(accept_k) is not int or accept_k < 1:
-        raise ValueError(f"accept_k must be an integer >= 1 (got {accept_k!r})")
-    if not 0 < accept_ratio <= 1:
-        raise ValueError(f"accept_ratio must be in (0, 1] (got {accept_ratio!r})")
-    if type(verify_chunk) is not int or verify_chunk < 1:
-        raise ValueError(f"verify_chunk must be an integer >= 1 (got {verify_chunk!r})")
 
 
 def generate_rows(model, prompt, attention_mask, **kw):
@@ -358,7 +214,7 @@ def generate_rows(model, prompt, attention_mask, **kw):
         out, st = generate(model, real[None], **kw)
         rows.append(torch.cat([prompt[b, :prompt.shape[1] - real.numel()].to(out.device), out[0]]))
         stats = {key: total + st[key] for key, total in stats.items()}      # lists concatenate, counts add
-    stats["tokens_per_s"] = prompt.shape[0] * kw["gen_length"] / max(stats["seconds"], 1e-9)
+    stats["tokens_per_s"] = prompt.shape[0] * kw.get("gen_length", 128) / max(stats["seconds"], 1e-9)
     return torch.stack(rows), stats
 
 

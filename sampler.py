@@ -236,92 +236,285 @@ def accept_drafts(logits, drafts, rule: str = "deterministic", k: int = 5, ratio
     return ok
 
 
-# ---------------------------------------------------------------------------------------- one step
-class Rules(NamedTuple):
-    """How a step proposes and selects tokens; fixed for one generate() call."""
-    mask_id: int
-    remasking: str
-    temperature: float
-    top_p: float | None
-    top_k: int | None
-    alg_temp: float | None
-    threshold: float | None
-    factor: float | None
-    quota: bool               # Fast-dLLM's Dream threshold without blocks: offer a quota, carry the refused
-    generator: torch.Generator
+# ---------------------------------------------------------------------------------------- selection rules
+# A selection rule answers "which of the proposed tokens does this step commit?": rule(proposal, cand, k) ->
+# (B, N) bool, k (B,) being the schedule's count for this step. A rule that decides the count itself
+# (`parallel`, the default for a rule without the attribute: Fast-dLLM 3.3) takes as many steps per block as
+# it needs. A fork's rule is one more small class like these, passed as generate(select=...).
+class Proposal(NamedTuple):
+    """One step's proposals over the block's N positions."""
+    x0: torch.Tensor       # (B, N) the proposed token at every position (0 where nothing is open)
+    conf: torch.Tensor     # (B, N) its confidence (the family's), -inf at positions that are not candidates
+    logits: torch.Tensor   # (B, len(cols), V) the model's logits at the open columns
+    cols: torch.Tensor     # the block columns the logits belong to
+
+
+class Schedule:
+    """The k[b] most confident candidates: LLaDA's and Dream's fixed step schedules."""
+    parallel = False
+
+    def __call__(self, p: Proposal, cand, k):
+        return select_topk(p.conf, cand, k)
+
+
+class Threshold:
+    """Fast-dLLM threshold decoding (Theorem 1): confidence >= tau, always at least the most confident."""
+    parallel = True
+
+    def __init__(self, tau: float):
+        self.tau = tau
+
+    def __call__(self, p: Proposal, cand, k):
+        return select_threshold(p.conf, cand, self.tau)
+
+
+class Factor:
+    """Fast-dLLM factor decoding: the top n-1 by confidence, n the first rank with (n+1)(1-c(n)) >= f."""
+    parallel = True
+
+    def __init__(self, f: float):
+        self.f = f
+
+    def __call__(self, p: Proposal, cand, k):
+        return select_factor(p.conf, cand, self.f)
+
+
+def selection_rule(threshold=None, factor=None, select=None):
+    """The call's rule, decided once: a custom one, threshold, factor, or the fixed schedule."""
+    return select or (Threshold(threshold) if threshold is not None else Factor(factor) if factor is not None
+                      else Schedule())
+
+
+# ---------------------------------------------------------------------------------------- step rules
+# A step rule is one family's propose-and-select with its own state (the schedule, Dream's clock, the guide):
+# start_block(cand, block) at a block's start; more(cand, step): does the block need another step;
+# select(logits, cols, at, span) -> (x0, transfer), both (B, N), for the step `at` (cache.Step) that fed span.
+def block_open(cand, step: int, limit: int) -> bool:
+    """A block is decoded until no mask is left. Every step commits at least one token, so a block of N
+    positions never needs more than max(steps per block, N) steps: more would be a bug, not slowness."""
+    if step > limit:
+        raise RuntimeError("decoding made no progress: every step commits at least one token, so this is a bug")
+    return bool(cand.any())
+
+
+class LLaDAStep:
+    """LLaDA (Fast-dLLM v1/llada/generate.py): Gumbel-max proposals at the open columns, confidence = the
+    chosen token's probability (or uniform noise for `random`); the schedule spreads each block's masks evenly
+    over its steps_per_block steps (num_transfer_tokens)."""
+
+    def __init__(self, rule, steps_per_block: int, temperature: float, remasking: str, generator, mask_id: int):
+        self.rule, self.spb, self.temperature, self.remasking = rule, steps_per_block, temperature, remasking
+        self.generator, self.mask_id = generator, mask_id
+
+    def start_block(self, cand, block: int):
+        self.budget = num_transfer_tokens(cand.sum(-1), self.spb)     # (B, spb)
+
+    def more(self, cand, step: int) -> bool:
+        return block_open(cand, step, max(self.spb, cand.shape[1]))
+
+    def select(self, logits, cols, at, span):
+        a, b = span           # `random` draws its uniforms over the whole fed chunk, as the official code
+        x0, conf = llada_predict(logits, self.temperature, self.remasking, self.generator, (at.s - a, cols, b - a),
+                                 self.mask_id)
+        N = at.cand.shape[1]
+        x0, conf = widen(x0, cols, N, 0), widen(conf, cols, N, NEG_INF).masked_fill(~at.cand, NEG_INF)
+        k = self.budget[:, min(at.step, self.spb - 1)]   # parallel steps past the schedule never read it
+        return x0, self.rule(Proposal(x0, conf, logits, cols), at.cand, k)
 
 
 class DreamClock(NamedTuple):
     """Where a Dream step stands on its schedule (spec/dream.md 5 and 7, spec/flashdlm.md 1)."""
-    refresh_token: bool       # Fast-dLLM's block sampler: decode the block's first token at its refresh
     t: torch.Tensor           # the step goes from time t to t_next on Dream's float32 grid
     t_next: torch.Tensor
     last: bool                # the block's (or canvas's) last scheduled step takes every mask left
-    later: int                # FreeCache counts the later blocks' masks into the schedule too
-    pad: tuple                # alg_temp draws over the official width (canvas, fed chunk or block)
-    offer: torch.Tensor       # (B,) the whole-canvas threshold's quota + carry
+    later: int                # masks of later blocks counted into the schedule (FreeCache)
+    pad: tuple                # alg_temp draws over the official width (fed chunk, canvas or block)
 
 
-def choose(score, cand, r: Rules, k):
-    """The parallel rule (Fast-dLLM 3.3): threshold, factor, or the k[b] most confident (the schedule)."""
-    if r.threshold is not None:
-        return select_threshold(score, cand, r.threshold)
-    if r.factor is not None:
-        return select_factor(score, cand, r.factor)
-    return select_topk(score, cand, k)
+class DreamStep:
+    """Dream, Fast-dLLM's block sampler (spec/dream.md 7.3): Dream's sampler proposes (top-p/top-k/temperature,
+    float32), the block's first token is decoded at the block's first (refresh) step whatever its confidence,
+    then tokens are ranked by `alg` (entropy) and counted by Dream's schedule over the block's steps, or chosen
+    by a parallel rule on the max probability. The clock is the one thing the subclasses change."""
+    refresh_token = True
+
+    def __init__(self, rule, steps: int, n_blocks: int, block_length: int, temperature, remasking, top_p, top_k,
+                 alg_temp, eps, generator, mask_id: int, device):
+        self.rule, self.steps, self.spb, self.n_blocks, self.block_length = rule, steps, steps // n_blocks, n_blocks, block_length
+        self.remasking, self.alg_temp, self.generator = remasking, alg_temp, generator
+        self.opts = dict(temperature=temperature, top_p=top_p, top_k=top_k, generator=generator, mask_id=mask_id)
+        self.sample = partial(dream_sample, **self.opts)
+        self.parallel = getattr(rule, "parallel", True)   # a rule that decides its own count
+        self.origin = remasking == "origin" and not self.parallel
+        self.timesteps = torch.linspace(1, eps, self.grid_steps() + 1, device=device)
+
+    def grid_steps(self) -> int:
+        return self.spb                         # the time grid runs over one block's steps
+
+    def clock(self, at, span) -> DreamClock:
+        i = min(at.step, self.spb - 1)          # parallel steps past the schedule never read the clock
+        return DreamClock(self.timesteps[i], self.timesteps[i + 1], at.step == self.spb - 1, 0, (0, span[1] - at.e))
+
+    def start_block(self, cand, block: int):
+        self.block = block
+
+    def more(self, cand, step: int) -> bool:
+        return block_open(cand, step, max(self.spb, cand.shape[1]))
+
+    def select(self, logits, cols, at, span):
+        cand, N = at.cand, at.cand.shape[1]
+        if self.refresh_token and at.step == 0:   # the shifted logits of later, cached chunks never serve it
+            x0 = widen(self.sample(logits[:, :1])[1], cols[:1], N, 0)
+            return x0, cand & (torch.arange(N, device=cand.device) == 0)
+        c = self.clock(at, span)
+        if self.origin:                         # MaskGIT-style: each mask decoded with probability 1 - s/t
+            x0, transfer = dream_origin(logits, cand[:, cols], 1 if c.last else 1 - c.t_next / c.t, **self.opts)
+            return widen(x0, cols, N, 0), widen(transfer, cols, N, False)
+        conf, x0, probs = self.sample(logits[cand[:, cols]])
+        score = dream_confidence("maskgit_plus" if self.parallel else self.remasking, conf, probs,
+                                 cand.nonzero(as_tuple=True))
+        x0 = torch.zeros(cand.shape, dtype=torch.long, device=cand.device).masked_scatter_(cand, x0)
+        score = torch.full(cand.shape, NEG_INF, device=cand.device).masked_scatter_(cand, score)
+        return x0, self.choose(Proposal(x0, score, logits, cols), cand, c)
+
+    def choose(self, p: Proposal, cand, c: DreamClock):
+        n = cand.sum(-1)
+        k = dream_num_transfer(n, c.t, c.t_next, c.last, n + c.later)
+        if self.alg_temp and not self.parallel:
+            return select_sampled(p.conf, cand, k, self.alg_temp, self.generator, c.pad)
+        return self.rule(p, cand, k)
 
 
-def llada_select(logits, cand, cols, r: Rules, budget, span):
-    """LLaDA: Gumbel-max proposals at the open columns, confidence = their probability (or uniform noise),
-    then the rule. -> (x0, transfer), both (B, N)."""
-    x0, conf = llada_predict(logits, r.temperature, r.remasking, r.generator, span, r.mask_id)
-    N = cand.shape[1]
-    x0, conf = widen(x0, cols, N, 0), widen(conf, cols, N, NEG_INF).masked_fill(~cand, NEG_INF)
-    return x0, choose(conf, cand, r, budget)
+class DreamFreeStep(DreamStep):
+    """FlashDLM's FreeCache sampler for Dream (spec/flashdlm.md 1): no first-token rule; the time grid spans
+    all steps and is indexed by the global step; the count is taken of the block's masks *and every later
+    block's*."""
+    refresh_token = False
+
+    def grid_steps(self) -> int:
+        return self.steps
+
+    def clock(self, at, span) -> DreamClock:
+        i = min(self.block * self.spb + at.step, self.steps - 1)
+        later = (self.n_blocks - self.block - 1) * self.block_length
+        return DreamClock(self.timesteps[i], self.timesteps[i + 1], at.step == self.spb - 1, later, (0, 0))
 
 
-def dream_select(logits, cand, cols, r: Rules, c: DreamClock):
-    """Dream: -> (x0, transfer, refused) with (B, N) proposals and commits, and the whole-canvas threshold's
-    refused count (B,), offered again next step."""
-    N, none_refused = cand.shape[1], torch.zeros_like(c.offer)
-    sample = partial(dream_sample, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                     generator=r.generator, mask_id=r.mask_id)
-    if c.refresh_token:   # whatever its confidence; the shifted logits of cached chunks never serve it
-        x0 = widen(sample(logits[:, :1])[1], cols[:1], N, 0)
-        return x0, cand & (torch.arange(N, device=cand.device) == 0), none_refused
-    if r.remasking == "origin" and r.threshold is None and r.factor is None:
-        p = 1 if c.last else 1 - c.t_next / c.t
-        x0, transfer = dream_origin(logits, cand[:, cols], p, r.temperature, r.top_p, r.top_k, r.generator, r.mask_id)
-        return widen(x0, cols, N, 0), widen(transfer, cols, N, False), none_refused
-    conf, x0, probs = sample(logits[cand[:, cols]])
-    parallel = r.threshold is not None or r.factor is not None
-    score = dream_confidence("maskgit_plus" if parallel else r.remasking, conf, probs, cand.nonzero(as_tuple=True))
-    x0 = torch.zeros(cand.shape, dtype=torch.long, device=cand.device).masked_scatter_(cand, x0)
-    score = torch.full(cand.shape, NEG_INF, device=cand.device).masked_scatter_(cand, score)
-    if r.quota:
-        return (x0, *select_quota_threshold(score, cand, c.offer, r.threshold))
-    if parallel:
-        return x0, choose(score, cand, r, None), none_refused
-    k = dream_num_transfer(cand.sum(-1), c.t, c.t_next, c.last, cand.sum(-1) + c.later)
-    if r.alg_temp:
-        return x0, select_sampled(score, cand, k, r.alg_temp, r.generator, c.pad), none_refused
-    return x0, select_topk(score, cand, k), none_refused
+class DreamCanvasStep(DreamStep):
+    """Dream's own `diffusion_generate` (spec/dream.md 5): one block over the whole answer, exactly `steps`
+    calls on a grid over all of them; with a threshold, Fast-dLLM's variant (spec/dream.md 7.2): offer gen/steps
+    tokens a step, take the first always and the others at confidence >= tau, offer the refused ones again."""
+    refresh_token = False
+
+    def __init__(self, rule, *args):
+        super().__init__(rule, *args)
+        self.quota = isinstance(rule, Threshold)
+
+    def start_block(self, cand, block: int):
+        self.block, self.carry = block, torch.zeros(cand.shape[0], dtype=torch.long, device=cand.device)   # offered, refused
+
+    def grid_steps(self) -> int:
+        return self.steps
+
+    def more(self, cand, step: int) -> bool:
+        return bool(cand.any()) if self.quota else step < self.steps
+
+    def clock(self, at, span) -> DreamClock:
+        i = min(at.step, self.steps - 1)
+        self.offer = (self.block_length // self.steps if at.step < self.steps else 0) + self.carry
+        return DreamClock(self.timesteps[i], self.timesteps[i + 1], at.step == self.steps - 1, 0, (at.s, 0))
+
+    def choose(self, p: Proposal, cand, c: DreamClock):
+        if not self.quota:
+            return super().choose(p, cand, c)
+        transfer, self.carry = select_quota_threshold(p.conf, cand, self.offer, self.rule.tau)
+        return transfer
 
 
-def guided_select(logits, cand, cols, last_token, verifier, accept, chunk: int, eos, mask_id: int):
+# ---------------------------------------------------------------------------------------- guided step
+class GuidedStep:
     """FlashDLM guided diffusion (spec/flashdlm.md 2), one row: the drafts are the argmax at every open
     position (contiguous from the first mask: commits go left to right); the guide verifies them; commit
     the accepted run, at least the first draft (the diffusion model's own token), cut after an end token.
     Drafts are limited to the ids the guide has (Dream-7B's 152064 rows vs Qwen2.5's 151936: the rows past
-    the tokenizer are padding, never text). -> (x0, transfer, n committed, guide calls, ended)."""
-    drafts = argmax_except(logits[0, :, :verifier.model.config.vocab_size], mask_id)    # (n_open,)
-    n, calls = verifier.verify(last_token, drafts, accept, chunk)
-    n = max(n, 1)
-    hit = torch.isin(drafts[:n], eos)
-    n = int(hit.nonzero()[0]) + 1 if hit.any() else n
-    N = cand.shape[1]
-    transfer = cand & (torch.arange(N, device=cand.device) < cols[0] + n)
-    return widen(drafts[None], cols, N, 0), transfer, n, calls, bool(hit.any())
+    the tokenizer are padding, never text). The committed end token itself ends the answer (the stop rule)."""
+
+    def __init__(self, verifier, accept, chunk: int, eos, mask_id: int, prompt):
+        self.verifier, self.accept, self.chunk, self.eos, self.mask_id = verifier, accept, chunk, eos, mask_id
+        self.guide_calls = verifier.prefill(prompt[0])
+
+    def start_block(self, cand, block: int):
+        pass
+
+    def more(self, cand, step: int) -> bool:
+        return block_open(cand, step, cand.shape[1])
+
+    def select(self, logits, cols, at, span):
+        cand, N = at.cand, at.cand.shape[1]
+        drafts = argmax_except(logits[0, :, :self.verifier.model.config.vocab_size], self.mask_id)   # (n_open,)
+        n, calls = self.verifier.verify(at.x[0, at.s + cols[0] - 1], drafts, self.accept, self.chunk)
+        n = max(n, 1)
+        hit = torch.isin(drafts[:n], self.eos)
+        n = int(hit.nonzero()[0]) + 1 if hit.any() else n
+        self.verifier.commit(n)
+        self.guide_calls += calls
+        return widen(drafts[None], cols, N, 0), cand & (torch.arange(N, device=cand.device) < cols[0] + n)
+
+
+# ---------------------------------------------------------------------------------------- end of text
+def eos_reached(x, P: int, e: int, eos: torch.Tensor, mask_id: int, run: int | bool):
+    """(B,) rows whose answer has ended, so the rest can be filled with eos without another model call.
+    run=True (at a block's end): the finished answer [P, e) holds an end token. run=k (FlashDLM's
+    `_check_early_stop`, any step): the right-most decoded token r and the k-1 canvas tokens before it are end
+    tokens (prompt tokens included, as FlashDLM counts them) and no mask lies before r."""
+    ans = x[:, P:e]
+    if run is True:
+        return torch.isin(ans, eos).any(-1) & (ans != mask_id).all(-1)
+    idx = torch.arange(x.shape[1], device=x.device)
+    decoded = (x != mask_id) & (idx >= P)
+    r = torch.where(decoded, idx, -1).max(-1).values                      # right-most decoded, -1 if none
+    no_gap = torch.where(x == mask_id, idx, x.shape[1]).min(-1).values > r
+    window = (idx <= r[:, None]) & (idx > r[:, None] - run)
+    tail = torch.where(window, torch.isin(x, eos), True).all(-1)
+    return (r >= 0) & (r + 1 >= run) & no_gap & tail
+
+
+class StopRule:
+    """When an answer has ended: its rows' remaining masks become end tokens, without more model calls.
+    step(x) after every step; block(x, e) -> True when every row has ended (the loop stops)."""
+
+    def __init__(self, prompt_length: int, eos, mask_id: int, run: int | bool = False):
+        self.P, self.eos, self.mask_id, self.run = prompt_length, eos, mask_id, run
+
+    def fill(self, x, e: int, run):
+        done = eos_reached(x, self.P, e, self.eos, self.mask_id, run)
+        x[done] = x[done].masked_fill(x[done] == self.mask_id, self.eos[0])
+        return done
+
+    def step(self, x):
+        pass
+
+    def block(self, x, e: int) -> bool:
+        return False
+
+
+class StopAtBlockEnd(StopRule):
+    """stop_at_eos=True: once a block is complete and the answer so far holds an end token."""
+
+    def block(self, x, e: int) -> bool:
+        return e < x.shape[1] and bool(self.fill(x, e, True).all())
+
+
+class StopAtFrontier(StopRule):
+    """stop_at_eos=k (FlashDLM's rule), and guided diffusion's committed end token (k = 1): after any step."""
+
+    def step(self, x):
+        self.fill(x, x.shape[1], self.run)
+
+
+def stop_rule(stop_at_eos, prompt_length: int, eos, mask_id: int) -> StopRule:
+    cls = StopAtBlockEnd if stop_at_eos is True else StopAtFrontier if stop_at_eos else StopRule
+    return cls(prompt_length, eos, mask_id, stop_at_eos)
 
 
 def widen(values, cols, width: int, fill):

@@ -87,7 +87,7 @@ def test_dream_whole_canvas_threshold(dream):
 
 def test_eos_reached_rules():
     """The two early-stop rules on hand-made canvases (prompt 3 tokens, mask 9, eos 0)."""
-    from fastdllm import eos_reached
+    from sampler import eos_reached
     eos, M = torch.tensor([0]), 9
     x = torch.tensor([[5, 6, 7, 1, 0, 0, M, M],      # FlashDLM k=2: answer "1 $ $" then masks -> stop
                       [5, 6, 7, 1, M, 0, 0, M],      # a mask before the right-most decoded token -> no
