@@ -478,7 +478,7 @@ def test_cli_error_is_one_line_and_exit_2(cli_results, case):
     p, out, err, pattern = cli_results[case]
     assert "Traceback" not in out + err, err
     assert p.returncode == 2, (p.returncode, out, err)
-    lines = err.strip().splitlines()
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("loaded ")]   # the load's summary line
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert re.search(pattern, lines[0]), lines[0]
 
@@ -556,6 +556,8 @@ def test_ctrl_c_prints_the_partial_answer(tmp_path):
     watchdog.start()
     try:
         line = p.stderr.readline()
+        while line.startswith("loaded "):      # the load's summary line
+            line = p.stderr.readline()
         if line != "second step\n":       # it failed before generating (or printed something first)
             p.kill()
             pytest.fail(f"no second step: {line}{p.stderr.read()}")
