@@ -420,7 +420,7 @@ def parse_args(argv=None):
     # SUPPRESS: --gen-length and --threshold are absent unless given, so we can tell a default from a choice.
     p.add_argument("--model", default="GSAI-ML/LLaDA-8B-Instruct", help="Hugging Face repo id or local folder "
                    "(default: %(default)s)")
-    p.add_argument("--prompt", help="the user message (required unless --interactive; --bench has a default)")
+    p.add_argument("--prompt", help="the user message (with --interactive: the first turn; --bench has a default)")
     p.add_argument("--gen-length", type=int, default=argparse.SUPPRESS, help="tokens to generate (default: 256, "
                    "or the largest multiple of --block-length that fits the model's positions)")
     p.add_argument("--block-length", type=int, default=32, help="semi-autoregressive block size; 0 = one block "
@@ -441,8 +441,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default: %(default)s)")
     p.add_argument("--no-chat", action="store_true", help="raw prompt, no chat template (base models)")
-    p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin (a model without a chat "
-                   "template, like the demo, answers each question alone)")
+    p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin, until exit, quit or its "
+                   "end (a model without a chat template, like the demo, answers each question alone)")
     p.add_argument("--prompt-file", help="one prompt per line, decoded in batches (answers in input order)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per batch with --prompt-file "
                    "(default: %(default)s)")
@@ -452,7 +452,7 @@ def parse_args(argv=None):
     p.add_argument("--trace", action="store_true", help="print which tokens each step unmasked")
     p.add_argument("--guide", help="a causal LM sharing the model's tokenizer (Qwen2 format, repo id or folder): "
                    "FlashDLM's guided diffusion (default: off)")
-    p.add_argument("--accept", default="deterministic", choices=S.ACCEPT_RULES, help="guided: deterministic | "
+    p.add_argument("--accept", default="deterministic", choices=S.ACCEPT_RULES, metavar="RULE", help="guided: deterministic | "
                    "topk | topk_relative (default: %(default)s)")
     p.add_argument("--accept-k", type=checked(int, lambda k: k >= 1, "an integer >= 1"), default=5,
                    help="guided top-k (default: %(default)s)")
@@ -465,7 +465,8 @@ def parse_args(argv=None):
         if getattr(args, flag) is NOT_GIVEN:
             setattr(args, flag, p.get_default(flag))
         elif not getattr(args, need):
-            raise ValueError(f"--{flag.replace('_', '-')} needs --{need.replace('_', '-')}: add it, or drop the flag")
+            flag, need = flag.replace("_", "-"), need.replace("_", "-")
+            raise ValueError(f"--{flag} only applies with --{need}: add --{need}, or drop --{flag}")
     for flag in ("model", "guide", "prompt_file"):
         if getattr(args, flag) is not None and not getattr(args, flag).strip():
             raise ValueError(f"--{flag.replace('_', '-')} is empty: pass a path (or leave the flag out)")
