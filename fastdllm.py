@@ -452,12 +452,12 @@ def parse_args(argv=None):
     p.add_argument("--trace", action="store_true", help="print which tokens each step unmasked")
     p.add_argument("--guide", help="a causal LM sharing the model's tokenizer (Qwen2 format, repo id or folder): "
                    "FlashDLM's guided diffusion (default: off)")
-    p.add_argument("--accept", default="deterministic", choices=S.ACCEPT_RULES, metavar="RULE", help="guided: deterministic | "
-                   "topk | topk_relative (default: %(default)s)")
+    p.add_argument("--accept", default="deterministic", choices=S.ACCEPT_RULES, metavar="RULE",
+                   help="guided: deterministic | topk | topk_relative (default: %(default)s)")
     p.add_argument("--accept-k", type=checked(int, lambda k: k >= 1, "an integer >= 1"), default=5,
                    help="guided top-k (default: %(default)s)")
-    p.add_argument("--accept-ratio", type=checked(float, lambda r: 0 < r <= 1, "a number in (0, 1]"), default=0.95,
-                   help="guided topk_relative ratio (default: %(default)s)")
+    p.add_argument("--accept-ratio", type=checked(float, lambda r: 0 < r <= 1, "a number in (0, 1]"),
+                   default=0.95, help="guided topk_relative ratio (default: %(default)s)")
     import bench   # its flags live with it (bench.py imports this file's generate(), so not at the top)
     bench.add_arguments(p)
     args = p.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(NEEDS, NOT_GIVEN)))

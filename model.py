@@ -336,7 +336,8 @@ def resolve_model_dir(name_or_path: str, role: str = "model") -> str:
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1 or os.path.exists(name_or_path)
     if looks_local:
         raise FileNotFoundError(f"{role} folder {name_or_path!r} not found: pass an existing folder with "
-                                f"config.json and *.safetensors, or a Hugging Face repo id such as {EXAMPLE_REPO[role]}")
+                                f"config.json and *.safetensors, or a Hugging Face repo id such as "
+                                f"{EXAMPLE_REPO[role]}")
     from huggingface_hub import snapshot_download
     try:
         # Dream has no tokenizer.json: *.json brings its vocab.json, tokenizer_config.json, added_tokens.json and
@@ -345,8 +346,9 @@ def resolve_model_dir(name_or_path: str, role: str = "model") -> str:
     except Exception as e:  # network, auth or a missing repo: one line, not a stack of HTTP frames
         from huggingface_hub import constants
         if constants.HF_HUB_OFFLINE:
-            raise FileNotFoundError(f"the {role} {name_or_path!r} is not in the local Hugging Face cache and offline mode is "
-                                    f"on (HF_HUB_OFFLINE is set): unset it to download, or pass a local folder") from None
+            raise FileNotFoundError(f"the {role} {name_or_path!r} is not in the local Hugging Face cache and "
+                                    f"offline mode is on (HF_HUB_OFFLINE is set): unset it to download, or pass a "
+                                    f"local folder") from None
         raise FileNotFoundError(f"could not fetch the {role} {name_or_path!r} from the Hugging Face Hub "
                                 f"({type(e).__name__}): check the repo id and your network, or pass a local folder") from None
 
