@@ -11,6 +11,7 @@ tokenizer that HF's Qwen2TokenizerFast would (transformers' Qwen2Converter), wit
 import json
 import os
 import re
+import sys
 
 # Qwen2's pre-tokenizer split. Unlike GPT-4's it takes digits one at a time (\p{N}, not \p{N}{1,3}), so a
 # number is always one token per digit, whatever merges.txt says.
@@ -211,8 +212,20 @@ def check_text(text: str, what: str = "the prompt"):
         raise ValueError(f"{what} is not valid UTF-8 text: pass UTF-8 (convert it with e.g. iconv)")
 
 
+def read_turns(first: str | None = None):
+    """--interactive's questions: `first` (--prompt) if given, then stdin's until its end (Ctrl-D) or exit /
+    quit; an empty line asks again."""
+    if first:
+        print(f"user> {first}")
+        yield first
+    while (text := read_turn()) not in (None, "exit", "quit"):
+        if text:
+            yield text
+
+
 def read_turn() -> str | None:
-    """One --interactive question from stdin; None at its end (Ctrl-D, or the end of piped input)."""
+    """One --interactive question from stdin; None at its end (Ctrl-D, or the end of piped input). From a
+    pipe nothing echoes the line, so it is printed here: "assistant> " then starts a line of its own."""
     try:
         text = input("user> ").strip()
     except EOFError:
@@ -220,10 +233,14 @@ def read_turn() -> str | None:
         return None
     except UnicodeDecodeError:   # a strict UTF-8 stdin (a lenient one gives surrogates: check_text)
         raise ValueError("the input is not valid UTF-8 text: pass UTF-8 (convert it with e.g. iconv)") from None
+    except BrokenPipeError:   # stdout closed while "user> " was written: fastdllm.py's __main__ ends quietly
+        raise
     except (OSError, RuntimeError):   # stdin closed (`<&-`): "input(): lost sys.stdin", or EBADF
         raise ValueError("--interactive reads questions from stdin, which is closed: run it in a terminal or "
                          "pipe the questions in") from None
     check_text(text, "the input")
+    if not sys.stdin.isatty():
+        print(text)
     return text
 
 

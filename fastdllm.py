@@ -17,6 +17,7 @@ commit:
 """
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 import sampler as S
 from cache import CacheMode, Feed, FreeCache, Guide, GuidedFreeCache, KVCache, Refresh, Step
-from chat import Chat, check_text, read_turn, streamer
+from chat import Chat, check_text, read_turns, streamer
 from checks import CACHE_MODES, check_call, check_settings
 from model import check_guide, check_readable, load_model, read_config, resolve_model_dir
 
@@ -246,6 +247,25 @@ def optional_float(text: str):
         raise argparse.ArgumentTypeError(f"expected a number or none, got {text!r}") from None
 
 
+def checked(kind, ok, what: str):
+    """An argparse type: kind(text), refused unless ok(value) (NaN fails every comparison), e.g.
+    "argument --accept-k: expected an integer >= 1, got '0'"."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+# Flags that only mean something beside another flag: given without it they are an error, never ignored.
+NEEDS = {"accept": "guide", "accept_k": "guide", "accept_ratio": "guide", "batch_size": "prompt_file"}
+NOT_GIVEN = object()   # what a NEEDS flag holds after parsing when it was not on the command line
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Fast-dLLM inference for LLaDA and Dream. The defaults are the "
                                 "method's headline setting; the plain baseline is --cache none --threshold none.")
@@ -256,7 +276,7 @@ def parse_args(argv=None):
     # SUPPRESS: --gen-length and --threshold are absent unless given, so we can tell a default from a choice.
     p.add_argument("--model", default="GSAI-ML/LLaDA-8B-Instruct", help="Hugging Face repo id or local folder "
                    "(default: %(default)s)")
-    p.add_argument("--prompt", help="the user message (required unless --interactive; --bench has a default)")
+    p.add_argument("--prompt", help="the user message (with --interactive: the first turn; --bench has a default)")
     p.add_argument("--gen-length", type=int, default=argparse.SUPPRESS, help="tokens to generate (default: 256, "
                    "or the largest multiple of --block-length that fits the model's positions)")
     p.add_argument("--block-length", type=int, default=32, help="semi-autoregressive block size; 0 = one block "
@@ -266,7 +286,8 @@ def parse_args(argv=None):
     p.add_argument("--threshold", type=optional_float, default=argparse.SUPPRESS, help="parallel decoding: "
                    "unmask every token with confidence >= this; none = off (default: 0.9; none with --factor)")
     p.add_argument("--factor", type=float, default=None, help="factor-based parallel decoding (default: off)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    p.add_argument("--temperature", type=checked(float, math.isfinite, "a finite number"), default=0.0,
+                   help="0 = greedy (default: %(default)s)")
     p.add_argument("--remasking", default=None, help="LLaDA: low_confidence (default) | random; Dream: entropy "
                    "(default) | maskgit_plus | topk_margin | origin")
     p.add_argument("--top-p", type=float, default=None, help="Dream only (default: off)")
@@ -276,8 +297,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default: %(default)s)")
     p.add_argument("--no-chat", action="store_true", help="raw prompt, no chat template (base models)")
-    p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin (a model without a chat "
-                   "template, like the demo, answers each question alone)")
+    p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin, until exit, quit or its "
+                   "end (a model without a chat template, like the demo, answers each question alone)")
     p.add_argument("--prompt-file", help="one prompt per line, decoded in batches (answers in input order)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per batch with --prompt-file "
                    "(default: %(default)s)")
@@ -287,14 +308,24 @@ def parse_args(argv=None):
     p.add_argument("--trace", action="store_true", help="print which tokens each step unmasked")
     p.add_argument("--guide", help="a causal LM sharing the model's tokenizer (Qwen2 format, repo id or folder): "
                    "FlashDLM's guided diffusion (default: off)")
-    p.add_argument("--accept", default="deterministic", help="guided: deterministic | topk | topk_relative "
-                   "(default: %(default)s)")
-    p.add_argument("--accept-k", type=int, default=5, help="guided top-k (default: %(default)s)")
-    p.add_argument("--accept-ratio", type=float, default=0.95, help="guided topk_relative ratio (default: "
-                   "%(default)s)")
+    p.add_argument("--accept", default="deterministic", choices=S.ACCEPT_RULES, metavar="RULE",
+                   help="guided: deterministic | topk | topk_relative (default: %(default)s)")
+    p.add_argument("--accept-k", type=checked(int, lambda k: k >= 1, "an integer >= 1"), default=5,
+                   help="guided top-k (default: %(default)s)")
+    p.add_argument("--accept-ratio", type=checked(float, lambda r: 0 < r <= 1, "a number in (0, 1]"),
+                   default=0.95, help="guided topk_relative ratio (default: %(default)s)")
     import bench   # its flags live with it (bench.py imports this file's generate(), so not at the top)
     bench.add_arguments(p)
-    args = p.parse_args(argv)
+    args = p.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(NEEDS, NOT_GIVEN)))
+    for flag, need in NEEDS.items():
+        if getattr(args, flag) is NOT_GIVEN:
+            setattr(args, flag, p.get_default(flag))
+        elif not getattr(args, need):
+            flag, need = flag.replace("_", "-"), need.replace("_", "-")
+            raise ValueError(f"--{flag} only applies with --{need}: add --{need}, or drop --{flag}")
+    for flag in ("model", "guide", "prompt_file"):
+        if getattr(args, flag) is not None and not getattr(args, flag).strip():
+            raise ValueError(f"--{flag.replace('_', '-')} is empty: pass a path (or leave the flag out)")
     args.fit_gen_length = "gen_length" not in vars(args)
     args.gen_length = getattr(args, "gen_length", 256)
     if "threshold" not in vars(args):   # --factor or --guide replaces the default; both given is an error
@@ -305,6 +336,16 @@ def parse_args(argv=None):
         raise ValueError("pass one of --prompt, --prompt-file, --interactive")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1 (got {args.batch_size})")
+    # generate() refuses these with a guide too, but only once both models are loaded.
+    clash = next((f for f, v in (("threshold", args.threshold), ("factor", args.factor),
+                                 ("temperature", args.temperature)) if v), None)
+    if args.guide and clash:
+        raise ValueError(f"--{clash} does not apply with --guide: the guide decides how many drafts each step "
+                         f"commits, and drafts are the argmax; drop --{clash}")
+    if args.trace and args.prompt_file:
+        raise ValueError("--trace shows the steps of one answer: use it with --prompt or --interactive, "
+                         "not --prompt-file")
+    args.prompts = read_prompts(args.prompt_file) if args.prompt_file else None
     check_text(args.prompt or "")
     if not -2**63 <= args.seed < 2**64:   # torch's seed is 64-bit: say so before loading, not after
         raise ValueError(f"--seed {args.seed} does not fit in 64 bits: use a seed between 0 and 2**64 - 1")
@@ -353,27 +394,58 @@ def fit_gen_length(args, n_prompt: int, max_seq_len: int) -> int:
     return fit
 
 
-def load_guide(args, cfg, chat, device, dtype):
+def load(what: str, model_dir: str, device, dtype):
+    """load_model, said on stderr (stdout holds only answers): on a terminal a live line (shard i of n, GB
+    read), then one summary line, the only one when stderr is a file or a pipe."""
+    start, tty, seen = time.perf_counter(), sys.stderr.isatty(), {"shown": 0.0, "total": 0}
+
+    def progress(shard, n, done, total):
+        seen["total"] = total
+        if tty and time.perf_counter() - seen["shown"] > 0.1:
+            seen["shown"] = time.perf_counter()
+            print(f"\rloading {what}: shard {shard} of {n}, {done / 1e9:.1f} of {total / 1e9:.1f} GB", end="",
+                  file=sys.stderr, flush=True)
+    try:
+        model = load_model(model_dir, device=device, dtype=dtype, progress=progress)
+    finally:
+        if seen["shown"]:
+            print("\r\x1b[K", end="", file=sys.stderr)    # clear the live line
+    size = f"{seen['total'] / 1e9:.1f} GB" if seen["total"] >= 1e8 else f"{seen['total'] / 1e6:.1f} MB"
+    print(f"loaded {what} in {time.perf_counter() - start:.2f} s ({size})", file=sys.stderr)
+    return model
+
+
+def load_guide(guide_dir, args, cfg, chat, device, dtype):
     """--guide: check that it shares the model's token ids on its small files, then load it (or None)."""
-    if not args.guide:
+    if not guide_dir:
         return None
     from chat import load_tokenizer
-    guide_dir = resolve_model_dir(args.guide)
     try:   # with both tokenizers every shared id is compared token by token; else the configs' ids
         guide_tok = load_tokenizer(guide_dir)
     except FileNotFoundError:
         guide_tok = None
     check_guide(cfg, read_config(guide_dir), chat.tok, guide_tok)
-    return load_model(guide_dir, device=device, dtype=dtype)
+    return load(f"the guide {args.guide}", guide_dir, device, dtype)
+
+
+def read_prompts(path: str) -> list[str]:
+    """--prompt-file's prompts, one per non-empty line (read by parse_args: its errors come before any model)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            prompts = [line.strip() for line in f if line.strip()]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file {path} is not valid UTF-8 text ({e.reason} at byte {e.start}): "
+                         f"convert it (e.g. with iconv)") from None
+    except OSError as e:   # missing, a folder, no permission
+        raise ValueError(f"cannot read --prompt-file {path}: {e.strerror or e}") from None
+    if not prompts:
+        raise ValueError(f"--prompt-file {path} has no prompt: write one prompt per line")
+    return prompts
 
 
 def answer_prompts(model, chat, args, device):
     """--prompt-file: every line a prompt, decoded in batches of --batch-size; answers in input order."""
-    with open(args.prompt_file, encoding="utf-8") as f:
-        prompts = [line.strip() for line in f if line.strip()]
-    if not prompts:
-        raise ValueError(f"{args.prompt_file} has no prompt: write one prompt per line")
-    rows = [chat.encode(chat.render([{"role": "user", "content": q}])) for q in prompts]
+    rows = [chat.encode(chat.render([{"role": "user", "content": q}])) for q in args.prompts]
     args.gen_length = fit_gen_length(args, max(map(len, rows)), model.config.max_seq_len)
     nfe, seconds = 0, 0.0
     for i in range(0, len(rows), args.batch_size):
@@ -393,6 +465,8 @@ def main(argv=None):
     check_settings(**{k: v for k, v in kw.items() if k not in ("remasking", "accept", "accept_k", "accept_ratio")} |
                    {"block_length": kw["block_length"] or kw["gen_length"],
                     "steps": kw["gen_length"] if kw["steps"] is None else kw["steps"]})
+    # The guide first: a typo in its path must not wait for the model's download.
+    guide_dir = resolve_model_dir(args.guide, role="guide") if args.guide else None
     model_dir = resolve_model_dir(args.model)
     # config.json and tokenizer.json are small: their checks come before gigabytes of weights are read.
     cfg = read_config(model_dir)
@@ -410,8 +484,8 @@ def main(argv=None):
                          f"tokenizer.json, not a special mask token: fix config.json or re-download the checkpoint")
     chat.stop_ids |= set(cfg.eos_ids)     # config.json may list several end-of-text ids
     args.stop_ids = sorted(chat.stop_ids)
-    args.guide_model = load_guide(args, cfg, chat, device, dtype)
-    model = load_model(model_dir, device=device, dtype=dtype)
+    args.guide_model = load_guide(guide_dir, args, cfg, chat, device, dtype)
+    model = load(args.model, model_dir, device, dtype)
     if args.bench:
         prompt = args.prompt or "Tom has 23 apples and buys 45 more. How many apples does he have?"
         ids = chat.encode(chat.render([{"role": "user", "content": prompt}]))
@@ -420,10 +494,9 @@ def main(argv=None):
     if args.prompt_file:
         return answer_prompts(model, chat, args, device)
     messages, ids = [], []
-    while True:
-        text = args.prompt if not args.interactive else read_turn()
-        if args.interactive and text in (None, "", "exit", "quit"):
-            return
+    if args.interactive and sys.stdin is not None and sys.stdin.isatty():   # no banner for piped questions
+        print("interactive chat: type a question and press Enter; exit, quit or Ctrl-D ends it", file=sys.stderr)
+    for text in read_turns(args.prompt) if args.interactive else [args.prompt]:
         # Without a chat template there are no turns to keep (the demo model was trained on one question
         # each, and earlier questions would only fill its 64 positions): each question is a new prompt.
         messages = (messages if chat.chat else []) + [{"role": "user", "content": text}]
@@ -460,15 +533,21 @@ def main(argv=None):
         peak = f" | peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else ""
         guided = f" | guide calls {stats['guide_calls']}" if args.guide else ""
         print(f"NFE {stats['nfe']} | {stats['tokens_per_s']:.1f} tokens/s | {stats['seconds']:.2f} s{guided}{peak}")
-        if not args.interactive:
-            return
         messages.append({"role": "assistant", "content": answer})
         ids = out
 
 
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        status = main()
+        sys.stdout.flush()     # here, so that a closed pipe is caught below, not at the interpreter's exit
+        sys.exit(status)
+    except BrokenPipeError:
+        # The reader stopped reading (`| head -1`): quiet, as Unix tools are (they die of SIGPIPE, which the
+        # shell reports as 128 + 13). stdout goes to devnull so the final flush does not fail again (the
+        # Python docs' recipe, "Note on SIGPIPE").
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
     except (ValueError, OSError) as e:   # OSError: FileNotFoundError and any file error we did not foresee
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -312,26 +312,32 @@ def check_readable(path: str):
         raise ValueError(f"cannot read {path}: permission denied; fix its permissions (chmod a+r)")
 
 
-def resolve_model_dir(name_or_path: str) -> str:
-    """A local folder as is; otherwise a Hugging Face repo id, fetched (json, safetensors, tokenizer only)."""
+# An example repo id for each role, for the messages below.
+EXAMPLE_REPO = {"model": "GSAI-ML/LLaDA-8B-Instruct", "guide": "Qwen/Qwen2.5-1.5B-Instruct"}
+
+
+def resolve_model_dir(name_or_path: str, role: str = "model") -> str:
+    """A local folder as is; otherwise a Hugging Face repo id, fetched (json, safetensors, tokenizer only).
+    role ("model" or "guide") names which one the user got wrong in the error messages."""
     if not isinstance(name_or_path, (str, os.PathLike)):
-        raise ValueError(f"the model must be a folder path or a Hugging Face repo id such as "
-                         f"GSAI-ML/LLaDA-8B-Instruct, not {name_or_path!r}")
+        raise ValueError(f"the {role} must be a folder path or a Hugging Face repo id such as "
+                         f"{EXAMPLE_REPO[role]}, not {name_or_path!r}")
     name_or_path = os.fspath(name_or_path)
     path = os.path.expanduser(name_or_path)
     if os.path.isdir(path):
         # Inside a folder we may not enter every file looks missing: say what is wrong instead.
         if not os.access(path, os.R_OK | os.X_OK):
-            raise ValueError(f"cannot read the model folder {path}: permission denied; fix its permissions "
+            raise ValueError(f"cannot read the {role} folder {path}: permission denied; fix its permissions "
                              f"(chmod a+rx)")
         return path
     if os.path.isfile(path):
-        raise FileNotFoundError(f"{name_or_path!r} is a file: pass the model folder (the one with config.json "
+        raise FileNotFoundError(f"{name_or_path!r} is a file: pass the {role} folder (the one with config.json "
                                 f"and *.safetensors)")
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1 or os.path.exists(name_or_path)
     if looks_local:
-        raise FileNotFoundError(f"model folder {name_or_path!r} not found: pass an existing folder with config.json "
-                                f"and *.safetensors, or a Hugging Face repo id such as GSAI-ML/LLaDA-8B-Instruct")
+        raise FileNotFoundError(f"{role} folder {name_or_path!r} not found: pass an existing folder with "
+                                f"config.json and *.safetensors, or a Hugging Face repo id such as "
+                                f"{EXAMPLE_REPO[role]}")
     from huggingface_hub import snapshot_download
     try:
         # Dream has no tokenizer.json: *.json brings its vocab.json, tokenizer_config.json, added_tokens.json and
@@ -340,9 +346,10 @@ def resolve_model_dir(name_or_path: str) -> str:
     except Exception as e:  # network, auth or a missing repo: one line, not a stack of HTTP frames
         from huggingface_hub import constants
         if constants.HF_HUB_OFFLINE:
-            raise FileNotFoundError(f"{name_or_path!r} is not in the local Hugging Face cache and offline mode is "
-                                    f"on (HF_HUB_OFFLINE is set): unset it to download, or pass a local folder") from None
-        raise FileNotFoundError(f"could not fetch {name_or_path!r} from the Hugging Face Hub "
+            raise FileNotFoundError(f"the {role} {name_or_path!r} is not in the local Hugging Face cache and "
+                                    f"offline mode is on (HF_HUB_OFFLINE is set): unset it to download, or pass a "
+                                    f"local folder") from None
+        raise FileNotFoundError(f"could not fetch the {role} {name_or_path!r} from the Hugging Face Hub "
                                 f"({type(e).__name__}): check the repo id and your network, or pass a local folder") from None
 
 
@@ -422,7 +429,7 @@ def checkpoint_names(cfg: ModelConfig) -> dict[str, str]:
     return out
 
 
-def load_model(name_or_path: str, device=None, dtype=None) -> Transformer:
+def load_model(name_or_path: str, device=None, dtype=None, progress=None) -> Transformer:
     """
     Build the model on the meta device (no memory), then read the safetensors shard by shard, tensor by
     tensor, converting each one straight to `dtype` on `device`: an 8B bf16 checkpoint never exists twice,
@@ -430,7 +437,8 @@ def load_model(name_or_path: str, device=None, dtype=None) -> Transformer:
     hands out tensors that map the file copy-on-write: nothing is read until a forward pass touches it, and
     the files must not be rewritten in place while the model lives (replacing them is fine).
     Strict: a missing, unexpected or misshapen tensor is an error naming it.
-    Default: bfloat16 on CUDA, float32 on CPU.
+    Default: bfloat16 on CUDA, float32 on CPU. progress(shard, n_shards, bytes_done, bytes_total), if given, is
+    called after each tensor (bytes of the checkpoint's files; the CLI shows it on stderr).
     """
     from safetensors import safe_open
     from safetensors import SafetensorError
@@ -450,8 +458,9 @@ def load_model(name_or_path: str, device=None, dtype=None) -> Transformer:
         model = Transformer(cfg)
     expected = {n: p.shape for n, p in model.named_parameters()}
     names = checkpoint_names(cfg)
-    state = {}
-    for path in shard_files(model_dir):
+    state, files, done = {}, shard_files(model_dir), 0
+    total = sum(os.path.getsize(p) for p in files)
+    for shard, path in enumerate(files, 1):
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for key in f.keys():
@@ -473,7 +482,10 @@ def load_model(name_or_path: str, device=None, dtype=None) -> Transformer:
                         raise ValueError(f"tensor {key!r} has dtype {t.dtype}, not a float: this checkpoint is "
                                          f"quantized or corrupt; fastdllm loads float16/bfloat16/float32 weights")
                     state[ours] = t.to(device=device, dtype=dtype)
+                    done += t.nbytes
                     del t
+                    if progress:
+                        progress(shard, len(files), done, total)
         except SafetensorError as e:
             raise ValueError(f"{os.path.basename(path)} is not a readable safetensors file ({e}): "
                              f"it is truncated or corrupt, re-download it") from None

@@ -29,13 +29,15 @@ NEG_INF = float("-inf")
 
 # ---------------------------------------------------------------------------------------- LLaDA
 def add_gumbel_noise(logits, temperature: float, generator=None):
-    """argmax(exp(l) / (-log u)^T) == argmax(l/T + Gumbel), a sample from softmax(l/T). In float64 on purpose:
-    low-precision Gumbel noise hurts generation quality (arXiv 2409.02908). T == 0 draws nothing."""
+    """Scores whose argmax is a sample from softmax(l/T): the official argmax(exp(l) / (-log u)^T), taken in
+    log space as argmax(l - T log(-log u)) (== argmax(l/T + Gumbel)). The same choice wherever the official
+    formula is finite; at large T (from a few tens up, over a 126k vocabulary) that one overflows float64 and
+    then picks the lowest id, while this still samples (near-uniformly, as softmax(l/T) does). In float64 on
+    purpose: low-precision Gumbel noise hurts generation quality (arXiv 2409.02908). T == 0 draws nothing."""
     if temperature == 0:
         return logits
-    logits = logits.double()
     u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
-    return logits.exp() / (-torch.log(u)) ** temperature
+    return logits.double() - temperature * torch.log(-torch.log(u))
 
 
 def num_transfer_tokens(mask_count: torch.Tensor, steps: int) -> torch.Tensor:

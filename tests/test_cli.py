@@ -68,7 +68,9 @@ def test_cli_default_gen_length_fits_the_model():
     demo = os.path.join(ROOT, "demo", "llada-arith")
     r = cli("--model", demo, "--prompt", prompt)
     assert r.returncode == 0, r.stderr
-    assert r.stderr.strip().splitlines() == [
+    loaded, *notes = r.stderr.strip().splitlines()       # stderr: the load's summary line, then the note
+    assert loaded.startswith(f"loaded {demo} in ") and loaded.endswith(" MB)")
+    assert notes == [
         "note: the prompt (18 tokens) + gen-length 256 exceed the model's 64 positions: generating 32 tokens "
         "(pass --gen-length to choose)"]
     answer, stats = r.stdout.strip().splitlines()[-2:]

@@ -478,7 +478,7 @@ def test_cli_error_is_one_line_and_exit_2(cli_results, case):
     p, out, err, pattern = cli_results[case]
     assert "Traceback" not in out + err, err
     assert p.returncode == 2, (p.returncode, out, err)
-    lines = err.strip().splitlines()
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("loaded ")]   # the load's summary line
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert re.search(pattern, lines[0]), lines[0]
 
@@ -556,6 +556,8 @@ def test_ctrl_c_prints_the_partial_answer(tmp_path):
     watchdog.start()
     try:
         line = p.stderr.readline()
+        while line.startswith("loaded "):      # the load's summary line
+            line = p.stderr.readline()
         if line != "second step\n":       # it failed before generating (or printed something first)
             p.kill()
             pytest.fail(f"no second step: {line}{p.stderr.read()}")
@@ -568,3 +570,229 @@ def test_ctrl_c_prints_the_partial_answer(tmp_path):
     assert p.returncode == 130, (p.returncode, out, err)
     m = re.search(r"\[interrupted after (\d+) steps\]", out)
     assert m and int(m.group(1)) >= 1, out
+
+
+# ============================================================================================================
+# Issue 20, the CLI and loading side: guide flags, prompt files, --trace, --interactive, closed pipes, absurd
+# temperatures, load progress. Every flag error wins over a missing model (flags are checked before anything
+# is looked up) and names the flag. The cases run as fastdllm.py's __main__ in ONE subprocess (CLI20_DRIVER:
+# a torch import per case costs seconds); those that need real file descriptors (a closed pipe, a shell pipe
+# into head, piped stdin) get their own processes; all start at once.
+
+DEMO20, GUIDE20 = os.path.join(ROOT, "demo", "llada-arith"), os.path.join(ROOT, "demo", "qwen2-arith")
+Q20 = ["Tom has 23 apples and buys 45 more. How many apples does he have?",
+       "A box has 24 apples. Tom takes 10. How many apples are left?"]
+A20 = ["45 + 23 = 68. The answer is 68.", "24 - 10 = 14. The answer is 14."]
+DEMO_RUN = ["--model", DEMO20, "--gen-length", "32"]
+MISSING = ["--model", "{tmp}/no-model"]          # {tmp}: the fixture's folder
+GUIDED = [*MISSING, "--prompt", "w5", "--guide", GUIDE20]
+CLI20_ERRORS = {   # argv: the pattern of the one error line (after "error: ")
+    "--guide missing folder": ([*DEMO_RUN, "--prompt", Q20[0], "--guide", "{tmp}/no-guide"],
+                               r"^guide folder '.*no-guide' not found: pass an existing folder .* Qwen/"),
+    "--guide repo id not cached, offline": ([*DEMO_RUN, "--prompt", Q20[0], "--guide", "nobody/no-guide"],
+                                            r"^the guide 'nobody/no-guide' is not in the local Hugging Face cache"),
+    "--guide empty": ([*MISSING, "--prompt", "w5", "--guide", ""], r"^--guide is empty"),
+    "--model empty": (["--model", " ", "--prompt", "w5"], r"^--model is empty"),
+    "--accept bogus": ([*GUIDED, "--accept", "bogus"], r"^argument --accept: invalid choice: 'bogus' \(choose from"),
+    "--accept-k 0": ([*GUIDED, "--accept-k", "0"], r"^argument --accept-k: expected an integer >= 1, got '0'"),
+    "--accept-k x": ([*GUIDED, "--accept-k", "x"], r"^argument --accept-k: expected an integer >= 1, got 'x'"),
+    "--accept-ratio 0": ([*GUIDED, "--accept-ratio", "0"], r"^argument --accept-ratio: expected a number in \(0, 1\]"),
+    "--accept-ratio 1.5": ([*GUIDED, "--accept-ratio", "1.5"], r"^argument --accept-ratio: expected a number in"),
+    "--accept-ratio nan": ([*GUIDED, "--accept-ratio", "nan"], r"^argument --accept-ratio: expected a number in"),
+    "--accept-ratio inf": ([*GUIDED, "--accept-ratio", "inf"], r"^argument --accept-ratio: expected a number in"),
+    "--accept without --guide": ([*MISSING, "--prompt", "w5", "--accept", "topk"],
+                                 r"^--accept only applies with --guide: add --guide, or drop --accept$"),
+    "--accept-k without --guide": ([*MISSING, "--prompt", "w5", "--accept-k", "3"], r"^--accept-k only applies with --guide"),
+    "--accept-ratio without --guide": ([*MISSING, "--prompt", "w5", "--accept-ratio", "0.5"],
+                                       r"^--accept-ratio only applies with --guide"),
+    "--batch-size without --prompt-file": ([*MISSING, "--prompt", "w5", "--batch-size", "2"],
+                                           r"^--batch-size only applies with --prompt-file"),
+    "--guide with --threshold": ([*GUIDED, "--threshold", "0.5"], r"^--threshold does not apply with --guide"),
+    "--guide with --temperature": ([*GUIDED, "--temperature", "0.5"], r"^--temperature does not apply with --guide"),
+    "--prompt-file missing": ([*MISSING, "--prompt-file", "{tmp}/none.txt"],
+                              r"^cannot read --prompt-file .*none\.txt: No such file or directory$"),
+    "--prompt-file a folder": ([*MISSING, "--prompt-file", "{tmp}"], r"^cannot read --prompt-file .*: Is a directory$"),
+    "--prompt-file not UTF-8": ([*MISSING, "--prompt-file", "{tmp}/latin1.txt"],
+                                r"^--prompt-file .*latin1\.txt is not valid UTF-8 text"),
+    "--prompt-file without a prompt": ([*MISSING, "--prompt-file", "{tmp}/blank.txt"],
+                                       r"^--prompt-file .*blank\.txt has no prompt"),
+    "--prompt-file empty path": ([*MISSING, "--prompt-file", ""], r"^--prompt-file is empty"),
+    "--trace with --prompt-file": ([*MISSING, "--prompt-file", "{tmp}/ok.txt", "--trace"],
+                                   r"^--trace shows the steps of one answer: use it with --prompt or --interactive"),
+    "--temperature inf": ([*MISSING, "--prompt", "w5", "--temperature", "inf"],
+                          r"^argument --temperature: expected a finite number, got 'inf'"),
+    "--temperature nan": ([*MISSING, "--prompt", "w5", "--temperature", "nan"],
+                          r"^argument --temperature: expected a finite number, got 'nan'"),
+}
+CLI20_RUNS = {   # argv, stdin (not a terminal: as from a pipe): runs that succeed
+    "--temperature 1e9": ([*DEMO_RUN, "--prompt", Q20[0], "--temperature", "1e9"], None),
+    "interactive: empty lines, then quit": ([*DEMO_RUN, "--interactive"], f"\n{Q20[0]}\n\n \nquit\n{Q20[1]}\n"),
+    "interactive: exit": ([*DEMO_RUN, "--interactive"], f"{Q20[0]}\nexit\n{Q20[1]}\n"),
+    "interactive: --prompt is the first turn": ([*DEMO_RUN, "--interactive", "--prompt", Q20[0]], f"{Q20[1]}\n"),
+}
+
+CLI20_DRIVER = """
+import contextlib, io, json, runpy, sys, traceback
+out = {}
+for name, (argv, stdin) in json.loads(sys.stdin.read()).items():
+    sys.argv, sys.stdin = ["fastdllm.py", *argv], io.StringIO(stdin or "")
+    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            runpy.run_path("fastdllm.py", run_name="__main__")
+        except SystemExit as e:
+            code = e.code or 0      # sys.exit(None) is status 0
+        except BaseException:
+            code = 1
+            print(traceback.format_exc(), file=sys.stderr)
+    out[name] = [code, stdout.getvalue(), stderr.getvalue()]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def cli20(tmp_path_factory):
+    """name -> (exit status, stdout, stderr) for CLI20_ERRORS, CLI20_RUNS and the real-pipe cases."""
+    tmp = tmp_path_factory.mktemp("cli20")
+    (tmp / "blank.txt").write_text("\n  \n")
+    (tmp / "latin1.txt").write_bytes(b"caf\xe9\n")
+    (tmp / "ok.txt").write_text(Q20[0] + "\n")
+    cases = {name: ([a.replace("{tmp}", str(tmp)) for a in argv], None) for name, (argv, _) in CLI20_ERRORS.items()}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "hf")}
+    kw = dict(cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cli = [sys.executable, os.path.join(ROOT, "fastdllm.py"), *DEMO_RUN]
+    piped = lambda cmd: ["sh", "-c", 'exec "$@" ' + cmd, "sh", *cli]    # noqa: E731
+    procs = {   # name: (process, its stdin)
+        "driver": (subprocess.Popen([sys.executable, "-c", CLI20_DRIVER], **kw), json.dumps(cases | CLI20_RUNS)),
+        # The reader is gone before the first answer is written: EPIPE every time, no race with a reader.
+        "closed pipe": (subprocess.Popen([*cli, "--prompt", Q20[0]], **kw), None),
+        "| head -1": (subprocess.Popen(piped("--prompt-file /dev/stdin | head -1"), **kw), "\n".join(Q20 * 4)),
+        "| head -c 5": (subprocess.Popen(piped(f"--prompt '{Q20[0]}' | head -c 5"), **kw), None),
+        "interactive: piped questions to their end": (subprocess.Popen([*cli, "--interactive"], **kw),
+                                                      "\n".join(Q20) + "\n"),
+    }
+    procs["closed pipe"][0].stdout.close()
+    out = {}
+    for name, (p, stdin) in procs.items():
+        try:
+            res = p.communicate(stdin, timeout=240)
+        except subprocess.TimeoutExpired:      # a hang fails its cases, not the whole run
+            p.kill()
+            res = p.communicate()
+        out[name] = (p.returncode, *res)
+    code, text, err = out.pop("driver")
+    assert code == 0 and "Traceback" not in err, err
+    return out | {name: tuple(r) for name, r in json.loads(text).items()}
+
+
+def quiet_stderr(err: str) -> bool:
+    """Nothing on stderr but the load's summary lines (stderr is not a terminal here)."""
+    return all(re.fullmatch(r"loaded .+ in \d+\.\d\d s \(\d+\.\d (MB|GB)\)", ln) for ln in err.splitlines())
+
+
+@pytest.mark.parametrize("case", CLI20_ERRORS)
+def test_cli20_flag_error_wins_and_names_the_cause(cli20, case):
+    code, out, err = cli20[case]
+    assert "Traceback" not in out + err, err
+    assert code == 2, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert re.search(CLI20_ERRORS[case][1], lines[0][len("error: "):]), lines[0]
+    assert "LLaDA" not in lines[0] and "model folder" not in lines[0], lines[0]   # a guide's error says "guide"
+
+
+def answers(out: str) -> list[str]:
+    """--interactive's answers: each on its own line, after "assistant> " (never after "user> ... ")."""
+    assert "user> assistant>" not in out, out
+    return re.findall(r"^assistant> (.*)$", out, re.M)
+
+
+def test_cli20_huge_temperature_still_samples_and_stdout_holds_only_the_answer(cli20):
+    """--temperature 1e9 used to overflow the official Gumbel formula: every token the lowest id, an empty
+    answer. Also: the load's summary is the one line on stderr (not a terminal), nothing extra on stdout."""
+    code, out, err = cli20["--temperature 1e9"]
+    assert code == 0 and "Traceback" not in err, err
+    answer, stats = out.splitlines()
+    assert answer.strip() and stats.startswith("NFE ")
+    assert quiet_stderr(err) and err.startswith(f"loaded {DEMO20} in ") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("case,expected", [("interactive: empty lines, then quit", A20[:1]),
+                                           ("interactive: exit", A20[:1]),
+                                           ("interactive: --prompt is the first turn", A20),
+                                           ("interactive: piped questions to their end", A20)])
+def test_cli20_interactive(cli20, case, expected):
+    """An empty line asks again; exit, quit or the end of input ends the session; --prompt is the first
+    turn. From a pipe each question is echoed after "user> ", so every answer starts a line of its own,
+    and there is no banner (stdin is not a terminal)."""
+    code, out, err = cli20[case]
+    assert code == 0 and quiet_stderr(err), (code, err)
+    assert answers(out) == expected
+    assert [q for q in re.findall(r"^user> (.+)$", out, re.M) if q not in ("exit", "quit")] == Q20[:len(expected)]
+
+
+def test_cli20_interactive_banner_on_a_terminal(monkeypatch, capsys):
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    monkeypatch.setattr("sys.stdin", Terminal(f"{Q20[0]}\n"))
+    fastdllm.main([*DEMO_RUN, "--interactive"])
+    out, err = capsys.readouterr()
+    assert "exit, quit or Ctrl-D ends it" in err and "Ctrl-D" not in out
+    assert out.startswith("user> assistant> ") and answers(out.replace("user> assistant>", "")) == []   # typed, not echoed
+    assert A20[0] in out
+
+
+@pytest.mark.parametrize("case,status,expected", [("closed pipe", 141, ""), ("| head -1", 0, A20[0] + "\n"),
+                                                  ("| head -c 5", 0, A20[0][:5])])
+def test_cli20_a_closed_pipe_ends_quietly(cli20, case, status, expected):
+    """The reader stopped reading: no message, no traceback; status 141 (128 + SIGPIPE, what the shell
+    reports for a Unix tool killed by the closed pipe; through `sh -c ... | head` it is head's 0)."""
+    code, out, err = cli20[case]
+    assert "Traceback" not in err and "error" not in err and quiet_stderr(err), err
+    assert code == status and out == expected, (code, out, err)
+
+
+def test_load_progress(monkeypatch, capsys):
+    """load_model is silent unless given progress=; the CLI's load() shows a live line (shard i of n, GB)
+    on a terminal, then one summary line, which is all it prints when stderr is a file or pipe."""
+    path = os.path.join(GOLDEN, "llada-tiny")     # two shards
+    calls = []
+    load_model(path, progress=lambda *a: calls.append(a))
+    assert capsys.readouterr() == ("", "")
+    assert [c[0] for c in calls] == sorted(c[0] for c in calls) and {c[:2] for c in calls} == {(1, 2), (2, 2)}
+    assert all(0 < done <= total for _, _, done, total in calls) and calls[-1][2] > 0.9 * calls[-1][3]
+    fastdllm.load("tiny", path, "cpu", torch.float32)
+    out, err = capsys.readouterr()
+    assert out == "" and re.fullmatch(r"loaded tiny in \d+\.\d\d s \(0\.\d MB\)\n", err), err
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    monkeypatch.setattr("sys.stderr", Terminal())
+    fastdllm.load("tiny", path, "cpu", torch.float32)
+    err = sys.stderr.getvalue()
+    assert err.startswith("\rloading tiny: shard 1 of 2, 0.0 of 0.0 GB") and "\r\x1b[Kloaded tiny in " in err, err
+
+
+@pytest.mark.parametrize("temperature", [0.25, 0.5, 1.0, 2.0, 5.0])
+def test_gumbel_noise_picks_what_the_official_formula_picks(temperature):
+    """LLaDA's sampler in log space: the same ids as the official float64 exp(l) / (-log u)^T wherever that
+    is finite (moderate temperatures), from the same generator state."""
+    import sampler
+    for seed in range(5):
+        logits = torch.randn(4, 16, 3000, generator=torch.Generator().manual_seed(100 + seed)) * 4
+        ours = sampler.add_gumbel_noise(logits, temperature, torch.Generator().manual_seed(seed)).argmax(-1)
+        u = torch.rand(logits.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        official = logits.double().exp() / (-torch.log(u)) ** temperature
+        assert torch.isfinite(official).all()
+        assert torch.equal(ours, official.argmax(-1))
+
+
+def test_gumbel_noise_still_samples_at_a_huge_temperature():
+    """At T = 1e9 softmax(l/T) is nearly uniform: the choices spread over the vocabulary (the official
+    formula overflows there and picks the lowest ids)."""
+    import sampler
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 4
+    ids = sampler.add_gumbel_noise(logits, 1e9, torch.Generator().manual_seed(0)).argmax(-1)
+    assert len(set(ids.tolist())) > 40 and 300 < ids.double().mean() < 700
