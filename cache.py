@@ -18,8 +18,10 @@ the whole canvas. In prefix mode the fed chunk covers [s, L), so every stale ent
 mode it covers [s, e) and the suffix stays as the refresh left it (Fast-dLLM's `replace_position`). What
 each step feeds is `feed_span`, below: the one place the cache modes differ.
 
-The storage never advances itself: every write names its position, and the generation loop (fastdllm.py)
-decides what to feed. `Guide` at the end is the other cache: the guided-diffusion guide's keys/values of the
+The storage never advances itself: every write names its position. What to feed is a cache policy (`Feed`
+and its subclasses: `CacheMode` over feed_span, `FreeCache`, `GuidedFreeCache`, `Refresh`), which the
+generation loop (fastdllm.py) asks at every step; a fork adds one by subclassing `Feed`. `Guide` at the end
+is the other cache: the guided-diffusion guide's keys/values of the
 committed text, which only ever grows by what a step commits.
 """
 from typing import NamedTuple

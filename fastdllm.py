@@ -3,14 +3,13 @@ fastdllm.py: fast inference for masked-diffusion LLMs (LLaDA-8B, Dream-7B), the 
 its command line.
 
 A diffusion LM generates by denoising: the answer starts as gen_length [MASK] tokens, and each model call
-("step", counted as NFE) predicts every masked position at once and commits some of them. generate() runs
-every method as one loop over semi-autoregressive blocks, each step reading feed -> propose -> select ->
-commit:
-- feed: what the KV cache reuses (cache.py `feed_span`): none, Fast-dLLM's prefix cache and DualCache
-  (arXiv 2505.22618 section 3.2), FlashDLM's FreeCache (arXiv 2505.21467);
-- propose / select (sampler.py): LLaDA's and Dream's samplers, Fast-dLLM's confidence-aware parallel
-  decoding (threshold / factor, section 3.3), FlashDLM's guided diffusion (a causal guide verifies drafts);
-- commit, and stop at the end of text.
+("step", counted as NFE) predicts every masked position at once and commits some of them. generate() first
+decides, once, everything that depends only on the call's settings (`make_plan`): a cache policy (cache.py:
+none, Fast-dLLM's prefix cache and DualCache, arXiv 2505.22618 section 3.2, FlashDLM's FreeCache, arXiv
+2505.21467), a step rule for the model's family with its selection rule (sampler.py: LLaDA's and Dream's
+samplers, Fast-dLLM's threshold / factor decoding, section 3.3, FlashDLM's guided diffusion), and a stop
+rule (end of text). Then one loop over semi-autoregressive blocks, each step reading
+feed -> propose -> select -> commit -> stop.
 
     python fastdllm.py --prompt "What is 7 * 8?"                    # LLaDA-8B-Instruct, dual cache, tau 0.9
     python fastdllm.py --model demo/llada-arith --gen-length 32 --prompt "Tom has 23 apples and buys 45 more. How many apples does he have?"
@@ -101,10 +100,10 @@ def settings_of(options: dict) -> Settings:
     return Settings(**options)
 
 
-def make_plan(model, prompt, st: Settings, attention_mask, generator) -> Plan:
-    """Turn (family, cache, rule, stop) into parts, once: everything here depends only on the call's settings."""
-    cfg, device = model.config, model.lm_head.weight.device
-    dream, guided = cfg.family == "dream", st.guide is not None
+def resolve(model, prompt, st: Settings, attention_mask, generator):
+    """The settings with the family's and the method's defaults filled in, every check passed; -> (settings,
+    whether this is Dream's own whole-canvas sampler)."""
+    dream, guided = model.config.family == "dream", st.guide is not None
     whole_canvas = dream and st.block_length is None and not guided     # Dream's own diffusion_generate
     st = dataclasses.replace(
         st, remasking=st.remasking or ("entropy" if dream else "low_confidence"),
@@ -112,6 +111,14 @@ def make_plan(model, prompt, st: Settings, attention_mask, generator) -> Plan:
         steps=st.gen_length if st.steps is None or guided else st.steps,
         **({k: v if getattr(st, k) is None else getattr(st, k) for k, v in GUIDED_DEFAULTS.items()} if guided else {}))
     check_call(model, prompt, st, attention_mask, generator, whole_canvas)
+    return st, whole_canvas
+
+
+def make_plan(model, prompt, st: Settings, attention_mask, generator) -> Plan:
+    """Turn (family, cache, rule, stop) into parts, once: everything here depends only on the call's settings."""
+    cfg, device = model.config, model.lm_head.weight.device
+    st, whole_canvas = resolve(model, prompt, st, attention_mask, generator)
+    dream, guided = cfg.family == "dream", st.guide is not None
     B, P = prompt.shape
     L = P + st.gen_length
     n_blocks = st.gen_length // st.block_length
@@ -171,7 +178,8 @@ def generate(model, prompt: torch.Tensor, attention_mask: torch.Tensor | None = 
         after every step with the live canvas.
     """
     st = settings_of(settings)
-    if st.guide is not None and prompt.shape[0] > 1:   # checked row by row by the solo calls
+    if st.guide is not None and prompt.shape[0] > 1:
+        resolve(model, prompt, st, attention_mask, generator)
         return generate_rows(model, prompt, attention_mask, on_step=on_step, **settings)
     p = make_plan(model, prompt, st, attention_mask, generator)
     mask_id, on_step = model.config.mask_id, on_step or (lambda x, stats: None)

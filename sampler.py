@@ -1,9 +1,9 @@
 """
-sampler.py: the decoding policies, logits -> which masked tokens to unmask this step. Pure functions: no
-model, no cache, no loop state; randomness only through an explicit torch.Generator.
+sampler.py: the decoding policies, logits -> which masked tokens to commit this step, and when an answer has
+ended. Randomness only through an explicit torch.Generator.
 
-Shapes: logits (B, N, V) and boolean candidate masks `cand` (B, N) over the N positions of the current
-block; confidences (B, N) hold -inf at non-candidates so they can never be chosen.
+Shapes: logits (B, n, V) at the n open columns `cols` of the current block of N positions; boolean candidate
+masks `cand` (B, N); confidences (B, N) hold -inf at non-candidates so they can never be chosen.
 
 - LLaDA (ML-GSAI/LLaDA, Fast-dLLM `v1/llada/generate.py`): Gumbel-max sampling in float64, confidence =
   the un-tempered probability of the chosen token (`low_confidence`) or uniform noise (`random`), and a
@@ -15,8 +15,10 @@ block; confidences (B, N) hold -inf at non-candidates so they can never be chose
   whose confidence clears tau, and always the most confident) and `select_factor`.
 - FlashDLM's guided diffusion (arXiv 2505.21467; spec/flashdlm.md 2): `accept_drafts`, the guide's verdict on the
   diffusion model's drafts.
-- One step's propose-and-select per family, as generate() calls it: `llada_select`, `dream_select` and
-  `guided_select` (the one exception to "no model": it asks the guide, through cache.Guide, for its verdict).
+- The parts generate() calls, each decided once per call: selection rules (`Schedule`, `Threshold`,
+  `Factor`: which proposals a step commits), step rules (`LLaDAStep`, `DreamStep` and its FreeCache and
+  whole-canvas clocks, `GuidedStep`: one family's propose-and-select with its state), and stop rules
+  (`StopAtBlockEnd`, `StopAtFrontier`: the end of text).
 """
 from functools import partial
 from typing import NamedTuple

@@ -796,3 +796,61 @@ def test_gumbel_noise_still_samples_at_a_huge_temperature():
     logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 4
     ids = sampler.add_gumbel_noise(logits, 1e9, torch.Generator().manual_seed(0)).argmax(-1)
     assert len(set(ids.tolist())) > 40 and 300 < ids.double().mean() < 700
+
+
+# ============================================================================================================
+# Issue 20, the API's new arguments: end of text, guides, padding, temperatures. One line each, naming the cause.
+API20_CASES = {
+    "stop_at_eos a string": (dict(stop_at_eos="yes"), r"stop_at_eos must be False, True .* or an integer k >= 1.*'yes'"),
+    "stop_at_eos negative": (dict(stop_at_eos=-1), r"stop_at_eos must be False, True .*not -1"),
+    "stop_at_eos zero": (dict(stop_at_eos=0), r"stop_at_eos must be False, True .*not 0"),
+    "eos id negative": (dict(eos_ids=[0, -1]), r"eos_ids must be a non-empty list of token ids in \[0, 1024\), not \[0, -1\]"),
+    "eos ids a string": (dict(eos_ids="abc"), r"eos_ids must be a non-empty list of token ids .*'abc'"),
+    "eos id past the vocabulary": (dict(eos_ids=[5000]), r"eos_ids must be .*\[0, 1024\)"),
+    "eos id the mask": (dict(eos_ids=[1000]), r"eos_ids holds the mask token id 1000"),
+    "temperature inf": (dict(temperature=float("inf")), r"temperature must be finite \(got inf\)"),
+    "accept without a guide": (dict(accept="topk"), r"accept only apply to guided diffusion: pass guide= too"),
+    "accept_k and accept_ratio without a guide": (dict(accept_k=3, accept_ratio=0.5),
+        r"accept_k, accept_ratio only apply to guided diffusion"),
+    "guide a path": (dict(guide="some/path"), r"guide must be a loaded causal model, not the path 'some/path': load it"),
+    "guide an object": (dict(guide=object()), r"guide must be a causal LM loaded with model.load_model .*not object"),
+    "unknown setting": (dict(treshold=0.9), r"unknown setting 'treshold': generate\(\) takes .*threshold"),
+    "select not callable": (dict(select=3), r"select must be a selection rule, a callable"),
+    "select and threshold": (dict(select=lambda p, c, k: c, threshold=0.9), r"pass select or threshold/factor, not both"),
+    "cache an object without span": (dict(cache=object()), r"cache must be a mode name .* or a cache.Feed policy"),
+}
+
+
+@pytest.mark.parametrize("case", API20_CASES)
+def test_api20_bad_arguments(llada, case):
+    kw, pattern = API20_CASES[case]
+    with pytest.raises(ValueError) as e:
+        generate(llada, PROMPT, **{"gen_length": 8, "block_length": 4, **kw})
+    assert re.search(pattern, one_line(e)), str(e.value)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_api20_right_padding_is_refused_everywhere(request, family, qwen2):
+    """Left padding is what the README documents; a pad after a real token would sit between the prompt and
+    its answer. Refused in every path, guided included, before anything is decoded."""
+    model = request.getfixturevalue(family)
+    am = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    prompt = torch.cat([PROMPT, PROMPT])
+    paths = [dict(cache="none"), dict(cache="dual", threshold=0.9)] + ([dict(guide=qwen2)] if family == "dream" else [])
+    for kw in paths:
+        with pytest.raises(ValueError, match=r"attention_mask pads a row on the right .* pad on the left"):
+            generate(model, prompt, attention_mask=am, gen_length=8, block_length=4, **kw)
+
+
+def test_api20_guide_settings_have_types(dream, qwen2):
+    for kw, pattern in [(dict(accept_ratio="0.5"), r"accept_ratio must be a number in \(0, 1\] \(got '0.5'\)"),
+                        (dict(accept_ratio=True), r"accept_ratio must be a number"),
+                        (dict(accept_k=2.0), r"accept_k must be an integer >= 1 \(got 2.0\)")]:
+        with pytest.raises(ValueError, match=pattern):
+            generate(dream, torch.tensor([[5, 6, 7]]), gen_length=8, guide=qwen2, **kw)
+
+
+def test_api20_stop_at_eos_k_and_eos_ids_work(llada):
+    """The valid forms still run: k end tokens in a row, and a custom end id inside the vocabulary."""
+    out, _ = generate(llada, PROMPT, gen_length=8, block_length=4, stop_at_eos=2, eos_ids=[7, 8])
+    assert not (out == llada.config.mask_id).any()
