@@ -1,0 +1,822 @@
+"""
+serve.py: fastdllm behind an OpenAI-compatible HTTP API, plus a live web page that shows a decode step by
+step. Python's standard library only (http.server, json, queue, threading) on top of fastdllm.run_batch(),
+the CLI's own decoding path.
+
+    python serve.py --model demo/llada-arith --gen-length 32 --block-length 8
+    curl -s 127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Tom has 23 apples and buys 45 more. How many apples does he have?"}]}'
+    open http://127.0.0.1:8000/ for the page
+
+Endpoints (docs/serve.md documents every field, the event stream and the errors):
+  GET  /                     the page (web/index.html)
+  GET  /v1/models            the one model served
+  POST /v1/chat/completions  the model's chat template; "stream": true gives OpenAI's server-sent chunks
+  POST /v1/completions       a raw prompt: a string, a list of strings, token ids or lists of token ids
+  GET  /v1/denoise/info      the server's defaults (what the page offers)
+  POST /v1/denoise/stream    one server-sent event per denoising step: the positions it committed
+
+How it runs: HTTP handler threads check a request, turn each of its prompts into a Job and wait on the
+request's queue; one worker thread owns the model. It takes the oldest job, waits --batch-window ms for more,
+and decodes every waiting job with the same settings as ONE left-padded batch. generate() decodes each row of
+such a batch exactly as it would alone (tests/test_cache.py), so an answer never depends on what else was in
+its batch. Jobs with other settings wait for their own batch; a sampled job (its noise is drawn for the
+whole batch) and a guided one (the guide decodes row by row anyway) always get a batch of their own.
+"""
+import argparse
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+import fastdllm
+from chat import Chat, check_text, decode
+from model import load_model, read_config, resolve_model_dir
+
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web", "index.html")
+# fastdllm.py flags that have no meaning for a server: its prompts come in requests.
+CLI_ONLY = ("--prompt", "--prompt-file", "--interactive", "--batch-size", "--no-stream", "--trace", "--bench")
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI does: HTTP status + {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    def body(self) -> dict:
+        kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
+
+class Cancelled(Exception):
+    """Raised from on_step when every client of a batch has gone: the batch stops there."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Reading a request
+
+def is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_num(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def field(body: dict, name: str, default, ok, what: str):
+    """body[name], or `default` when it is absent or null; a value that fails ok() is a 400 naming the field."""
+    v = body.get(name)
+    if v is None:
+        return default
+    if not ok(v):
+        raise ApiError(400, f"'{name}' must be {what} (got {json.dumps(v)[:60]})", name, "invalid_value")
+    return v
+
+
+def not_json(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def message_text(m, i: int) -> dict:
+    """One chat message -> {"role", "content"}; content may be a string or OpenAI's list of text parts."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise ApiError(400, f"messages[{i}] must be an object with a 'role' string and a 'content'", "messages",
+                       "invalid_value")
+    content = m.get("content")
+    if isinstance(content, list):      # [{"type": "text", "text": "..."}, ...]
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages", "invalid_value")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ApiError(400, f"messages[{i}].content must be a string (got {json.dumps(content)[:60]})", "messages",
+                       "invalid_value")
+    return {"role": m["role"], "content": content}
+
+
+def stop_scan(text: str, stops: list[str], final: bool):
+    """How much of `text` may be shown, given the stop strings -> (end, stopped). The answer ends before the
+    first stop string; while decoding goes on (final=False), a tail that could still grow into a stop string
+    is held back, so what has been shown is always a prefix of the final answer."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
+    if final:
+        return (len(text), False) if cut is None else (cut, True)
+    longest = max(map(len, stops), default=0)
+    hold = next((i for i in range(max(0, len(text) - longest + 1), len(text))
+                 if any(s.startswith(text[i:]) for s in stops)), len(text))
+    return (cut, True) if cut is not None and cut <= hold else (hold, False)
+
+
+class Job:
+    """One prompt of a request: its ids and decoding settings, and the request's queue its results go to."""
+
+    def __init__(self, ids, max_tokens, kw, seed, guided, stops, out, index, want_steps):
+        self.ids, self.max_tokens, self.kw, self.seed, self.guided = ids, max_tokens, kw, seed, guided
+        self.stops, self.out, self.index, self.want_steps = stops, out, index, want_steps
+        self.cancelled = False            # set by the handler when its client has gone
+        self.queued = time.perf_counter()
+        sampled = kw["temperature"] > 0 or kw["remasking"] == "random" or bool(kw["alg_temp"])
+        # Jobs share a batch only with identical settings; a sampled or guided job never shares one.
+        self.key = ("alone", id(self)) if sampled or guided else tuple(sorted(kw.items()))
+
+    def put(self, kind: str, payload):
+        self.out.put((self.index, kind, payload))
+
+
+class Request:
+    """A parsed request: its jobs (one per prompt) and how to answer."""
+
+    def __init__(self, kind, jobs, out, stream, include_usage):
+        self.kind, self.jobs, self.out, self.stream, self.include_usage = kind, jobs, out, stream, include_usage
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The worker: batches of jobs with the same settings, decoded by fastdllm.run_batch
+
+class Engine:
+    """The one thread that owns the model. Handler threads submit() jobs; each job gets ("step", canvas)
+    events if it wants them, then ("done", result) or ("error", ApiError)."""
+
+    def __init__(self, model, guide, args, log):
+        self.model, self.guide, self.args, self.log = model, guide, args, log
+        self.device = next(model.parameters()).device
+        self.window = args.batch_window / 1000
+        self.max_batch = args.max_batch
+        self.jobs = queue.Queue()
+        self.waiting = []            # jobs taken from the queue that did not fit the last batch
+        self.stopping = False
+        self.batches = 0
+        self.thread = threading.Thread(target=self.loop, name="fastdllm-worker", daemon=True)
+
+    def start(self):
+        self.thread.start()
+
+    def submit(self, job: Job):
+        if self.stopping or not self.thread.is_alive():
+            raise ApiError(503, "the server is shutting down", code="unavailable")
+        self.jobs.put(job)
+
+    def stop(self, wait: float = 5.0):
+        self.stopping = True
+        self.jobs.put(None)
+        self.thread.join(wait)
+
+    def next_batch(self):
+        """The oldest waiting job and every job with its settings that is there within the window (at most
+        --max-batch); None once stopped."""
+        self.waiting = [j for j in self.waiting if not j.cancelled]
+        if not self.waiting:
+            job = self.jobs.get()
+            if job is None:
+                return None
+            self.waiting.append(job)
+            deadline = time.monotonic() + self.window
+        else:
+            deadline = time.monotonic()     # these have waited already: take only what is there now
+        key = self.waiting[0].key
+        while not self.stopping and sum(j.key == key for j in self.waiting) < self.max_batch:
+            try:
+                job = self.jobs.get(timeout=max(deadline - time.monotonic(), 0))
+            except queue.Empty:
+                break
+            if job is None:
+                self.stopping = True
+            elif not job.cancelled:
+                self.waiting.append(job)
+        batch = [j for j in self.waiting if j.key == key][:self.max_batch]
+        self.waiting = [j for j in self.waiting if j not in batch]
+        return batch
+
+    def loop(self):
+        while True:
+            batch = self.next_batch()
+            if batch is None or self.stopping and not batch:
+                break
+            self.run(batch)
+            if self.stopping:
+                break
+        while True:      # whatever is left is answered, not dropped
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self.waiting.append(job)
+        for job in self.waiting:
+            job.put("error", ApiError(503, "the server is shutting down", code="unavailable"))
+
+    def run(self, batch: list[Job]):
+        try:
+            self.decode(batch)
+        except Cancelled:
+            self.log(f"batch of {len(batch)} stopped: every client has gone")
+        except Exception as e:
+            if len(batch) > 1:      # one bad row must not fail the others: decode each alone
+                for job in batch:
+                    self.run([job])
+                return
+            if isinstance(e, ValueError):   # generate()'s one-line messages about settings and prompts
+                err = ApiError(400, str(e), code="invalid_value")
+            else:
+                traceback.print_exc()
+                err = ApiError(500, f"decoding failed: {type(e).__name__}: {e}", code="server_error")
+            batch[0].put("error", err)
+
+    def decode(self, batch: list[Job]):
+        rows, mask_id = [j.ids for j in batch], self.model.config.mask_id
+        P = max(map(len, rows))                 # left padding puts every answer at canvas column P
+        prev, nfe, committed = None, [0] * len(batch), [0] * len(batch)
+        started = time.perf_counter()
+
+        first = batch[0]
+        block, ends = first.kw["block_length"] or first.kw["gen_length"], set(self.args.stop_ids)
+
+        def ended(row):
+            # generate()'s early stop: once a finished block holds an end token, the row's answer is over and
+            # its masks are filled with end tokens, between blocks and without a model call of its own.
+            q = next((i for i, t in enumerate(row) if t in ends), None)
+            return not self.args.no_early_stop and q is not None and mask_id not in row[:(q // block + 1) * block]
+
+        def on_step(x, stats):
+            # A row's own steps are the ones that committed some of its tokens: the calls it needs alone.
+            nonlocal prev
+            canvas = x[:, P:]
+            if prev is None:
+                prev = torch.full_like(canvas, mask_id)
+            new = ((prev == mask_id) & (canvas != mask_id)).sum(-1).tolist()
+            for i, job in enumerate(batch):
+                if new[i] and not ended(prev[i].tolist()):
+                    nfe[i] += 1
+                    committed[i] += new[i]
+                    if job.want_steps and not job.cancelled:
+                        job.put("step", canvas[i].tolist())
+            prev = canvas.clone()
+            if all(j.cancelled for j in batch):
+                raise Cancelled
+
+        args = argparse.Namespace(**vars(self.args) | {"seed": first.seed,
+                                                         "guide_model": self.guide if first.guided else None})
+        outs, stats = fastdllm.run_batch(self.model, rows, args, self.device, on_step, **first.kw)
+        self.batches += 1
+        for i, (job, out) in enumerate(zip(batch, outs)):
+            job.put("done", {"ids": out[len(job.ids):], "nfe": nfe[i], "committed": committed[i],
+                             "batch_size": len(batch), "batch_nfe": stats["nfe"], "seconds": stats["seconds"],
+                             "tokens_per_s": stats["tokens_per_s"], "queue_seconds": started - job.queued,
+                             "guide_calls": stats["guide_calls"] if job.guided else None})
+        k = first.kw
+        self.log(f"batch {self.batches}: {len(batch)} request(s) | gen {k['gen_length']} | cache {k['cache']} | "
+                 f"threshold {k['threshold']} | NFE {stats['nfe']} | {stats['seconds']:.3f} s")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The application: requests -> jobs -> responses
+
+class App:
+    def __init__(self, args, model, chat, guide, log=None):
+        self.args, self.model, self.chat, self.guide, self.cfg = args, model, chat, guide, model.config
+        self.name = args.served_name or args.model
+        self.log = log or (lambda msg: None if args.quiet else print(msg, file=sys.stderr, flush=True))
+        self.engine = Engine(model, guide, args, self.log)
+        self.created = int(time.time())
+        self.texts = {}               # token id -> its text, for the event stream
+
+    def token_text(self, t: int) -> str:
+        if t not in self.texts:
+            self.texts[t] = decode(self.chat.tok, [t], skip_special_tokens=False)
+        return self.texts[t]
+
+    def settings(self, body: dict):
+        """The decoding settings of a request: the server's flags, overridden by the fields a request may set
+        (docs/serve.md). -> (generate() keyword arguments without gen_length, guided, seed)."""
+        a = self.args
+        guided = field(body, "guide", self.guide is not None, lambda v: isinstance(v, bool), "true or false")
+        if guided and self.guide is None:
+            raise ApiError(400, "this server has no guide: start it with --guide to use guided decoding", "guide",
+                           "invalid_value")
+        # threshold / factor: null = off. As in the CLI, choosing one rule (or the guide) drops the other's default.
+        threshold = field(body, "threshold", None, is_num, "a number or null")
+        factor = field(body, "factor", None, is_num, "a number or null")
+        if "threshold" not in body:
+            threshold = None if factor is not None or guided and "guide" in body else a.threshold
+        if "factor" not in body:
+            factor = None if threshold is not None and "threshold" in body else a.factor
+        top_p = field(body, "top_p", a.top_p, is_num, "a number")
+        kw = dict(block_length=field(body, "block_length", a.block_length, lambda v: is_int(v) and v >= 0,
+                                     "an integer >= 0 (0 = one block)") or None,
+                  steps=field(body, "steps", a.steps, lambda v: is_int(v) and v >= 1, "an integer >= 1"),
+                  cache=field(body, "cache", a.cache, lambda v: isinstance(v, str), "a string"),
+                  threshold=threshold, factor=factor,
+                  temperature=float(field(body, "temperature", a.temperature, is_num, "a number")),
+                  remasking=field(body, "remasking", a.remasking, lambda v: isinstance(v, str), "a string"),
+                  top_p=None if top_p == 1 else top_p,      # clients send top_p 1 meaning "off"
+                  top_k=field(body, "top_k", a.top_k, is_int, "an integer"), alg_temp=a.alg_temp)
+        seed = field(body, "seed", a.seed, lambda v: is_int(v) and -2**63 <= v < 2**64, "an integer of 64 bits")
+        return kw, guided, seed
+
+    def gen_length(self, n_prompt: int, body: dict, kw: dict, guided: bool, param: str):
+        """max_tokens -> (max_tokens, gen_length): the canvas is max_tokens rounded up to a whole number of
+        blocks (generate() needs a multiple), and the answer is cut back to max_tokens tokens."""
+        limit = self.cfg.max_seq_len
+        unit = 1 if guided or kw["block_length"] is None else kw["block_length"]
+        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = field(body, name, None, lambda v: is_int(v) and v >= 1, "an integer >= 1")
+        if max_tokens is None:       # the server's --gen-length; without one, 256 fitted to the positions (the CLI's)
+            max_tokens = self.args.gen_length
+            if self.args.fit_gen_length and n_prompt + max_tokens > limit:
+                max_tokens = (limit - n_prompt) // unit * unit
+            if max_tokens < 1:
+                raise ApiError(400, f"the prompt ({n_prompt} tokens) leaves no room for a block of {unit} answer "
+                               f"tokens in the model's {limit} positions: shorten it", param, "context_length_exceeded")
+        gen = -(-max_tokens // unit) * unit
+        if n_prompt + gen > limit:
+            asked = f"max_tokens {max_tokens}" if name in body else f"the server's default max_tokens {max_tokens}"
+            rounded = f" rounded up to a multiple of block_length {unit}" if gen != max_tokens else ""
+            raise ApiError(400, f"the prompt ({n_prompt} tokens) + {gen} answer positions ({asked}{rounded}) exceed "
+                           f"the model's {limit} positions: lower max_tokens or shorten the prompt",
+                           name if name in body else param, "context_length_exceeded")
+        return max_tokens, gen
+
+    def encode(self, text: str, param: str) -> list[int]:
+        try:
+            check_text(text)
+        except ValueError as e:
+            raise ApiError(400, str(e), param, "invalid_value") from None
+        return self.chat.encode(text)
+
+    def prompts(self, kind: str, body: dict) -> tuple[list[list[int]], str]:
+        """The request's prompts as token ids -> (rows, the field they came from)."""
+        if kind == "chat" or kind == "denoise" and "messages" in body:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                raise ApiError(400, "'messages' is required: a non-empty list of {\"role\", \"content\"} objects",
+                               "messages", "missing_field" if msgs is None else "invalid_value")
+            return [self.encode(self.chat.render([message_text(m, i) for i, m in enumerate(msgs)]), "messages")], \
+                "messages"
+        p = body.get("prompt")
+        if p is None:
+            raise ApiError(400, "'prompt' is required" + (" (or 'messages')" if kind == "denoise" else ""), "prompt",
+                           "missing_field")
+        ids = lambda q: isinstance(q, list) and q and all(is_int(t) for t in q)
+        if isinstance(p, str) or ids(p):      # one prompt: text or token ids
+            p = [p]
+        if not isinstance(p, list) or not p or not all(isinstance(q, str) or ids(q) for q in p):
+            raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of those (one answer "
+                           "each)", "prompt", "invalid_value")
+        rows = [self.encode(q, "prompt") if isinstance(q, str) else q for q in p]
+        if kind == "denoise" and len(rows) > 1:
+            raise ApiError(400, "/v1/denoise/stream takes one prompt", "prompt", "invalid_value")
+        return rows, "prompt"
+
+    def check_ids(self, ids: list[int], param: str):
+        cfg = self.cfg
+        if not ids:
+            raise ApiError(400, "the prompt is empty (a chat needs a user message)", param, "invalid_value")
+        bad = next((t for t in ids if not 0 <= t < cfg.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})", param,
+                           "invalid_value")
+        if cfg.mask_id in ids:
+            raise ApiError(400, f"the prompt contains the mask token (id {cfg.mask_id}), which is reserved for the "
+                           f"answer: remove it", param, "invalid_value")
+
+    def parse(self, kind: str, body: dict) -> Request:
+        """A request body -> Request, or an ApiError: every check that can be made before decoding is made
+        here, so that one bad prompt never reaches a batch."""
+        model = body.get("model")
+        if model is not None and model != self.name:
+            raise ApiError(404, f"the model {json.dumps(model)[:80]} does not exist: this server serves "
+                           f"{json.dumps(self.name)} (GET /v1/models)", "model", "model_not_found")
+        for name, ok in (("n", 1), ("best_of", 1)):
+            if body.get(name) not in (None, ok):
+                raise ApiError(400, f"'{name}' must be 1: one answer per prompt", name, "unsupported")
+        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+            raise ApiError(400, "logprobs are not available: a diffusion LM commits tokens in parallel, in no "
+                           "left-to-right order", "logprobs", "unsupported")
+        if body.get("echo") not in (None, False) or body.get("suffix") is not None:
+            raise ApiError(400, "echo and suffix are not supported", "echo" if body.get("echo") else "suffix",
+                           "unsupported")
+        stream = kind == "denoise" or field(body, "stream", False, lambda v: isinstance(v, bool), "true or false")
+        options = field(body, "stream_options", {}, lambda v: isinstance(v, dict), "an object")
+        stop = field(body, "stop", [], lambda v: isinstance(v, str) or isinstance(v, list) and len(v) <= 16 and
+                     all(isinstance(s, str) for s in v), "a string or a list of at most 16 strings")
+        stops = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
+        kw, guided, seed = self.settings(body)
+        rows, param = self.prompts(kind, body)
+        out, jobs = queue.Queue(), []
+        for i, ids in enumerate(rows):
+            self.check_ids(ids, param)
+            max_tokens, gen = self.gen_length(len(ids), body, kw, guided, param)
+            k = kw | {"gen_length": gen}
+            try:   # the model-free checks of generate(), here so that a bad setting is a 400 before any batch
+                fastdllm.check_settings(gen, k["block_length"] or gen, k["steps"] or gen, k["cache"], k["threshold"],
+                                        k["factor"], k["temperature"], k["top_p"], k["top_k"], k["alg_temp"])
+                if guided and (k["threshold"] is not None or k["factor"] is not None):
+                    raise ValueError("pass guide or threshold/factor, not both: with a guide the guide decides how "
+                                     "many drafts each step commits (send \"threshold\": null)")
+            except ValueError as e:
+                raise ApiError(400, str(e), None, "invalid_value") from None
+            jobs.append(Job(ids, max_tokens, k, seed, guided, stops, out, i, want_steps=stream))
+        return Request(kind, jobs, out, stream, bool(options.get("include_usage")))
+
+    # -- answers ---------------------------------------------------------------------------------------------
+
+    def finish(self, job: Job, ids: list[int]):
+        """(text, finish_reason, completion_tokens) of a decoded answer: cut at max_tokens, at the first end
+        token (not counted, nor anything after it) and at the first stop string; stripped as the CLI prints."""
+        ids = ids[:job.max_tokens]
+        end = next((i for i, t in enumerate(ids) if t in self.chat.stop_ids), None)
+        text = self.chat.answer(ids)
+        cut, stopped = stop_scan(text, job.stops, final=True)
+        reason = "stop" if stopped or end is not None else "length"
+        return text[:cut], reason, len(ids) if end is None else end
+
+    @staticmethod
+    def settings_of(job: Job) -> dict:
+        k = job.kw
+        return {"cache": k["cache"], "threshold": k["threshold"], "factor": k["factor"],
+                "block_length": k["block_length"], "steps": k["steps"], "temperature": k["temperature"],
+                "guide": job.guided}
+
+    def extra(self, job: Job, r: dict) -> dict:
+        """The "fastdllm" field of a choice: what its decode cost (docs/serve.md)."""
+        out = {"nfe": r["nfe"], "tokens_per_call": round(r["committed"] / max(r["nfe"], 1), 3),
+               "gen_length": job.kw["gen_length"], "batch_size": r["batch_size"], "batch_nfe": r["batch_nfe"],
+               "seconds": round(r["seconds"], 4), "tokens_per_s": round(r["tokens_per_s"], 1),
+               "queue_seconds": round(r["queue_seconds"], 4), "settings": self.settings_of(job)}
+        if job.guided:
+            out["guide_calls"] = r["guide_calls"]
+        return out
+
+    def choice(self, kind: str, job: Job, text: str, reason: str, extra: dict) -> dict:
+        c = {"index": job.index}
+        c |= {"message": {"role": "assistant", "content": text}} if kind == "chat" else {"text": text}
+        return c | {"logprobs": None, "finish_reason": reason, "fastdllm": extra}
+
+    def chunk(self, req: Request, job: Job, piece: str, reason=None, extra=None, role=False) -> dict:
+        """One streamed chunk of one choice: chat chunks carry a delta (the first one the role), completion
+        chunks the text; the last one of a choice has its finish_reason and the "fastdllm" field."""
+        if req.kind == "chat":
+            c = {"index": job.index, "delta": {"role": "assistant", "content": ""} if role else
+                 {"content": piece} if piece else {}}
+        else:
+            c = {"index": job.index, "text": piece}
+        c |= {"logprobs": None, "finish_reason": reason}
+        if extra is not None:
+            c["fastdllm"] = extra
+        return self.envelope(req, [c], chunk=True)
+
+    def envelope(self, req: Request, choices: list, chunk: bool = False) -> dict:
+        obj = "chat.completion" if req.kind == "chat" else "text_completion"
+        return {"id": req.id, "object": obj + (".chunk" if chunk and req.kind == "chat" else ""),
+                "created": req.created, "model": self.name, "choices": choices}
+
+    @staticmethod
+    def usage(prompt: int, completion: int) -> dict:
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def info(self) -> dict:
+        a = self.args
+        return {"model": self.name, "family": self.cfg.family, "max_positions": self.cfg.max_seq_len,
+                "chat_template": self.chat.chat, "guide": a.guide, "cache_modes": list(fastdllm.CACHE_MODES),
+                "mask": self.token_text(self.cfg.mask_id),
+                "defaults": {"max_tokens": None if a.fit_gen_length else a.gen_length, "block_length": a.block_length,
+                             "steps": a.steps, "cache": a.cache, "threshold": a.threshold, "factor": a.factor,
+                             "temperature": a.temperature, "guide": self.guide is not None}}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# HTTP
+
+CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"      # keep-alive for JSON answers; a stream closes its connection at the end
+    server_version = "fastdllm-serve"
+    timeout = 60                       # seconds a client may take to send its request
+
+    @property
+    def app(self) -> App:
+        return self.server.app
+
+    def log_message(self, fmt, *args):
+        if not self.app.args.quiet:
+            sys.stderr.write(f"{self.address_string()} {fmt % args}\n")
+
+    def send_json(self, status: int, obj, close: bool = False):
+        data = json.dumps(obj, ensure_ascii=False).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if close:                      # the body was not read: the connection cannot carry another request
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.wfile.write(data)
+
+    def send_error_json(self, e: ApiError, close: bool = False):
+        self.send_json(e.status, e.body(), close)
+
+    def do_GET(self):
+        path = self.path.split("?")[0]
+        if path in ("/", "/index.html"):
+            with open(PAGE, "rb") as f:
+                data = f.read()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Cache-Control", "no-store")
+            self.end_headers()
+            self.wfile.write(data)
+        elif path == "/v1/models" or path == f"/v1/models/{self.app.name}":
+            card = {"id": self.app.name, "object": "model", "created": self.app.created, "owned_by": "fastdllm",
+                    "max_model_len": self.app.cfg.max_seq_len}
+            self.send_json(200, card if path != "/v1/models" else {"object": "list", "data": [card]})
+        elif path.startswith("/v1/models/"):
+            self.send_error_json(ApiError(404, f"the model {path[len('/v1/models/'):]!r} does not exist", "model",
+                                          "model_not_found"))
+        elif path == "/v1/denoise/info":
+            self.send_json(200, self.app.info())
+        elif path == "/health":
+            self.send_json(200, {"status": "ok"})
+        elif path in ROUTES:
+            self.send_error_json(ApiError(405, f"{path} takes POST", None, "method_not_allowed"))
+        else:
+            self.send_error_json(ApiError(404, f"no such endpoint: {path}", None, "not_found"))
+
+    def read_body(self) -> dict:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            raise ApiError(411, "send the body with a Content-Length (chunked encoding is not supported)",
+                           None, "length_required")
+        try:
+            n = int(self.headers.get("Content-Length", ""))
+            assert n >= 0
+        except (ValueError, AssertionError):
+            raise ApiError(411, "a POST needs a Content-Length header", None, "length_required") from None
+        if n > self.app.args.max_body:
+            raise ApiError(413, f"the request body ({n} bytes) exceeds the server's --max-body "
+                           f"({self.app.args.max_body} bytes)", None, "request_too_large")
+        raw = self.rfile.read(n)
+        if len(raw) < n:
+            raise ConnectionResetError("the client sent less than its Content-Length")
+        return raw
+
+    def do_POST(self):
+        path = self.path.split("?")[0]
+        try:
+            raw = self.read_body()
+        except ApiError as e:
+            return self.send_error_json(e, close=True)
+        except CLIENT_GONE:
+            self.close_connection = True
+            return
+        try:
+            if path not in ROUTES:
+                raise ApiError(404, f"no such endpoint: {path}", None, "not_found")
+            try:
+                body = json.loads(raw, parse_constant=not_json)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise ApiError(400, f"the body is not valid JSON: {e}", None, "invalid_json") from None
+            if not isinstance(body, dict):
+                raise ApiError(400, "the body must be a JSON object", None, "invalid_json")
+            req = self.app.parse(ROUTES[path], body)
+            for job in req.jobs:
+                self.app.engine.submit(job)
+        except ApiError as e:
+            for job in req.jobs if "req" in locals() else []:
+                job.cancelled = True
+            return self.send_error_json(e)
+        try:
+            if req.kind == "denoise":
+                self.denoise_stream(req)
+            elif req.stream:
+                self.openai_stream(req)
+            else:
+                self.answer(req)
+        except CLIENT_GONE:    # the client went away: its jobs are dropped, everyone else is served as before
+            for job in req.jobs:
+                job.cancelled = True
+            self.close_connection = True
+            self.app.log(f"{self.address_string()} went away during {path}")
+
+    def events(self, req: Request):
+        """(index, kind, payload) from the worker until every job of `req` is done or has failed."""
+        left = len(req.jobs)
+        while left:
+            try:
+                index, kind, payload = req.out.get(timeout=1.0)
+            except queue.Empty:
+                if self.app.engine.thread.is_alive():
+                    continue
+                index, kind, payload = None, "error", ApiError(503, "the server is shutting down", code="unavailable")
+            left -= kind != "step"
+            yield index, kind, payload
+            if kind == "error":
+                return
+
+    def answer(self, req: Request):
+        results = {}
+        for index, kind, payload in self.events(req):
+            if kind == "error":
+                for job in req.jobs:
+                    job.cancelled = True
+                return self.send_error_json(payload)
+            results[index] = payload
+        choices, completion = [], 0
+        for job in req.jobs:
+            r = results[job.index]
+            text, reason, n = self.app.finish(job, r["ids"])
+            completion += n
+            choices.append(self.app.choice(req.kind, job, text, reason, self.app.extra(job, r)))
+        prompt = sum(len(j.ids) for j in req.jobs)
+        self.send_json(200, self.app.envelope(req, choices) | {"usage": self.app.usage(prompt, completion)})
+
+    def sse_start(self):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")   # the stream's end is the connection's end
+        self.end_headers()
+        self.close_connection = True
+
+    def sse(self, obj):
+        data = obj if isinstance(obj, bytes) else json.dumps(obj, ensure_ascii=False).encode()
+        self.wfile.write(b"data: " + data + b"\n\n")
+        self.wfile.flush()
+
+    def openai_stream(self, req: Request):
+        """OpenAI's chunks: the text as it is decided (left to right: the part before the first mask), each
+        piece once; the last chunk of a choice has its finish_reason and our "fastdllm" field."""
+        app, mask_id = self.app, self.app.cfg.mask_id
+        jobs = {j.index: j for j in req.jobs}
+        views = {i: app.chat.stream() for i in jobs}       # new_text(decided ids) -> the text they add
+        texts, shown = dict.fromkeys(jobs, ""), dict.fromkeys(jobs, "")
+        completion = 0
+        self.sse_start()
+        if req.kind == "chat":
+            for job in req.jobs:
+                self.sse(app.chunk(req, job, "", role=True))
+        for index, kind, payload in self.events(req):
+            if kind == "error":
+                self.sse(payload.body())
+                break
+            job = jobs[index]
+            if kind == "step":   # the decided text, less a tail that could still become a stop string
+                ids = payload[:job.max_tokens]
+                decided = ids[:ids.index(mask_id)] if mask_id in ids else ids
+                texts[index] += views[index](decided, final=mask_id not in ids)
+                visible = texts[index][:stop_scan(texts[index], job.stops, final=False)[0]]
+            else:                # done: exactly the text of the non-streamed answer
+                visible, reason, n = app.finish(job, payload["ids"])
+                completion += n
+            if not visible.startswith(shown[index]):      # cannot happen: decided tokens never change
+                app.log(f"warning: streamed text {shown[index]!r} is not a prefix of {visible!r}")
+            piece, shown[index] = visible[len(shown[index]):], visible
+            if piece:
+                self.sse(app.chunk(req, job, piece))
+            if kind == "done":
+                self.sse(app.chunk(req, job, "", reason, app.extra(job, payload)))
+        else:    # every choice done: OpenAI's usage chunk (no choices) when stream_options asks for it
+            if req.include_usage:
+                prompt = sum(len(j.ids) for j in req.jobs)
+                self.sse(app.envelope(req, [], chunk=True) | {"usage": app.usage(prompt, completion)})
+        self.sse(b"[DONE]")
+
+    def denoise_stream(self, req: Request):
+        """Our per-step stream for the page: "start", one "step" per model call of this answer with the
+        positions it committed, "done" with the answer and its cost, then [DONE] (docs/serve.md)."""
+        app, (job,) = self.app, req.jobs
+        mask_id, gen = app.cfg.mask_id, job.kw["gen_length"]
+        cell = lambda p, t: {"pos": p, "id": t, "text": app.token_text(t), "end": t in app.chat.stop_ids}
+        self.sse_start()
+        self.sse({"type": "start", "id": req.id, "model": app.name, "prompt": decode(app.chat.tok, job.ids, False),
+                  "prompt_tokens": len(job.ids), "gen_length": gen, "max_tokens": job.max_tokens,
+                  "block_length": gen if job.guided else job.kw["block_length"] or gen,
+                  "mask": app.token_text(mask_id), "settings": app.settings_of(job)})
+        prev, step = [mask_id] * gen, 0
+        for _, kind, payload in self.events(req):
+            if kind == "error":
+                self.sse({"type": "error"} | payload.body())
+                break
+            canvas = payload if kind == "step" else payload["ids"]
+            new = [cell(p, t) for p, (t, old) in enumerate(zip(canvas, prev)) if t != old]
+            prev = canvas
+            if kind == "step":
+                step += 1
+                self.sse({"type": "step", "step": step, "committed": new, "masks_left": canvas.count(mask_id)})
+                continue
+            text, reason, n = app.finish(job, canvas)
+            self.sse({"type": "done", "text": text, "finish_reason": reason, "filled": new,
+                      "usage": app.usage(len(job.ids), n), "fastdllm": app.extra(job, payload)})
+        self.sse(b"[DONE]")
+
+
+ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/denoise/stream": "denoise"}
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True               # a handler still streaming never blocks shutdown
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], CLIENT_GONE):
+            super().handle_error(request, client_address)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line
+
+def parse_args(argv=None):
+    """The server's own flags, and every decoding flag of fastdllm.py as the server's defaults (parsed by
+    fastdllm.parse_args itself, so the names, defaults and checks are the CLI's)."""
+    p = argparse.ArgumentParser(
+        description="Serve a LLaDA / Dream checkpoint with Fast-dLLM decoding: an OpenAI-compatible API and a live "
+        "page of the decode (docs/serve.md).", allow_abbrev=False,
+        epilog="Every decoding flag of fastdllm.py is accepted as the server's default (python fastdllm.py --help): "
+        "--model, --gen-length, --block-length, --steps, --cache, --threshold, --factor, --temperature, --remasking, "
+        "--top-p, --top-k, --alg-temp, --seed, --device, --dtype, --no-chat, --no-early-stop, --guide, --accept, "
+        "--accept-k, --accept-ratio.")
+
+    def error(message):
+        raise ValueError(f"{message} (see --help)")
+    p.error = error
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine "
+                   "only; 0.0.0.0 is every interface, with no authentication)")
+    p.add_argument("--port", type=int, default=8000, help="port; 0 = any free one (default: %(default)s)")
+    p.add_argument("--served-name", help="the model name clients pass and /v1/models lists (default: --model)")
+    p.add_argument("--batch-window", type=float, default=20.0, help="ms to wait for more requests to batch with "
+                   "the first (default: %(default)s)")
+    p.add_argument("--max-batch", type=int, default=8, help="most requests decoded as one batch (default: "
+                   "%(default)s)")
+    p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default: "
+                   "%(default)s)")
+    p.add_argument("--quiet", action="store_true", help="no request and batch log on stderr")
+    own, rest = p.parse_known_args(argv)
+    refused = [a for a in rest if a.split("=")[0] in CLI_ONLY or a.startswith("--bench")]
+    if refused:
+        raise ValueError(f"{refused[0].split('=')[0]} is a fastdllm.py option with no meaning for the server: "
+                         f"prompts come in requests")
+    if own.max_batch < 1 or own.batch_window < 0 or own.max_body < 1 or not 0 <= own.port < 65536:
+        raise ValueError("--max-batch and --max-body must be >= 1, --batch-window >= 0, --port in [0, 65535]")
+    # fastdllm.parse_args insists on a prompt; the server's prompts come in requests, so it gets a placeholder.
+    args = fastdllm.parse_args(rest + ["--prompt", "(requests)"])
+    args.prompt = None
+    return argparse.Namespace(**vars(args) | vars(own))
+
+
+def build(args) -> App:
+    """Load the model (and the guide) as the CLI does, and the App around them; its worker not yet started."""
+    device, dtype = fastdllm.pick_device_dtype(args.device, args.dtype)
+    model_dir = resolve_model_dir(args.model)
+    cfg = read_config(model_dir)
+    chat = Chat(model_dir, cfg, chat=not args.no_chat)
+    chat.stop_ids |= set(cfg.eos_ids)      # config.json may list several end-of-text ids
+    args.stop_ids = sorted(chat.stop_ids)
+    guide = args.guide_model = fastdllm.load_guide(args, cfg, chat, device, dtype)
+    model = load_model(model_dir, device=device, dtype=dtype)
+    return App(args, model, chat, guide)
+
+
+def make_server(app: App, host: str = "127.0.0.1", port: int = 0) -> Server:
+    """The HTTP server around app (port 0 = a free port: server.server_address has it); starts the worker."""
+    server = Server((host, port), Handler)
+    server.app = app
+    app.engine.start()
+    return server
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    app = build(args)
+    server = make_server(app, args.host, args.port)
+    host, port = server.server_address[:2]
+    if host not in ("127.0.0.1", "localhost"):
+        print(f"warning: listening on {host}: anyone who can reach port {port} can use the model (no "
+              f"authentication)", file=sys.stderr)
+    print(f"serving {app.name} at http://{host}:{port}/ (the page; the API under /v1) | Ctrl-C stops", flush=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)    # `kill` stops it as cleanly as Ctrl-C
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        app.engine.stop()
+        print("stopped", flush=True)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, OSError) as e:   # as the CLI: one line, status 2 (a taken port is an OSError too)
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

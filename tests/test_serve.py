@@ -1,0 +1,372 @@
+"""
+serve.py end to end on the demo model, with a standard-library client: the OpenAI answers equal the CLI's,
+streamed or not; concurrent requests are batched and every answer equals its solo answer; each bad input gets
+its status and error JSON; a client that disconnects mid-stream costs nobody else anything; the page and its
+per-step event stream. The server runs in-process on an ephemeral port (and once as `python serve.py`, for
+the CLI comparison and Ctrl-C). Every request and subprocess has a timeout.
+"""
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import pytest
+
+import fastdllm
+import serve
+from conftest import ROOT
+
+DEMO = os.path.join(ROOT, "demo", "llada-arith")
+FLAGS = ["--gen-length", "32", "--block-length", "8"]
+PROMPT = "Tom has 23 apples and buys 45 more. How many apples does he have?"
+PROMPTS = [PROMPT, "A box has 50 books. Sam takes 12. How many books are left?",
+           "Anna has 5 coins and buys 7 more. How many coins does she have?",        # shorter: left-padded
+           "Mia has 81 cards and sells 29. How many cards does she have left?",
+           "A box has 34 apples. Tom adds 9. How many apples are there?",
+           "Sam has 66 books and buys 21 more. How many books does he have?",
+           "A box has 90 coins. Anna takes 45. How many coins are left?",
+           "Tom has 3 cards and sells 2. How many cards does he have left?"]
+TIMEOUT = 30
+
+
+@pytest.fixture(scope="module")
+def server():
+    args = serve.parse_args(["--model", DEMO, *FLAGS, "--port", "0", "--quiet"])
+    app = serve.build(args)
+    httpd = serve.make_server(app, "127.0.0.1", 0)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield app, httpd.server_address[1]
+    httpd.shutdown()
+    httpd.server_close()
+    app.engine.stop()
+
+
+def request(port, method, path, body=None, raw=None, headers=None):
+    """-> (status, parsed JSON or text). raw: bytes sent as they are."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+    data = raw if raw is not None else None if body is None else json.dumps(body).encode()
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+    r = conn.getresponse()
+    text = r.read().decode()
+    conn.close()
+    try:
+        return r.status, json.loads(text)
+    except ValueError:
+        return r.status, text
+
+
+def post(port, path, body):
+    status, out = request(port, "POST", path, body)
+    assert status == 200, out
+    return out
+
+
+def events(port, path, body):
+    """A server-sent event stream -> the parsed data of every event; it must end with [DONE]."""
+    with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                                       {"Content-Type": "application/json"}), timeout=TIMEOUT) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        data = [line[6:] for line in r.read().decode().split("\n\n") if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def chat(content, **kw):
+    return {"model": DEMO, "messages": [{"role": "user", "content": content}], **kw}
+
+
+def solo(app, prompt, **override):
+    """The CLI's own path for one prompt alone: fastdllm.run_batch with the server's flags -> (answer, NFE)."""
+    ids = app.chat.encode(app.chat.render([{"role": "user", "content": prompt}]))
+    args = app.args
+    if "seed" in override:
+        args = serve.argparse.Namespace(**vars(args) | {"seed": override.pop("seed")})
+    (out,), stats = fastdllm.run_batch(app.model, [ids], args, app.engine.device, **override)
+    return app.chat.answer(out[len(ids):]), stats["nfe"]
+
+
+def cli_answer(prompt):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "fastdllm.py"), "--model", DEMO, *FLAGS, "--no-stream",
+                        "--prompt", prompt], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    answer, stats = r.stdout.strip().splitlines()[-2:]
+    return answer, int(re.match(r"NFE (\d+)", stats)[1])
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+def test_answers_equal_the_cli_streamed_or_not(server):
+    app, port = server
+    answer, nfe = cli_answer(PROMPT)
+    assert answer == "45 + 23 = 68. The answer is 68."
+    r = post(port, "/v1/chat/completions", chat(PROMPT))
+    (c,) = r["choices"]
+    assert r["object"] == "chat.completion" and r["model"] == DEMO
+    assert c["message"] == {"role": "assistant", "content": answer} and c["finish_reason"] == "stop"
+    n_prompt = len(app.chat.encode(PROMPT))
+    assert r["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 15, "total_tokens": n_prompt + 15}
+    x = c["fastdllm"]
+    assert x["nfe"] == nfe and x["gen_length"] == 32 and x["tokens_per_call"] == 16 / nfe   # 15 tokens + the end
+    assert x["settings"] | {"threshold": 0.9} == x["settings"] and x["settings"]["cache"] == "dual"
+
+    r = post(port, "/v1/completions", {"prompt": PROMPT, "max_tokens": 32})
+    assert r["object"] == "text_completion" and r["choices"][0]["text"] == answer
+
+    chunks = events(port, "/v1/chat/completions", chat(PROMPT, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == answer
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and chunks[-2]["choices"][0]["fastdllm"]["nfe"] == nfe
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 15
+
+    chunks = events(port, "/v1/completions", {"prompt": PROMPT, "stream": True})
+    assert "".join(c["choices"][0]["text"] for c in chunks) == answer
+    assert len([c for c in chunks if c["choices"][0]["text"]]) > 1        # the text came in pieces
+
+
+def test_max_tokens_and_stop(server):
+    """max_tokens 10: the canvas is rounded up to two blocks (16) and the answer cut to 10 tokens; a stop string
+    cuts the text, the same streamed or not; token ids work as a prompt; a list of prompts gets a choice each."""
+    app, port = server
+    ids = app.chat.encode(PROMPT)
+    (out,), _ = fastdllm.run_batch(app.model, [ids], app.args, app.engine.device, gen_length=16)
+    assert 0 not in out[len(ids):len(ids) + 10]       # no end token before the cut
+    r = post(port, "/v1/chat/completions", chat(PROMPT, max_tokens=10))
+    c = r["choices"][0]
+    assert c["message"]["content"] == app.chat.answer(out[len(ids):len(ids) + 10])
+    assert c["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 10
+    assert c["fastdllm"]["gen_length"] == 16
+    for stop in (["="], "The", ["answer", " 68"]):
+        r = post(port, "/v1/completions", {"prompt": PROMPT, "stop": stop})
+        text = r["choices"][0]["text"]
+        assert r["choices"][0]["finish_reason"] == "stop" and "45 + 23 = 68. The answer is 68.".startswith(text)
+        chunks = events(port, "/v1/completions", {"prompt": PROMPT, "stop": stop, "stream": True})
+        assert "".join(c["choices"][0]["text"] for c in chunks) == text
+    assert post(port, "/v1/completions", {"prompt": PROMPT, "stop": "="})["choices"][0]["text"] == "45 + 23 "
+    r = post(port, "/v1/completions", {"prompt": [ids, PROMPTS[1]]})
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    assert [c["text"] for c in r["choices"]] == [solo(app, p)[0] for p in PROMPTS[:2]]
+
+
+def test_concurrent_requests_batch_and_equal_solo(server):
+    """Eight clients at once: four with the server's settings (different prompts and lengths, left-padded into
+    one batch), three with one token per step (their own batch) and one sampled one (alone). Every answer and
+    NFE equals the prompt decoded alone."""
+    app, port = server
+    cases = [(p, {}) for p in PROMPTS[:4]] + [(p, {"threshold": None}) for p in PROMPTS[4:7]] + \
+            [(PROMPTS[7], {"temperature": 0.7, "seed": 3})]
+    results = [None] * len(cases)
+
+    def client(i, prompt, kw):
+        results[i] = request(port, "POST", "/v1/chat/completions", chat(prompt, **kw))
+
+    app.engine.window = 1.0       # all eight arrive within the window
+    try:
+        threads = [threading.Thread(target=client, args=(i, p, kw)) for i, (p, kw) in enumerate(cases)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+    finally:
+        app.engine.window = app.args.batch_window / 1000
+    for (prompt, kw), (status, r) in zip(cases, results):
+        assert status == 200, r
+        c = r["choices"][0]
+        answer, nfe = solo(app, prompt, **kw)
+        assert (c["message"]["content"], c["fastdllm"]["nfe"]) == (answer, nfe), (prompt, kw)
+    sizes = [r["choices"][0]["fastdllm"]["batch_size"] for _, r in results]
+    assert sizes == [4] * 4 + [3] * 3 + [1]
+
+
+def test_many_clients_streamed_and_not(server):
+    app, port = server
+    expected = {p: solo(app, p)[0] for p in PROMPTS}
+    errors = []
+
+    def client(i):
+        try:
+            p = PROMPTS[i % len(PROMPTS)]
+            if i % 2:
+                chunks = events(port, "/v1/chat/completions", chat(p, stream=True))
+                text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+            else:
+                text = post(port, "/v1/chat/completions", chat(p))["choices"][0]["message"]["content"]
+            assert text == expected[p]
+        except Exception as e:          # noqa: BLE001 (collected and reported below)
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    assert not errors and not any(t.is_alive() for t in threads)
+
+
+def test_denoise_stream_one_event_per_step(server):
+    """The page's stream: start, one step event per model call whose committed tokens, with the final fill,
+    are exactly the answer; and GET / is the page that reads it."""
+    app, port = server
+    ev = events(port, "/v1/denoise/stream", chat(PROMPT, threshold=0.7))
+    start, steps, done = ev[0], ev[1:-1], ev[-1]
+    assert start["type"] == "start" and start["gen_length"] == 32 and start["block_length"] == 8
+    assert start["prompt"] == PROMPT and start["mask"] == "<|mdm_mask|>"
+    assert [e["type"] for e in steps] == ["step"] * len(steps) and done["type"] == "done"
+    assert len(steps) == done["fastdllm"]["nfe"] and [e["step"] for e in steps] == list(range(1, len(steps) + 1))
+    canvas = [app.cfg.mask_id] * 32
+    for e in steps + [{"committed": done["filled"]}]:
+        assert e["committed"] or e is not steps[0]
+        for cell in e["committed"]:
+            assert canvas[cell["pos"]] == app.cfg.mask_id      # each position committed once
+            canvas[cell["pos"]] = cell["id"]
+            assert cell["text"] == app.token_text(cell["id"]) and cell["end"] == (cell["id"] in app.chat.stop_ids)
+    assert app.cfg.mask_id not in canvas
+    assert app.chat.answer(canvas) == done["text"] == solo(app, PROMPT, threshold=0.7)[0]
+
+    status, page = request(port, "GET", "/")
+    assert status == 200 and "/v1/denoise/stream" in page
+    assert "http://" not in page and "https://" not in page         # no external URL: it works offline
+    status, info = request(port, "GET", "/v1/denoise/info")
+    assert status == 200 and info["defaults"]["cache"] == "dual" and info["guide"] is None
+    status, models = request(port, "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == [DEMO]
+
+
+BAD = [  # (body or raw bytes, status, param, code, words in the message)
+    (b"{not json", 400, None, "invalid_json", "not valid JSON"),
+    (b"[1, 2]", 400, None, "invalid_json", "JSON object"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, None, "invalid_json", "NaN"),
+    ({"model": DEMO}, 400, "messages", "missing_field", "'messages' is required"),
+    ({"messages": "hi"}, 400, "messages", "invalid_value", "non-empty list"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages", "invalid_value", "content must be a string"),
+    (chat(PROMPT, model="gpt-4"), 404, "model", "model_not_found", "does not exist"),
+    (chat(PROMPT, max_tokens="ten"), 400, "max_tokens", "invalid_value", "integer"),
+    (chat(PROMPT, max_tokens=0), 400, "max_tokens", "invalid_value", "integer >= 1"),
+    (chat(PROMPT, max_tokens=100), 400, "max_tokens", "context_length_exceeded", "64 positions"),
+    (chat(PROMPT * 3), 400, "messages", "context_length_exceeded", "default max_tokens 32"),
+    (chat(PROMPT, n=2), 400, "n", "unsupported", "must be 1"),
+    (chat(PROMPT, stream="yes"), 400, "stream", "invalid_value", "true or false"),
+    (chat(PROMPT, temperature=-1), 400, None, "invalid_value", "temperature must be >= 0"),
+    (chat(PROMPT, cache="bogus"), 400, None, "invalid_value", "unknown cache mode"),
+    (chat(PROMPT, threshold="high"), 400, "threshold", "invalid_value", "a number"),
+    (chat(PROMPT, threshold=0.9, factor=1.0), 400, None, "invalid_value", "not both"),
+    (chat(PROMPT, guide=True), 400, "guide", "invalid_value", "no guide"),
+    (chat(PROMPT, top_k=5), 400, None, "invalid_value", "Dream options"),      # found by generate() itself
+    (chat(PROMPT, logprobs=True), 400, "logprobs", "unsupported", "logprobs"),
+    (chat(PROMPT, seed=2**70), 400, "seed", "invalid_value", "64 bits"),
+    (chat(PROMPT, stop=[1]), 400, "stop", "invalid_value", "strings"),
+    (chat("Tom has <|mdm_mask|> apples"), 400, "messages", "invalid_value", "mask token"),
+    ({"prompt": [5, 99999]}, 400, "prompt", "invalid_value", "outside the vocabulary"),
+    ({"prompt": {"text": "x"}}, 400, "prompt", "invalid_value", "must be a string"),
+]
+
+
+@pytest.mark.parametrize("body,status,param,code,words", BAD, ids=[f"{i}-{b[3]}" for i, b in enumerate(BAD)])
+def test_bad_input_gets_its_error(server, body, status, param, code, words):
+    app, port = server
+    path = "/v1/completions" if isinstance(body, dict) and "prompt" in body else "/v1/chat/completions"
+    got, r = request(port, "POST", path, raw=body if isinstance(body, bytes) else None,
+                     body=None if isinstance(body, bytes) else body)
+    assert got == status, r
+    assert set(r["error"]) == {"message", "type", "param", "code"} and r["error"]["type"] == "invalid_request_error"
+    assert (r["error"]["param"], r["error"]["code"]) == (param, code) and words in r["error"]["message"], r
+
+
+def test_http_errors_and_the_server_keeps_serving(server):
+    app, port = server
+    for method, path, status in (("GET", "/nope", 404), ("POST", "/v1/nope", 404), ("GET", "/v1/completions", 405),
+                                 ("GET", "/v1/models/gpt-4", 404)):
+        got, r = request(port, method, path, body={} if method == "POST" else None)
+        assert got == status and r["error"]["message"], (path, r)
+    # An oversized body is refused from its Content-Length, before it is read; no Content-Length at all is 411.
+    for head, status, code in ((b"Content-Length: 99999999\r\n", 413, "request_too_large"),
+                               (b"", 411, "length_required")):
+        s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head + b"\r\n{")
+        got = b""
+        while chunk := s.recv(65536):          # the server answers, then closes the connection
+            got += chunk
+        s.close()
+        first, _, body = got.decode().partition("\r\n\r\n")
+        assert first.startswith(f"HTTP/1.1 {status}") and json.loads(body)["error"]["code"] == code
+    assert post(port, "/v1/chat/completions", chat(PROMPT))["choices"][0]["message"]["content"] == solo(app, PROMPT)[0]
+
+
+def test_client_disconnect_mid_stream(server, monkeypatch):
+    """A streaming client leaves after its first event (the decode slowed to 30 ms a step, so it leaves mid-
+    decode): a client in the same batch still gets its whole answer, the batch stops once nobody is left,
+    and the next request is served normally."""
+    app, port = server
+    run_batch = fastdllm.run_batch
+    expected = solo(app, PROMPTS[1], threshold=None)[0], solo(app, PROMPT)[0]
+
+    def slow(model, rows, args, device, on_step=None, **kw):
+        def step(x, stats):
+            time.sleep(0.03)
+            on_step(x, stats)
+        return run_batch(model, rows, args, device, step, **kw)
+
+    monkeypatch.setattr(fastdllm, "run_batch", slow)
+    log = []
+    monkeypatch.setattr(app, "log", log.append)
+    monkeypatch.setattr(app.engine, "log", log.append)
+    monkeypatch.setattr(app.engine, "window", 0.5)
+    body = json.dumps(chat(PROMPT, stream=True, threshold=None)).encode()
+    other = {}
+    t = threading.Thread(target=lambda: other.update(r=request(port, "POST", "/v1/chat/completions",
+                                                              chat(PROMPTS[1], threshold=None))))
+    s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    t.start()
+    got = b""
+    while b"data: " not in got:      # the headers, then the first event (the role chunk)
+        got += s.recv(4096)
+    s.close()
+    t.join(TIMEOUT)
+    status, r = other["r"]
+    assert status == 200 and r["choices"][0]["message"]["content"] == expected[0]
+    assert r["choices"][0]["fastdllm"]["batch_size"] == 2
+    r = post(port, "/v1/chat/completions", chat(PROMPT))
+    assert r["choices"][0]["message"]["content"] == expected[1]
+    assert any("went away" in line for line in log), log
+
+
+def test_stop_scan_never_takes_back_text():
+    """What a stream shows is always a prefix of the final answer, whatever the stop strings."""
+    stops = ["ab", "b", "xyz", "The answer"]
+    for final in ("12 + 3 = 15. The answer is 15.", "aab", "xxyxyz", "b", "no stop here", "The answe"):
+        shown = ""
+        for n in range(len(final) + 1):
+            end, stopped = serve.stop_scan(final[:n], stops, final=False)
+            assert final[:end].startswith(shown)
+            shown = final[:end]
+            if stopped:
+                break
+        end, _ = serve.stop_scan(final, stops, final=True)
+        assert final[:end].startswith(shown)
+
+
+def test_serve_py_command_and_ctrl_c():
+    """`python serve.py` as a user runs it: answers the README's curl request, then Ctrl-C stops it cleanly."""
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), "--model", DEMO, *FLAGS, "--port", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", line)[1])
+        r = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}]})
+        assert r["choices"][0]["message"]["content"] == "45 + 23 = 68. The answer is 68."
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=TIMEOUT)
+    finally:
+        p.kill()
+    assert p.returncode == 0, err
+    assert "stopped" in out and "Traceback" not in err
