@@ -82,8 +82,16 @@ def field(body: dict, name: str, default, ok, what: str):
     return v
 
 
-def not_json(name: str):
-    raise ValueError(f"{name} is not a JSON number")
+def json_object(raw: bytes) -> dict:
+    def not_json(name):       # Python's json reads NaN and Infinity, which JSON does not have
+        raise ValueError(f"{name} is not a JSON number")
+    try:
+        body = json.loads(raw, parse_constant=not_json)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object", None, "invalid_json")
+    return body
 
 
 def message_text(m, i: int) -> dict:
@@ -161,10 +169,11 @@ class Engine:
     def start(self):
         self.thread.start()
 
-    def submit(self, job: Job):
+    def submit(self, jobs: list[Job]):
         if self.stopping or not self.thread.is_alive():
             raise ApiError(503, "the server is shutting down", code="unavailable")
-        self.jobs.put(job)
+        for job in jobs:
+            self.jobs.put(job)
 
     def stop(self, wait: float = 5.0):
         self.stopping = True
@@ -200,7 +209,7 @@ class Engine:
     def loop(self):
         while True:
             batch = self.next_batch()
-            if batch is None or self.stopping and not batch:
+            if batch is None:
                 break
             self.run(batch)
             if self.stopping:
@@ -307,7 +316,7 @@ class App:
         threshold = field(body, "threshold", None, is_num, "a number or null")
         factor = field(body, "factor", None, is_num, "a number or null")
         if "threshold" not in body:
-            threshold = None if factor is not None or guided and "guide" in body else a.threshold
+            threshold = None if factor is not None or guided else a.threshold
         if "factor" not in body:
             factor = None if threshold is not None and "threshold" in body else a.factor
         top_p = field(body, "top_p", a.top_p, is_num, "a number")
@@ -443,9 +452,9 @@ class App:
     @staticmethod
     def settings_of(job: Job) -> dict:
         k = job.kw
-        return {"cache": k["cache"], "threshold": k["threshold"], "factor": k["factor"],
-                "block_length": k["block_length"], "steps": k["steps"], "temperature": k["temperature"],
-                "guide": job.guided}
+        return {"cache": k["cache"], "threshold": k["threshold"], "factor": k["factor"],   # guided: one block
+                "block_length": k["gen_length"] if job.guided else k["block_length"], "steps": k["steps"],
+                "temperature": k["temperature"], "guide": job.guided}
 
     def extra(self, job: Job, r: dict) -> dict:
         """The "fastdllm" field of a choice: what its decode cost (docs/serve.md)."""
@@ -583,18 +592,9 @@ class Handler(BaseHTTPRequestHandler):
         try:
             if path not in ROUTES:
                 raise ApiError(404, f"no such endpoint: {path}", None, "not_found")
-            try:
-                body = json.loads(raw, parse_constant=not_json)
-            except (ValueError, UnicodeDecodeError) as e:
-                raise ApiError(400, f"the body is not valid JSON: {e}", None, "invalid_json") from None
-            if not isinstance(body, dict):
-                raise ApiError(400, "the body must be a JSON object", None, "invalid_json")
-            req = self.app.parse(ROUTES[path], body)
-            for job in req.jobs:
-                self.app.engine.submit(job)
+            req = self.app.parse(ROUTES[path], json_object(raw))
+            self.app.engine.submit(req.jobs)
         except ApiError as e:
-            for job in req.jobs if "req" in locals() else []:
-                job.cancelled = True
             return self.send_error_json(e)
         try:
             if req.kind == "denoise":

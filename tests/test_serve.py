@@ -340,6 +340,37 @@ def test_client_disconnect_mid_stream(server, monkeypatch):
     assert any("went away" in line for line in log), log
 
 
+def test_guided_server():
+    """--guide: requests are guided by default (FlashDLM), each decoded alone; "guide": false turns it off."""
+    args = serve.parse_args(["--model", DEMO, *FLAGS, "--guide", os.path.join(ROOT, "demo", "qwen2-arith"),
+                             "--port", "0", "--quiet"])
+    app = serve.build(args)
+    httpd = serve.make_server(app, "127.0.0.1", 0)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    port = httpd.server_address[1]
+    try:
+        results = [None] * 2
+        threads = [threading.Thread(target=lambda i=i: results.__setitem__(
+            i, post(port, "/v1/chat/completions", chat(PROMPTS[i])))) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(TIMEOUT)
+        for p, r in zip(PROMPTS, results):
+            c = r["choices"][0]
+            assert (c["message"]["content"], c["fastdllm"]["nfe"]) == solo(app, p) and c["fastdllm"]["batch_size"] == 1
+            assert c["fastdllm"]["settings"]["guide"] and c["fastdllm"]["guide_calls"] > 0
+        assert results[0]["choices"][0]["message"]["content"] == "23 + 45 = 68. The answer is 68."
+        r = post(port, "/v1/chat/completions", chat(PROMPT, guide=False, threshold=0.9))
+        assert r["choices"][0]["message"]["content"] == "45 + 23 = 68. The answer is 68."
+        status, r = request(port, "POST", "/v1/chat/completions", chat(PROMPT, threshold=0.9))
+        assert status == 400 and "not both" in r["error"]["message"]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        app.engine.stop()
+
+
 def test_stop_scan_never_takes_back_text():
     """What a stream shows is always a prefix of the final answer, whatever the stop strings."""
     stops = ["ab", "b", "xyz", "The answer"]
