@@ -243,6 +243,7 @@ def test_denoise_stream_one_event_per_step(server):
 BAD = [  # (body or raw bytes, status, param, code, words in the message)
     (b"{not json", 400, None, "invalid_json", "not valid JSON"),
     (b"[1, 2]", 400, None, "invalid_json", "JSON object"),
+    (b'{"prompt": "\xff\xfe caf\xe9"}', 400, None, "invalid_json", "not valid JSON"),      # not UTF-8
     (b'{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, None, "invalid_json", "NaN"),
     ({"model": DEMO}, 400, "messages", "missing_field", "'messages' is required"),
     ({"messages": "hi"}, 400, "messages", "invalid_value", "non-empty list"),
@@ -264,6 +265,8 @@ BAD = [  # (body or raw bytes, status, param, code, words in the message)
     (chat(PROMPT, seed=2**70), 400, "seed", "invalid_value", "64 bits"),
     (chat(PROMPT, stop=[1]), 400, "stop", "invalid_value", "strings"),
     (chat("Tom has <|mdm_mask|> apples"), 400, "messages", "invalid_value", "mask token"),
+    (chat(""), 400, "messages", "invalid_value", "empty"),
+    (chat("Tom has \udc80 apples"), 400, "messages", "invalid_value", "UTF-8"),            # a lone surrogate
     ({"prompt": [5, 99999]}, 400, "prompt", "invalid_value", "outside the vocabulary"),
     ({"prompt": {"text": "x"}}, 400, "prompt", "invalid_value", "must be a string"),
 ]
