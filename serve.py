@@ -808,7 +808,9 @@ def main(argv=None):
         server.serve_forever()
     except KeyboardInterrupt:
         pass
-    finally:
+    finally:       # a second Ctrl-C (or `timeout`, which signals the child and then its group) must not cut this
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         server.server_close()
         app.engine.stop()
         print("stopped", flush=True)
@@ -820,3 +822,6 @@ if __name__ == "__main__":
     except (ValueError, OSError) as e:   # as the CLI: one line, status 2 (a taken port is an OSError too)
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:            # Ctrl-C while the model loads
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
