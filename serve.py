@@ -38,7 +38,7 @@ import torch
 
 import fastdllm
 from chat import Chat, check_text, decode
-from model import load_model, read_config, resolve_model_dir
+from model import read_config, resolve_model_dir
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web", "index.html")
 # fastdllm.py flags that have no meaning for a server: its prompts come in requests.
@@ -273,8 +273,8 @@ class Engine:
             if all(j.cancelled for j in batch):
                 raise Cancelled
 
-        args = argparse.Namespace(**vars(self.args) | {"seed": first.seed,
-                                                         "guide_model": self.guide if first.guided else None})
+        guided = {} if first.guided else {"guide": None, "guide_model": None}     # "guide": false
+        args = argparse.Namespace(**vars(self.args) | {"seed": first.seed} | guided)
         outs, stats = fastdllm.run_batch(self.model, rows, args, self.device, on_step, **first.kw)
         self.batches += 1
         for i, (job, out) in enumerate(zip(batch, outs)):
@@ -774,15 +774,17 @@ def parse_args(argv=None):
 
 
 def build(args) -> App:
-    """Load the model (and the guide) as the CLI does, and the App around them; its worker not yet started."""
+    """Load the model (and the guide) as the CLI's main() does, and the App around them; its worker not yet
+    started."""
     device, dtype = fastdllm.pick_device_dtype(args.device, args.dtype)
+    guide_dir = resolve_model_dir(args.guide, role="guide") if args.guide else None
     model_dir = resolve_model_dir(args.model)
     cfg = read_config(model_dir)
     chat = Chat(model_dir, cfg, chat=not args.no_chat)
     chat.stop_ids |= set(cfg.eos_ids)      # config.json may list several end-of-text ids
     args.stop_ids = sorted(chat.stop_ids)
-    guide = args.guide_model = fastdllm.load_guide(args, cfg, chat, device, dtype)
-    model = load_model(model_dir, device=device, dtype=dtype)
+    guide = args.guide_model = fastdllm.load_guide(guide_dir, args, cfg, chat, device, dtype)
+    model = fastdllm.load(args.model, model_dir, device, dtype)      # "loaded ... in s" on stderr
     return App(args, model, chat, guide)
 
 
