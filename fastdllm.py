@@ -400,7 +400,7 @@ def parse_args(argv=None):
     # SUPPRESS: --gen-length and --threshold are absent unless given, so we can tell a default from a choice.
     p.add_argument("--model", default="GSAI-ML/LLaDA-8B-Instruct", help="Hugging Face repo id or local folder "
                    "(default: %(default)s)")
-    p.add_argument("--prompt", help="the user message (required unless --interactive; --bench has a default)")
+    p.add_argument("--prompt", help="the user message (required unless --interactive or --prompt-file)")
     p.add_argument("--gen-length", type=int, default=argparse.SUPPRESS, help="tokens to generate (default: 256, "
                    "or the largest multiple of --block-length that fits the model's positions)")
     p.add_argument("--block-length", type=int, default=32, help="semi-autoregressive block size; 0 = one block "
@@ -436,14 +436,12 @@ def parse_args(argv=None):
     p.add_argument("--accept-k", type=int, default=5, help="guided top-k (default: %(default)s)")
     p.add_argument("--accept-ratio", type=float, default=0.95, help="guided topk_relative ratio (default: "
                    "%(default)s)")
-    import bench   # its flags live with it (bench.py imports this file's generate(), so not at the top)
-    bench.add_arguments(p)
     args = p.parse_args(argv)
     args.fit_gen_length = "gen_length" not in vars(args)
     args.gen_length = getattr(args, "gen_length", 256)
     if "threshold" not in vars(args):   # --factor or --guide replaces the default; both given is an error
         args.threshold = None if args.factor is not None or args.guide else 0.9
-    if not args.prompt and not args.interactive and not args.bench and not args.prompt_file:
+    if not args.prompt and not args.interactive and not args.prompt_file:
         raise ValueError("no prompt: pass --prompt \"...\" (or --prompt-file, --interactive)")
     if args.prompt_file and (args.prompt or args.interactive):
         raise ValueError("pass one of --prompt, --prompt-file, --interactive")
@@ -474,15 +472,6 @@ def run_batch(model, rows, args, device, on_step=None, **override):
     x, stats = generate(model, ids.to(device), attention_mask=am.to(device), generator=gen, on_step=on_step,
                         **kw | settings(args, **override))
     return [row[ids.shape[1] - len(r):] for row, r in zip(x.tolist(), rows)], stats
-
-
-def bench(model, ids, args, device, eos_ids=None):
-    """--bench: every decoding mode side by side on the same prompt, with its cost and its agreement with
-    the exact decode (bench.py does the work; see its docstring for what each column means)."""
-    import bench as B      # here, not at the top: bench.py imports this file's generate()
-    guide = getattr(args, "guide_model", None)    # loaded and checked by main() when --guide is given
-    prompt = torch.tensor([ids] * args.bench_batch, device=device)     # the one prompt, bench-batch times
-    B.cli_bench(model, prompt, args, settings(args), eos_ids, guide)
 
 
 def fit_gen_length(args, n_prompt: int, max_seq_len: int) -> int:
@@ -556,11 +545,6 @@ def main(argv=None):
     args.stop_ids = sorted(chat.stop_ids)
     args.guide_model = load_guide(args, cfg, chat, device, dtype)
     model = load_model(model_dir, device=device, dtype=dtype)
-    if args.bench:
-        prompt = args.prompt or "Tom has 23 apples and buys 45 more. How many apples does he have?"
-        ids = chat.encode(chat.render([{"role": "user", "content": prompt}]))
-        args.gen_length = fit_gen_length(args, len(ids), cfg.max_seq_len)
-        return bench(model, ids, args, device, args.stop_ids)
     if args.prompt_file:
         return answer_prompts(model, chat, args, device)
     messages, ids = [], []
