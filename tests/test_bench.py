@@ -11,6 +11,7 @@ import torch
 
 import bench
 from conftest import GOLDEN, ROOT, copy_checkpoint, write_tokenizer
+import fastdllm
 from fastdllm import generate
 from model import load_model
 from test_cache import PROMPT_DREAM, PROMPT_LLADA
@@ -213,3 +214,18 @@ def test_gpu_check_small_shape_on_cpu(tmp_path):
     assert g["exact"] == g["total"] > 20                                # float32: the official ids, every run
     assert 0 < res["golden"]["bfloat16"]["agreement"] <= 1
     assert "| model | batch | run |" in r.stdout
+
+
+def test_the_library_never_imports_the_benchmark(capsys):
+    """python bench.py is the benchmark's entry point; the library and its CLI never load bench.py or tools/
+    (no import cycle), and fastdllm.py's --help has no benchmark flags."""
+    import ast
+    for name in sorted(f for f in os.listdir(ROOT) if f.endswith(".py") and f != "bench.py"):
+        with open(os.path.join(ROOT, name)) as f:
+            tree = ast.parse(f.read())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not imported & {"bench", "tools"}, name
+    with pytest.raises(SystemExit):
+        fastdllm.parse_args(["--help"])
+    assert "bench" not in capsys.readouterr().out.lower()
