@@ -374,7 +374,7 @@ def main(argv=None):
     run_arguments(r)
     m = sub.add_parser("modes", help="the modes table on a random checkpoint")
     random_arguments(m)
-    rows_arguments(m)
+    rows_arguments(m, factors="", stops="off")
     m.add_argument("--gen-length", type=integer(1), default=128, help="default: %(default)s")
     m.add_argument("--steps", type=integer(1), default=None, help="default: gen-length")
     m.add_argument("--guide", type=nonempty, default=None, help="a causal guide model folder: adds guided rows")
