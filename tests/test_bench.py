@@ -159,7 +159,7 @@ def test_bench_run_passes_factor_to_the_parallel_rows(llada_dir, monkeypatch, ca
     assert "factor 2" in capsys.readouterr().out
 
 
-def test_cli_bench_table_and_json(tmp_path):
+def test_bench_run_table_and_json(tmp_path):
     d = copy_checkpoint("llada-tiny", tmp_path)
     write_tokenizer(d, LLADA_CHAT)
     out = tmp_path / "bench.json"
