@@ -284,7 +284,8 @@ def parse_args(argv=None):
     # SUPPRESS: --gen-length and --threshold are absent unless given, so we can tell a default from a choice.
     p.add_argument("--model", default="GSAI-ML/LLaDA-8B-Instruct", help="Hugging Face repo id or local folder "
                    "(default: %(default)s)")
-    p.add_argument("--prompt", help="the user message (with --interactive: the first turn; --bench has a default)")
+    p.add_argument("--prompt", help="the user message (required unless --prompt-file; with --interactive: the "
+                   "first turn)")
     p.add_argument("--gen-length", type=int, default=argparse.SUPPRESS, help="tokens to generate (default: 256, "
                    "or the largest multiple of --block-length that fits the model's positions)")
     p.add_argument("--block-length", type=int, default=32, help="semi-autoregressive block size; 0 = one block "
@@ -322,8 +323,6 @@ def parse_args(argv=None):
                    help="guided top-k (default: %(default)s)")
     p.add_argument("--accept-ratio", type=checked(float, lambda r: 0 < r <= 1, "a number in (0, 1]"),
                    default=0.95, help="guided topk_relative ratio (default: %(default)s)")
-    import bench   # its flags live with it (bench.py imports this file's generate(), so not at the top)
-    bench.add_arguments(p)
     args = p.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(NEEDS, NOT_GIVEN)))
     for flag, need in NEEDS.items():
         if getattr(args, flag) is NOT_GIVEN:
@@ -338,7 +337,7 @@ def parse_args(argv=None):
     args.gen_length = getattr(args, "gen_length", 256)
     if "threshold" not in vars(args):   # --factor or --guide replaces the default; both given is an error
         args.threshold = None if args.factor is not None or args.guide else 0.9
-    if not args.prompt and not args.interactive and not args.bench and not args.prompt_file:
+    if not args.prompt and not args.interactive and not args.prompt_file:
         raise ValueError("no prompt: pass --prompt \"...\" (or --prompt-file, --interactive)")
     if args.prompt_file and (args.prompt or args.interactive):
         raise ValueError("pass one of --prompt, --prompt-file, --interactive")
@@ -379,15 +378,6 @@ def run_batch(model, rows, args, device, on_step=None, **override):
     x, stats = generate(model, ids.to(device), attention_mask=am.to(device), generator=gen, on_step=on_step,
                         **kw | settings(args, **override))
     return [row[ids.shape[1] - len(r):] for row, r in zip(x.tolist(), rows)], stats
-
-
-def bench(model, ids, args, device, eos_ids=None):
-    """--bench: every decoding mode side by side on the same prompt, with its cost and its agreement with
-    the exact decode (bench.py does the work; see its docstring for what each column means)."""
-    import bench as B      # here, not at the top: bench.py imports this file's generate()
-    guide = getattr(args, "guide_model", None)    # loaded and checked by main() when --guide is given
-    prompt = torch.tensor([ids] * args.bench_batch, device=device)     # the one prompt, bench-batch times
-    B.cli_bench(model, prompt, args, settings(args), eos_ids, guide)
 
 
 def fit_gen_length(args, n_prompt: int, max_seq_len: int) -> int:
@@ -494,11 +484,6 @@ def main(argv=None):
     args.stop_ids = sorted(chat.stop_ids)
     args.guide_model = load_guide(guide_dir, args, cfg, chat, device, dtype)
     model = load(args.model, model_dir, device, dtype)
-    if args.bench:
-        prompt = args.prompt or "Tom has 23 apples and buys 45 more. How many apples does he have?"
-        ids = chat.encode(chat.render([{"role": "user", "content": prompt}]))
-        args.gen_length = fit_gen_length(args, len(ids), cfg.max_seq_len)
-        return bench(model, ids, args, device, args.stop_ids)
     if args.prompt_file:
         return answer_prompts(model, chat, args, device)
     messages, ids = [], []

@@ -23,7 +23,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench import make_checkpoint  # noqa: E402  (the one writer of random checkpoints in the real format)
+from tools.checkpoint import make_checkpoint  # noqa: E402  (the one writer of random checkpoints in the real format)
 
 GB = 1e9
 
@@ -51,7 +51,7 @@ print(json.dumps(dict(before=before, peak=peak, after=after, touched=status("VmH
 
 
 def write_checkpoint(folder: str, gb: float, n_shards: int = 6) -> int:
-    """A random bf16 LLaDA-layout checkpoint of about `gb` GB (bench.make_checkpoint); returns its bytes."""
+    """A random bf16 LLaDA-layout checkpoint of about `gb` GB (tools/checkpoint.py); returns its bytes."""
     d_model, vocab = 1536, 32768
     per_layer = (4 * d_model * d_model + 9 * d_model * d_model + 2 * d_model) * 2
     n_layers = max(1, round((gb * GB - 2 * vocab * d_model * 2) / per_layer))

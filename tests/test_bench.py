@@ -1,6 +1,6 @@
 """bench.py: that its numbers are computed right (never how fast anything is), that its random checkpoints
-are in the real format, that the GPU check's small CPU shape still runs end to end, and that computing the
-LM head only at open positions (generate's `cols`) changes no decision."""
+(tools/checkpoint.py) are in the real format, that the GPU check's small CPU shape (tools/gpu_check.py) still
+runs end to end, and that computing the LM head only at open positions (generate's `cols`) changes no decision."""
 import json
 import os
 import subprocess
@@ -11,10 +11,12 @@ import torch
 
 import bench
 from conftest import GOLDEN, ROOT, copy_checkpoint, write_tokenizer
+import fastdllm
 from fastdllm import generate
 from model import load_model
 from test_cache import PROMPT_DREAM, PROMPT_LLADA
-from test_cli import LLADA_CHAT, cli
+from test_cli import LLADA_CHAT
+from tools.checkpoint import SHAPES, SPECIALS_FROM_END, hf_config, make_checkpoint
 
 
 def test_agreement_counts_the_reference_answer_up_to_its_end_token():
@@ -32,10 +34,10 @@ def test_agreement_counts_the_reference_answer_up_to_its_end_token():
 
 def test_real_special_ids_and_config_fields():
     """The real vocabularies get the real ids, and config.json has exactly the real files' fields."""
-    llada = bench.hf_config("llada", **{k: v for k, v in bench.SHAPES["llada-8b"].items() if k != "family"})
+    llada = hf_config("llada", **{k: v for k, v in SHAPES["llada-8b"].items() if k != "family"})
     assert (llada["mask_token_id"], llada["eos_token_id"], llada["d_model"], llada["embedding_size"],
             llada["mlp_hidden_size"]) == (126336, 126081, 4096, 126464, 12288)
-    dream = bench.hf_config("dream", **{k: v for k, v in bench.SHAPES["dream-7b"].items() if k != "family"})
+    dream = hf_config("dream", **{k: v for k, v in SHAPES["dream-7b"].items() if k != "family"})
     assert (dream["mask_token_id"], dream["eos_token_id"], dream["hidden_size"], dream["num_key_value_heads"],
             dream["intermediate_size"], dream["vocab_size"]) == (151666, 151643, 3584, 4, 18944, 152064)
     for family, cfg in (("llada", llada), ("dream", dream)):
@@ -47,8 +49,8 @@ def test_real_special_ids_and_config_fields():
 def test_make_checkpoint_writes_the_real_layout(tmp_path, family):
     """Same tensor names and sharding files as the golden checkpoints (copies of the official layouts), and
     the strict loader takes it."""
-    size = bench.make_checkpoint(str(tmp_path), family, 32, 2, 1024, n_heads=4, n_kv_heads=2 if family == "dream" else 4,
-                                 ffn=64, shards=3)
+    size = make_checkpoint(str(tmp_path), family, 32, 2, 1024, n_heads=4, n_kv_heads=2 if family == "dream" else 4,
+                           ffn=64, shards=3)
     with open(tmp_path / "model.safetensors.index.json") as f:
         index = json.load(f)
     with open(os.path.join(GOLDEN, f"{family}-tiny", "model.safetensors.index.json")) as f:
@@ -57,7 +59,7 @@ def test_make_checkpoint_writes_the_real_layout(tmp_path, family):
     assert sorted(set(index["weight_map"].values())) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     assert index["metadata"]["total_size"] == size == golden["metadata"]["total_size"]
     model = load_model(str(tmp_path), device="cpu", dtype=torch.float32)
-    assert model.config.family == family and model.config.mask_id == 1024 - bench.SPECIALS_FROM_END[family]["mask"]
+    assert model.config.family == family and model.config.mask_id == 1024 - SPECIALS_FROM_END[family]["mask"]
 
 
 def test_modes_rows_count_calls_tokens_and_agreement(llada):
@@ -134,13 +136,36 @@ def test_golden_runs_with_the_whole_head(llada, dream, llada_golden, dream_golde
         assert out.tolist() == want and st["nfe"] == nfe
 
 
-def test_cli_bench_table_and_json(tmp_path):
+def bench_cli(*args, timeout=120):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def llada_dir(tmp_path_factory):
+    d = copy_checkpoint("llada-tiny", tmp_path_factory.mktemp("bench"))
+    write_tokenizer(d, LLADA_CHAT)
+    return d
+
+
+def test_bench_run_passes_factor_to_the_parallel_rows(llada_dir, monkeypatch, capsys):
+    calls, real = [], bench.generate        # bench.py runs the rows with its own reference to generate()
+    monkeypatch.setattr(bench, "generate", lambda model, prompt, **kw: calls.append((prompt, kw)) or
+                        real(model, prompt, **kw))
+    bench.main(["run", "--model", llada_dir, "--prompt", "w1 w2", "--gen-length", "16", "--block-length", "8",
+                "--factor", "2"])
+    rules = {(kw["cache"], kw.get("threshold"), kw.get("factor")) for _, kw in calls}
+    assert {(c, None, 2.0) for c in ("none", "prefix", "dual", "free")} <= rules   # --factor F is a row per cache
+    assert "factor 2" in capsys.readouterr().out
+
+
+def test_bench_run_table_and_json(tmp_path):
     d = copy_checkpoint("llada-tiny", tmp_path)
     write_tokenizer(d, LLADA_CHAT)
     out = tmp_path / "bench.json"
-    r = cli("--model", d, "--bench", "--prompt", "w1 w2 w3", "--gen-length", "32", "--block-length", "8",
-            "--bench-caches", "prefix,dual,free", "--bench-thresholds", "0.9,0.5", "--bench-stop", "off,on",
-            "--bench-batch", "2", "--bench-json", str(out))
+    r = bench_cli("run", "--model", d, "--prompt", "w1 w2 w3", "--gen-length", "32", "--block-length", "8",
+                  "--caches", "prefix,dual,free", "--thresholds", "0.9,0.5", "--stops", "off,on", "--batch", "2",
+                  "--json", str(out))
     assert r.returncode == 0, r.stderr
     lines = [l for l in r.stdout.splitlines() if l.startswith("| ")]
     header, rows = [c.strip() for c in lines[0].strip("|").split("|")], lines[1:]
@@ -160,10 +185,9 @@ def test_sweep_feeds_what_each_cache_feeds(tmp_path):
     """Positions fed per generated token (one token per step): none feeds the canvas, dual one refresh per
     block plus the block."""
     out = tmp_path / "sweep.json"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "sweep", "--d-model", "64", "--layers", "1",
-                        "--vocab", "1024", "--prompt-length", "8", "--block-length", "8", "--lengths", "16,32",
-                        "--caches", "none,dual", "--thresholds", "", "--json", str(out)],
-                       capture_output=True, text=True, timeout=120)
+    r = bench_cli("sweep", "--d-model", "64", "--layers", "1", "--vocab", "1024", "--prompt-length", "8",
+                  "--block-length", "8", "--lengths", "16,32", "--caches", "none,dual", "--thresholds", "",
+                  "--json", str(out))
     assert r.returncode == 0, r.stderr
     assert "| gen | cache |" in r.stdout
     rows = json.loads(out.read_text())["rows"]
@@ -176,7 +200,7 @@ def test_gpu_check_small_shape_on_cpu(tmp_path):
     """The GPU check's whole path (write sharded checkpoints, load, every mode at two batch sizes, roofline,
     golden parity in float32 and bf16) at a tiny shape on the CPU, so it cannot rot between GPU runs."""
     out = tmp_path / "gpu.json"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "gpu-check", "--shape", "tiny", "--device", "cpu",
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--shape", "tiny", "--device", "cpu",
                         "--dtype", "float32", "--batches", "1,2", "--gen-length", "16", "--block-length", "8",
                         "--prompt-length", "8", "--factors", "", "--dir", str(tmp_path), "--out", str(out)],
                        capture_output=True, text=True, timeout=300)
@@ -190,3 +214,18 @@ def test_gpu_check_small_shape_on_cpu(tmp_path):
     assert g["exact"] == g["total"] > 20                                # float32: the official ids, every run
     assert 0 < res["golden"]["bfloat16"]["agreement"] <= 1
     assert "| model | batch | run |" in r.stdout
+
+
+def test_the_library_never_imports_the_benchmark(capsys):
+    """python bench.py is the benchmark's entry point; the library and its CLI never load bench.py or tools/
+    (no import cycle), and fastdllm.py's --help has no benchmark flags."""
+    import ast
+    for name in sorted(f for f in os.listdir(ROOT) if f.endswith(".py") and f != "bench.py"):
+        with open(os.path.join(ROOT, name)) as f:
+            tree = ast.parse(f.read())
+        imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert not imported & {"bench", "tools"}, name
+    with pytest.raises(SystemExit):
+        fastdllm.parse_args(["--help"])
+    assert "bench" not in capsys.readouterr().out.lower()

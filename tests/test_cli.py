@@ -96,18 +96,6 @@ def recording_generate(monkeypatch):
     return calls
 
 
-def test_cli_bench_passes_factor_to_the_parallel_rows(llada_dir, monkeypatch, capsys):
-    import bench
-    calls, real = [], bench.generate        # bench.py runs the rows with its own reference to generate()
-    monkeypatch.setattr(bench, "generate", lambda model, prompt, **kw: calls.append((prompt, kw)) or
-                        real(model, prompt, **kw))
-    fastdllm.main(["--model", llada_dir, "--bench", "--prompt", "w1 w2", "--gen-length", "16", "--block-length", "8",
-                   "--factor", "2"])
-    rules = {(kw["cache"], kw.get("threshold"), kw.get("factor")) for _, kw in calls}
-    assert {(c, None, 2.0) for c in ("none", "prefix", "dual", "free")} <= rules   # --factor F is a row per cache
-    assert "factor 2" in capsys.readouterr().out
-
-
 def test_cli_interactive_without_chat_template_answers_each_question_alone(tmp_path, monkeypatch, capsys):
     """Without a chat template there are no turns to keep: the second prompt is the second question only
     (it used to be every question so far, which filled the demo model's context in ~5 turns)."""

@@ -854,3 +854,64 @@ def test_api20_stop_at_eos_k_and_eos_ids_work(llada):
     """The valid forms still run: k end tokens in a row, and a custom end id inside the vocabulary."""
     out, _ = generate(llada, PROMPT, gen_length=8, block_length=4, stop_at_eos=2, eos_ids=[7, 8])
     assert not (out == llada.config.mask_id).any()
+
+
+# ---------------------------------------------------------------------------------- the benchmark's flags
+# bench.py and tools/: every flag type- and range-checked before anything is loaded or written, in one line
+# that names the flag, exit status 2, no traceback. All cases start at once (each is mostly a torch import).
+
+def bench_cases(tmp):
+    """name: (script and argv, the flag (or file) the one error line must name)."""
+    demo, bad_dir = os.path.join(ROOT, "demo", "llada-arith"), os.path.join(tmp, "no-such-folder", "x.json")
+    run = ["bench.py", "run", "--model", demo, "--gen-length", "32", "--block-length", "8"]
+    small = ["--d-model", "64", "--layers", "1", "--vocab", "1024"]
+    return {
+        "run --batch 0": ([*run, "--batch", "0"], "--batch"),
+        "run --repeat 0": ([*run, "--repeat", "0"], "--repeat"),
+        "run --stops -1": ([*run, "--stops", "-1"], "--stops"),
+        "run --thresholds abc": ([*run, "--thresholds", "abc"], "--thresholds"),
+        "run --caches bogus": ([*run, "--caches", "prefix,bogus"], "--caches"),
+        "run --json in a missing folder": ([*run, "--json", bad_dir], "--json"),
+        "run --cache (no meaning in a table)": ([*run, "--cache", "dual"], "--cache"),
+        "modes --heads that do not divide": (["bench.py", "modes", "--d-model", "100", "--heads", "3"], "--heads"),
+        "modes --gen-length not a block multiple": (["bench.py", "modes", *small, "--gen-length", "100"],
+                                                    "--gen-length"),
+        "modes --guide ''": (["bench.py", "modes", *small, "--guide", ""], "--guide"),
+        "modes --gain nan": (["bench.py", "modes", *small, "--gain", "nan"], "--gain"),
+        "sweep --lengths 0": (["bench.py", "sweep", *small, "--lengths", "0,32"], "--lengths"),
+        "sweep --thresholds with two values": (["bench.py", "sweep", *small, "--thresholds", "0.9,0.5"],
+                                               "--thresholds"),
+        "compare a file that is not JSON": (["bench.py", "compare", os.path.join(ROOT, "README.md"), "x"], "README.md"),
+        "checkpoint --layers 0": (["tools/checkpoint.py", os.path.join(tmp, "ck"), "--layers", "0"], "--layers"),
+        "gpu_check --batches 0": (["tools/gpu_check.py", "--out", os.path.join(tmp, "g.json"), "--batches", "1,0"],
+                                  "--batches"),
+    }
+
+
+@pytest.fixture(scope="module")
+def bench_results(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("bench_flags"))
+    cases = bench_cases(tmp)
+    procs = {name: subprocess.Popen([sys.executable, os.path.join(ROOT, script), *argv], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
+             for name, ((script, *argv), _) in cases.items()}
+    out = {}
+    for name, p in procs.items():
+        try:
+            out[name] = (p, *p.communicate(timeout=300), cases[name][1])    # a busy 2-core VM: ~100 s for all
+        except subprocess.TimeoutExpired:      # a run that went past its flags fails its case, not the others
+            p.kill()
+            out[name] = (p, *p.communicate(), cases[name][1])
+    return out, tmp
+
+
+@pytest.mark.parametrize("case", list(bench_cases("tmp")))
+def test_bench_flag_error_is_one_line_naming_the_flag(bench_results, case):
+    results, tmp = bench_results
+    p, out, err, flag = results[case]
+    assert "Traceback" not in out + err, err
+    assert p.returncode == 2, (p.returncode, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert flag in lines[0], lines[0]
+    assert not {"ck", "g.json"} & set(os.listdir(tmp))   # nothing was written

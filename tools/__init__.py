@@ -1,0 +1,1 @@
+"""Tools around the benchmark: random checkpoints in the real on-disk formats, and the prepared GPU check."""

@@ -1,0 +1,193 @@
+"""
+tools/checkpoint.py: random checkpoints in the real on-disk formats (LLaDA and Dream), for benchmarks and
+tests that need a model of a given shape and not its knowledge.
+
+    python tools/checkpoint.py /tmp/mid                                  # LLaDA, d_model 512, 4 layers, 126k vocab
+    python tools/checkpoint.py /tmp/d --family dream --d-model 256 --layers 2 --vocab 1024 --shards 3
+"""
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)   # run as a script from anywhere
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from model import ModelConfig, Transformer, checkpoint_names, load_model  # noqa: E402
+from tools.flags import Parser, shape_arguments  # noqa: E402
+
+GOLDEN = os.path.join(ROOT, "tests", "golden")
+
+# The real models' shapes (spec/llada.md and spec/dream.md, section 1) and the small ones measured on a CPU.
+SHAPES = {
+    "llada-8b": dict(family="llada", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn=12288, vocab=126464),
+    "dream-7b": dict(family="dream", d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn=18944, vocab=152064),
+    "llada-tiny": dict(family="llada", d_model=64, n_layers=2, n_heads=2, n_kv_heads=2, ffn=192, vocab=1024),
+    "dream-tiny": dict(family="dream", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=192, vocab=1024),
+}
+# Special ids keep their distance from the end of the vocabulary, so the real vocabulary gets the real ids
+# (LLaDA: mask 126336, eos = pad 126081; Dream: mask 151666, bos = eos = pad 151643).
+SPECIALS_FROM_END = {"llada": dict(mask=128, eos=383), "dream": dict(mask=398, eos=421)}
+
+
+def hf_config(family: str, d_model: int, n_layers: int, vocab: int, n_heads: int, n_kv_heads: int,
+              ffn: int) -> dict:
+    """config.json with every field the real one has: the golden tiny checkpoint's (a copy of the real
+    file at small sizes), resized."""
+    with open(os.path.join(GOLDEN, f"{family}-tiny", "config.json")) as f:
+        cfg = json.load(f)
+    mask, eos = vocab - SPECIALS_FROM_END[family]["mask"], vocab - SPECIALS_FROM_END[family]["eos"]
+    if family == "llada":   # mlp_ratio stays 4 as in the real file, whose mlp_hidden_size is 3x d_model
+        cfg.update(d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, mlp_hidden_size=ffn,
+                   embedding_size=vocab, vocab_size=vocab, mask_token_id=mask, eos_token_id=eos, pad_token_id=eos,
+                   max_sequence_length=4096)
+    else:
+        cfg.update(hidden_size=d_model, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+                   num_key_value_heads=n_kv_heads, intermediate_size=ffn, vocab_size=vocab, mask_token_id=mask,
+                   bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    return cfg
+
+
+def make_checkpoint(folder: str, family: str, d_model: int, n_layers: int, vocab: int, n_heads: int | None = None,
+                    n_kv_heads: int | None = None, ffn: int | None = None, shards: int = 1, gain: float = 1.13,
+                    logit_std: float = 13.0, seed: int = 0, device="cpu") -> int:
+    """
+    Write a random bf16 checkpoint in the real layout into `folder`: config.json, the real tensor names
+    (model.WEIGHT_MAP, which the golden tests check against the official formats), one model.safetensors or
+    `shards` files plus model.safetensors.index.json. Returns the weights' size in bytes.
+
+    Weights are N(0, (gain / sqrt(d_model))^2) and norms 1; the LM head has std logit_std / sqrt(d_model),
+    so logits have std ~logit_std. Why not the models' init_std 0.02 everywhere: at width 512 it makes
+    attention flat, every masked position then gets the same hidden state and the same confidence, and a
+    126k-way softmax at that scale never reaches 0.9; a parallel rule would commit all of a block or one
+    token per step. These defaults (std 0.05 at width 512, ~0.018 at 4096, close to 0.02) spread them: on
+    the 512-wide checkpoint of docs/benchmarks.md, the first step's confidences have deciles 0.41 (10%) to
+    0.99 (90%), 30% of positions at >= 0.9, and threshold 0.9 commits ~2.5 tokens per call.
+    device: where the random numbers are drawn ("cuda" writes an 8B checkpoint in seconds, not minutes).
+    Defaults: head_dim 128 (both real models), ffn 3x d_model (LLaDA-8B's ratio).
+    """
+    n_heads = n_heads or max(1, d_model // 128)
+    hf = hf_config(family, d_model, n_layers, vocab, n_heads, n_kv_heads or n_heads, ffn or 3 * d_model)
+    cfg = ModelConfig.from_hf(hf)
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in Transformer(cfg).named_parameters()}
+
+    def layer(item):   # the checkpoints store tensors layer by layer: embeddings, blocks 0..n-1, norm, head
+        ours = item[1]
+        m = re.match(r"layers\.(\d+)\.", ours)
+        return (1, int(m[1])) if m else (0, 0) if ours.startswith("embed") else (2, 0)
+    names = sorted(checkpoint_names(cfg).items(), key=layer)      # [(checkpoint name, our name)]
+    sizes = [shapes[ours].numel() * 2 for _, ours in names]
+    total = sum(sizes)
+    # Shard i holds the tensors whose middle falls in the i-th part of the bytes, as HF's sharding does.
+    shard_of, offset = [], 0
+    for n in sizes:
+        shard_of.append(min(shards - 1, int((offset + n / 2) / total * shards)))
+        offset += n
+    files = (["model.safetensors"] if shards == 1 else
+             [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)])
+    os.makedirs(folder, exist_ok=True)
+    gen = torch.Generator(device).manual_seed(seed)
+    for i, file in enumerate(files):
+        tensors = {}
+        for (theirs, ours), s in zip(names, shard_of):
+            if s != i:
+                continue
+            shape = shapes[ours]
+            if ours.endswith("norm.weight"):
+                t = torch.ones(shape)
+            else:
+                std = (logit_std if ours == "lm_head.weight" else gain) / d_model ** 0.5
+                t = torch.randn(shape, generator=gen, device=device).mul_(std)
+            tensors[theirs] = t.to(torch.bfloat16).cpu()
+        save_file(tensors, os.path.join(folder, file), metadata={"format": "pt"})
+        del tensors
+    if shards > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": {t: files[s] for (t, _), s in zip(names, shard_of)}}
+        with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    if family == "dream":   # Dream's from_pretrained requires it; its ids follow config.json
+        with open(os.path.join(GOLDEN, "dream-tiny", "generation_config.json")) as f:
+            gc = json.load(f)
+        gc.update(bos_token_id=hf["bos_token_id"], eos_token_id=hf["eos_token_id"], pad_token_id=hf["pad_token_id"])
+        with open(os.path.join(folder, "generation_config.json"), "w") as f:
+            json.dump(gc, f, indent=2)
+    return total
+
+
+def random_prompts(cfg: ModelConfig, batch: int, length: int, seed: int = 0) -> torch.Tensor:
+    """(batch, length) ids below every special id (mask, eos, pad, bos), so no prompt holds one."""
+    top = min(i for i in (cfg.mask_id, cfg.eos_id, cfg.pad_id, cfg.bos_id, cfg.vocab_size) if i is not None)
+    return torch.randint(0, top, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Command line: the shape flags (tools/flags.py, shared with bench.py modes / sweep)
+
+def shape_config(args) -> dict:
+    """The config.json the shape flags describe; a combination no model can have is one line naming them."""
+    heads = args.heads or max(1, args.d_model // 128)
+    kv = args.kv_heads or heads
+    if args.d_model % heads or (args.d_model // heads) % 2:
+        raise ValueError(f"--d-model {args.d_model} does not split into --heads {heads} heads of an even size "
+                         f"(RoPE rotates pairs): pick heads dividing d_model / 2")
+    if heads % kv:
+        raise ValueError(f"--kv-heads {kv} does not divide --heads {heads}")
+    low = max(SPECIALS_FROM_END[args.family].values()) + 1
+    if args.vocab < low:
+        raise ValueError(f"--vocab {args.vocab} is too small for {args.family}: its special ids sit up to "
+                         f"{low - 1} below the top, so use --vocab >= {low}")
+    hf = hf_config(args.family, args.d_model, args.layers, args.vocab, heads, kv, args.ffn or 3 * args.d_model)
+    n_tensors = len(checkpoint_names(ModelConfig.from_hf(hf)))
+    if args.shards > n_tensors:
+        raise ValueError(f"--shards {args.shards} exceeds the checkpoint's {n_tensors} tensors")
+    return hf
+
+
+def write(folder: str, args) -> int:
+    """make_checkpoint with the shape flags."""
+    return make_checkpoint(folder, args.family, args.d_model, args.layers, args.vocab, args.heads, args.kv_heads,
+                           args.ffn, shards=args.shards, gain=args.gain, logit_std=args.logit_std)
+
+
+def load_random(args, hf, device, dtype):
+    """Write (or reuse, with --dir) the random checkpoint the shape flags describe, and load it."""
+    folder = args.dir or tempfile.mkdtemp(prefix="fastdllm_bench_")
+    try:
+        if not os.path.exists(os.path.join(folder, "config.json")):
+            write(folder, args)
+        with open(os.path.join(folder, "config.json")) as f:
+            if json.load(f) != hf:
+                raise ValueError(f"--dir {folder} holds a checkpoint of another shape: pass the shape flags it "
+                                 f"was written with, or another --dir")
+        return load_model(folder, device=device, dtype=dtype)
+    finally:
+        if not args.dir:   # the loaded model holds its own copy (float32) or the mapped pages (bf16)
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def main(argv=None):
+    p = Parser(prog="tools/checkpoint.py", description="Write a random checkpoint in the real on-disk format.")
+    p.add_argument("out", help="the folder to write")
+    shape_arguments(p)
+    args = p.parse_args(argv)
+    shape_config(args)
+    if os.path.exists(os.path.join(args.out, "config.json")):
+        raise ValueError(f"{args.out} already holds a checkpoint: pass an empty or new folder")
+    size = write(args.out, args)
+    print(f"{args.out}: {size / 1e9:.3f} GB")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

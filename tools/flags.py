@@ -1,0 +1,152 @@
+"""
+tools/flags.py: the flags of bench.py and tools/, each type- and range-checked. A bad value is one line that
+names its flag (`error: bench.py run: argument --batch: expected an integer >= 1, got '0'`), exit status 2,
+no traceback; combinations are checked where they are used (tools/checkpoint.py shape_config, bench.py).
+"""
+import argparse
+import math
+import os
+
+from fastdllm import CACHE_MODES
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with every error one line naming the flag, and no usage block."""
+
+    def error(self, message):
+        self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
+
+
+def integer(low: int):
+    """An integer >= low."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        return value
+    return parse
+
+
+def positive(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def listing(kind, empty=True):
+    """Comma-separated values, each parsed by `kind` (one of these types, or a tuple of allowed names)."""
+    def parse(text: str) -> list:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        for t in items if isinstance(kind, tuple) else ():
+            if t not in kind:
+                raise argparse.ArgumentTypeError(f"unknown value {t!r}: use {', '.join(kind)}")
+        values = items if isinstance(kind, tuple) else [kind(t) for t in items]
+        if not values and not empty:
+            raise argparse.ArgumentTypeError("expected at least one value")
+        return values
+    return parse
+
+
+def stop(text: str):
+    """An early stop value: off | on (at a block's end) | k >= 1 (k end tokens in a row, FlashDLM)."""
+    t = text.strip().lower()
+    if t not in ("off", "on") and not (t.isdigit() and int(t) >= 1):
+        raise argparse.ArgumentTypeError(f"expected off, on or k >= 1 (k end tokens in a row), got {text!r}")
+    return t == "on" if t in ("off", "on") else int(t)
+
+
+def out_file(path: str) -> str:
+    """A file we can write: checked now, not after the whole run."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not path or os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {path!r}: name a file in an existing, writable folder")
+    return path
+
+
+def nonempty(text: str) -> str:
+    """A path (or name) that is not empty."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a path, got an empty string")
+    return text
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The flag groups
+
+def shape_arguments(p):
+    p.add_argument("--family", default="llada", choices=("llada", "dream"), help="default: %(default)s")
+    p.add_argument("--d-model", type=integer(2), default=512, help="default: %(default)s")
+    p.add_argument("--layers", type=integer(1), default=4, help="default: %(default)s")
+    p.add_argument("--heads", type=integer(1), default=None, help="default d_model / 128")
+    p.add_argument("--kv-heads", type=integer(1), default=None, help="default = heads")
+    p.add_argument("--ffn", type=integer(1), default=None, help="default 3 x d_model")
+    p.add_argument("--vocab", type=integer(1), default=126464, help="default %(default)s, LLaDA's real embedding_size")
+    p.add_argument("--shards", type=integer(1), default=1, help="default: %(default)s")
+    p.add_argument("--gain", type=positive, default=1.13, help="random weights' std x sqrt(d_model) "
+                   "(default: %(default)s)")
+    p.add_argument("--logit-std", type=positive, default=13.0, help="std of the random LM head's logits "
+                   "(default: %(default)s)")
+
+
+def rows_arguments(p, thresholds="0.9", factors="1.0", stops="off,on"):
+    """Which rows the table has, and how each is timed (bench.py run / modes / sweep, tools/gpu_check.py)."""
+    p.add_argument("--caches", type=listing(CACHE_MODES, empty=False), default="none,prefix,dual,free",
+                   help="cache modes, comma-separated (default: %(default)s)")
+    p.add_argument("--thresholds", type=listing(positive), default=thresholds, help="threshold values, "
+                   "comma-separated, '' = none (default: %(default)s)")
+    if factors is not None:
+        p.add_argument("--factors", type=listing(positive), default=factors, help="factor values, "
+                       "comma-separated, '' = none (default: %(default)s)")
+        p.add_argument("--stops", type=listing(stop, empty=False), default=stops, help="early stop values: "
+                       "off, on (at a block's end), k (k end tokens in a row) (default: %(default)s)")
+    p.add_argument("--repeat", type=integer(1), default=1, help="best wall time of this many runs per row "
+                   "(default: %(default)s)")
+
+
+def random_arguments(p):
+    """The random checkpoint (tools/checkpoint.py) and the random prompt of modes and sweep."""
+    shape_arguments(p)
+    p.add_argument("--dir", type=nonempty, default=None, help="keep the checkpoint here (reused if it has this shape)")
+    p.add_argument("--prompt-length", type=integer(1), default=64, help="default: %(default)s")
+    p.add_argument("--block-length", type=integer(1), default=32, help="default: %(default)s")
+    p.add_argument("--batch", type=integer(1), default=1, help="default: %(default)s")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--json", type=out_file, default=None, help="write every row, the settings and the environment")
+
+
+REFUSED = {"--cache": "pass --caches (a row per cache)", "--threshold": "pass --thresholds (rows per value)",
+           "--batch-size": "pass --batch (the prompt, repeated)", "--prompt-file": "it decodes one --prompt",
+           "--interactive": "it decodes one --prompt", "--trace": "it prints no answer",
+           "--no-stream": "it prints no answer", "--no-early-stop": "pass --stops off"}
+
+
+class Refused(argparse.Action):
+    """A fastdllm.py flag that has no meaning in the table: refused in one line, never silently ignored."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{self.option_strings[0]} has no meaning in the modes table: {REFUSED[self.option_strings[0]]}")
+
+
+def run_arguments(p):
+    """bench.py run's own flags; the rest are fastdllm.py's, and those with no meaning in a table are refused."""
+    rows_arguments(p)
+    # Parsed here, not passed through: they are prefixes of --prompt-file and --factors, which argparse would
+    # otherwise take them for.
+    p.add_argument("--prompt", default=None, help="the user message (default: the demo's first question)")
+    p.add_argument("--factor", type=positive, default=None, help="adds a row per cache at this factor")
+    p.add_argument("--batch", type=integer(1), default=1, help="the prompt, repeated (default: %(default)s)")
+    p.add_argument("--json", type=out_file, default=None, help="write every row, the settings and the environment")
+    for flag in REFUSED:
+        p.add_argument(flag, action=Refused)
