@@ -1,0 +1,321 @@
+"""
+harness.py: fastdllm as an lm-evaluation-harness model, so that every decoding method of generate() is scored
+on lm-eval's tasks (GSM8K, HumanEval, MATH...) the way the Fast-dLLM and FlashDLM tables are.
+
+    pip install -r requirements-eval.txt
+    python harness.py --model fastdllm --model_args model=demo/llada-arith,block_length=8 \
+        --include_path demo --tasks demo_arith --output_path out            # offline, CPU, seconds
+    accelerate launch harness.py --model fastdllm --model_args model=GSAI-ML/LLaDA-8B-Instruct \
+        --tasks gsm8k --num_fewshot 5 --output_path out                      # the paper's GSM8K row
+
+`python harness.py ARGS` is lm-eval's own command line (`lm-eval run ARGS`) with the model "fastdllm"
+registered, as lm-eval's docs do it for a model outside its tree (`@register_model`, then `cli_evaluate()`).
+Its --model_args are model (folder or Hugging Face id), guide, dtype, device, batch_size, seed, and every
+setting of fastdllm.generate() (gen_length, block_length, steps, cache, threshold, factor, ...: read from
+its signature, so a setting added there works here unchanged); the defaults are the CLI's, the method's
+headline setting (dual cache, threshold 0.9, block 32). docs/eval.md has the details; in short:
+- generate_until only. A request's `max_gen_toks` (else gen_length) is rounded up to a multiple of
+  block_length, and its answer is cut at the first end token, then at the first of its `until` strings.
+  loglikelihood tasks are refused in one line, before any weights are read: a masked-diffusion model's
+  likelihood needs a Monte Carlo estimate (LLaDA's mc_num), out of scope here.
+- --apply_chat_template renders with the model's own template (chat.Chat, as the CLI); without it the raw
+  prompt goes in, tokenized as its tokenizer does (LLaDA's adds its bos).
+- Left-padded batches of batch_size: every row decodes exactly as it would alone, so each answer is the
+  same at any batch size and order (tests/test_harness.py checks it through lm-eval's --log_samples).
+- Throughput per task, in the log, after the results table and in throughput_<date>.json next to lm-eval's
+  results JSON: model calls (NFE), generated tokens up to the first end token (prompt excluded), tokens per
+  call, and wall-clock tokens/s.
+- Under `accelerate launch` or `torchrun` each process takes its share of the requests (rank, world_size)
+  and lm-eval gathers the results, as its HF model does.
+"""
+import argparse
+import inspect
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+try:
+    from lm_eval.__main__ import cli_evaluate
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+except ImportError as e:
+    raise ImportError(f"harness.py needs lm-eval ({e}): pip install -r requirements-eval.txt") from None
+
+from chat import Chat
+from fastdllm import check_settings, generate, pad_prompts, pick_device_dtype
+from model import check_guide, load_model, read_config, resolve_model_dir
+
+log = logging.getLogger("lm_eval.fastdllm")   # under lm-eval's logger, so it prints with lm-eval's lines
+
+# generate()'s settings, from its signature; the harness itself supplies the rest of its arguments.
+SUPPLIED = {"model", "prompt", "attention_mask", "generator", "on_step", "guide", "eos_ids"}
+SETTINGS = {k: p.default for k, p in inspect.signature(generate).parameters.items() if k not in SUPPLIED}
+DEFAULTS = SETTINGS | dict(gen_length=256, block_length=32, cache="dual", threshold=0.9, stop_at_eos=True)  # the CLI's
+REFUSAL = ("the fastdllm model only generates (generate_until tasks such as gsm8k or humaneval): a masked-"
+           "diffusion model's likelihood needs a Monte Carlo estimate, which this harness does not do")
+RUNS = []    # every FastDLLM made in this process, for main() to report its throughput after lm-eval's table
+
+
+@register_model("fastdllm")
+class FastDLLM(LM):
+    def __init__(self, model: str = "GSAI-ML/LLaDA-8B-Instruct", guide: str | None = None, dtype: str | None = None,
+                 device: str | None = None, batch_size=1, max_batch_size=None, seed: int = 0, **settings):
+        super().__init__()
+        unknown = sorted(set(settings) - set(SETTINGS))
+        if unknown:
+            raise ValueError(f"unknown --model_args key {unknown[0]!r}: fastdllm takes model, guide, dtype, device, "
+                             f"batch_size, seed and generate()'s settings: {', '.join(SETTINGS)}")
+        if not str(batch_size).isdigit() or int(batch_size) < 1:
+            raise ValueError(f"batch_size must be a positive integer, not {batch_size!r} (no 'auto': every "
+                             f"answer is the same at any batch size, only the speed changes)")
+        # "none" as the CLI takes it (lm-eval passes it on as a string); --factor or --guide replaces the
+        # default threshold, as in the CLI; block_length 0 = one block
+        settings = {k: None if isinstance(v, str) and v.lower() in ("none", "off") and not isinstance(DEFAULTS[k], str)
+                    else v for k, v in settings.items()}       # (cache="none" stays the string)
+        guide = None if isinstance(guide, str) and guide.lower() in ("none", "") else guide
+        if "threshold" not in settings and (settings.get("factor") is not None or guide):
+            settings["threshold"] = None
+        self.settings = DEFAULTS | settings
+        self.settings["block_length"] = self.settings["block_length"] or None
+        s = self.settings     # what needs no model is checked now, not after reading gigabytes of weights
+        check = dict(s, block_length=s["block_length"] or s["gen_length"], steps=s.get("steps") or s["gen_length"])
+        check_settings(**{k: check[k] for k in inspect.signature(check_settings).parameters if k in check})
+        self.model_name, self.guide_name, self.batch_size, self.seed = model, guide, int(batch_size), seed
+        if device == "cuda:0" and not torch.cuda.is_available():   # lm-eval's default --device, as its HF model
+            log.warning("CUDA is not available: running on cpu")
+            device = "cpu"
+        self._rank, self._world_size, device = distributed(device)
+        self._device, self.dtype = pick_device_dtype(device, dtype)
+        self.chat_applied = False          # set once lm-eval asks for the chat template
+        self._chat, self._net, self._guide = None, None, None
+        self.said = set()                  # log lines said once
+        self.throughput = {}               # task -> requests, nfe, guide_calls, tokens, seconds
+        RUNS.append(self)
+
+    # --- the model and its tokenizer, loaded on first use: a refused task never reads a weight -------------
+    @property
+    def chat(self) -> Chat:
+        if self._chat is None:
+            self.model_dir = resolve_model_dir(self.model_name)
+            self.cfg = read_config(self.model_dir)
+            self._chat = Chat(self.model_dir, self.cfg)
+            self._chat.stop_ids |= set(self.cfg.eos_ids)     # config.json may list several end ids
+        return self._chat
+
+    def net(self):
+        if self._net is None:
+            chat = self.chat
+            if self.guide_name:      # the guide must share the model's ids: checked on its small files first
+                guide_dir = resolve_model_dir(self.guide_name)
+                guide_cfg = read_config(guide_dir)
+                try:
+                    guide_tok = Chat(guide_dir, guide_cfg).tok
+                except FileNotFoundError:
+                    guide_tok = None
+                check_guide(self.cfg, guide_cfg, chat.tok, guide_tok)
+                self._guide = load_model(guide_dir, device=self._device, dtype=self.dtype)
+            self._net = load_model(self.model_dir, device=self._device, dtype=self.dtype)
+        return self._net
+
+    # --- lm-eval's interface ----------------------------------------------------------------------------
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        raise ValueError(REFUSAL)
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+        raise ValueError(REFUSAL)
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.model_name
+
+    def chat_template(self, chat_template=False) -> str:
+        """What a user turn looks like (we have no Jinja template: chat.py writes each family's out)."""
+        return self.apply_chat_template([{"role": "user", "content": "{content}"}])
+
+    def apply_chat_template(self, chat_history: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat.chat:
+            raise ValueError(f"{self.model_name} has no chat template (its tokenizer lacks the chat tokens): "
+                             f"run without --apply_chat_template")
+        self.chat_applied = True
+        if add_generation_prompt or chat_history[-1]["role"] != "assistant":
+            return self.chat.render(chat_history)
+        # lm-eval's gen_prefix: the answer continues a started assistant turn
+        return self.chat.render(chat_history[:-1]) + chat_history[-1]["content"]
+
+    def get_model_info(self) -> dict:
+        return {"fastdllm": dict(model=self.model_name, guide=self.guide_name, batch_size=self.batch_size,
+                                 dtype=str(self.dtype), **self.settings)}
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        from tqdm import tqdm
+        net, s = self.net(), self.settings
+        # At temperature 0 a request repeated (lm-eval's `repeats`, or its padding of a rank's share) gets
+        # the same answer, so it is decoded once. Groups: one task and one request setting each.
+        todo = list({id(r): r for r in requests}.values()) if not s["temperature"] else requests
+        groups = {}
+        for i, r in enumerate(todo):
+            until, gen_length = self.request_settings(r.args[1])
+            groups.setdefault((r.task_name, tuple(until), gen_length), []).append(i)
+        answers = [None] * len(todo)
+        bar = tqdm(total=len(todo), desc="fastdllm", disable=disable_tqdm or self.rank != 0)
+        for (task, until, gen_length), idx in groups.items():
+            rows = {i: self.encode(todo[i].args[0]) for i in idx}
+            idx.sort(key=lambda i: -len(rows[i]))            # similar lengths together: less padding
+            t = self.throughput.setdefault(task, dict(requests=0, nfe=0, guide_calls=0, tokens=0, seconds=0.0))
+            for b in range(0, len(idx), self.batch_size):
+                batch = idx[b:b + self.batch_size]
+                t0 = time.perf_counter()
+                outs, stats = self.decode(net, [rows[i] for i in batch], gen_length)
+                for i, out in zip(batch, outs):
+                    answers[i] = cut(self.chat.answer(out), until)
+                    t["tokens"] += next((n for n, tok in enumerate(out) if tok in self.chat.stop_ids), len(out))
+                t["seconds"] += time.perf_counter() - t0
+                t["requests"] += len(batch)
+                t["nfe"] += stats["nfe"]
+                t["guide_calls"] += stats.get("guide_calls", 0)
+                bar.update(len(batch))
+            log.info(f"{task}: {throughput_line(t)}")
+        bar.close()
+        by_id = {id(r): a for r, a in zip(todo, answers)}
+        return [by_id[id(r)] for r in requests] if not s["temperature"] else answers
+
+    # --- the parts ---------------------------------------------------------------------------------------
+    def request_settings(self, gen_kwargs: dict):
+        """A request's (until strings, gen_length): max_gen_toks (else the gen_length setting) rounded up to
+        a multiple of block_length. Its sampling keys are not ours: decoding is set by --model_args."""
+        until = gen_kwargs.get("until") or []
+        until = [until] if isinstance(until, str) else list(until)
+        want = gen_kwargs.get("max_gen_toks", self.settings["gen_length"])
+        block = self.settings["block_length"] if not self.guide_name else None   # guided: one block
+        gen_length = -(-want // block) * block if block else want
+        if gen_length != want:
+            self.say(f"max_gen_toks {want} -> gen_length {gen_length}, a multiple of block_length {block}")
+        ignored = {k: v for k, v in gen_kwargs.items() if k not in ("until", "max_gen_toks") and
+                   not (k == "do_sample" and not v) and not (k == "temperature" and v == self.settings["temperature"])}
+        if ignored:
+            self.say(f"ignoring the task's gen_kwargs {ignored}: fastdllm decodes with its --model_args settings")
+        return until, gen_length
+
+    def encode(self, text: str) -> list[int]:
+        """Rendered by our chat template: its text holds the specials already. Raw: as the tokenizer encodes
+        it (as the official eval code does: LLaDA's tokenizer adds its bos)."""
+        return self.chat.encode(text) if self.chat_applied else self.chat.tok.encode(text).ids
+
+    def decode(self, net, rows: list[list[int]], gen_length: int):
+        """One padded batch -> (answer ids per row, generate()'s stats)."""
+        cfg = self.cfg
+        ids, am = pad_prompts(rows, cfg.pad_id if cfg.pad_id is not None else cfg.eos_id)
+        generator = torch.Generator(self._device).manual_seed(self.seed)
+        x, stats = generate(net, ids.to(self._device), attention_mask=am.to(self._device), generator=generator,
+                            guide=self._guide, eos_ids=sorted(self.chat.stop_ids),
+                            **self.settings | {"gen_length": gen_length})
+        return x[:, ids.shape[1]:].tolist(), stats
+
+    def say(self, line: str):
+        if line not in self.said:
+            self.said.add(line)
+            log.info(line)
+
+    # --- data parallel: lm-eval shards the requests by rank and gathers through these ------------------
+    def all_gather(self, tensor):
+        if self.world_size == 1:
+            return tensor
+        tensor = tensor.reshape(1) if tensor.ndim == 0 else tensor
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        torch.distributed.all_gather(out, tensor)
+        return torch.cat(out)
+
+    def gather_object(self, obj, dst: int = 0):
+        if self.world_size == 1:
+            return [obj]
+        out = [None] * self.world_size if self.rank == dst else None
+        torch.distributed.gather_object(obj, out, dst=dst)
+        return out
+
+    def barrier(self):
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+
+def distributed(device: str | None):
+    """(rank, world_size, device) under accelerate launch / torchrun (their WORLD_SIZE, RANK, LOCAL_RANK),
+    with the process group up: NCCL on GPUs, gloo on CPUs. One process: (0, 1, device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1, device
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None or device.startswith("cuda"):    # one GPU per process, as lm-eval's HF model does
+        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return torch.distributed.get_rank(), world, device
+
+
+def cut(text: str, until) -> str:
+    """The text before the first occurrence of any stop string."""
+    return text[:min([text.find(u) for u in until if u and u in text], default=len(text))]
+
+
+def throughput_line(t: dict) -> str:
+    guided = f" | guide calls {t['guide_calls']}" if t["guide_calls"] else ""
+    return (f"{t['requests']} requests | NFE {t['nfe']} | {t['tokens']} tokens | "
+            f"{t['tokens'] / max(t['nfe'], 1):.2f} tokens/call | {t['tokens'] / max(t['seconds'], 1e-9):.1f} "
+            f"tokens/s{guided}")
+
+
+def report(lm: FastDLLM, output_path: str | None, since: float):
+    """All processes' throughput, summed (the wall time is the slowest process's), printed after lm-eval's
+    table and written as throughput_<date>.json next to the results JSON this run wrote."""
+    parts = lm.gather_object(lm.throughput)
+    if lm.rank != 0:
+        return
+    total = {}
+    for part in parts:
+        for task, t in part.items():
+            acc = total.setdefault(task, dict(requests=0, nfe=0, guide_calls=0, tokens=0, seconds=0.0))
+            for k, v in t.items():
+                acc[k] = max(acc[k], v) if k == "seconds" else acc[k] + v
+    for task, t in total.items():
+        t.update(tokens_per_call=t["tokens"] / max(t["nfe"], 1), tokens_per_s=t["tokens"] / max(t["seconds"], 1e-9))
+        print(f"fastdllm throughput, {task} ({lm.world_size} process{'es' * (lm.world_size > 1)}): "
+              f"{throughput_line(t)}")
+    if not output_path:
+        return
+    out = Path(output_path)
+    found = out.parent.glob(f"{out.stem}_*.json") if out.suffix == ".json" else out.rglob("results_*.json")
+    new = sorted((f for f in found if f.stat().st_mtime >= since), key=lambda f: f.stat().st_mtime)
+    if new:
+        path = new[-1].with_name(f"throughput_{new[-1].stem.rsplit('_', 1)[-1]}.json")
+        settings = lm.get_model_info()["fastdllm"]
+        path.write_text(json.dumps({"settings": settings, "world_size": lm.world_size, "tasks": total}, indent=2))
+        print(f"fastdllm throughput written to {path}")
+
+
+def main() -> int:
+    """lm-eval's command line (sys.argv) with "fastdllm" registered; one line on stderr for our errors."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("--output_path", "-o")
+    output_path = p.parse_known_args()[0].output_path
+    since, runs = time.time(), len(RUNS)
+    try:
+        cli_evaluate()
+        if len(RUNS) > runs:
+            report(RUNS[-1], output_path, since)
+    except (ValueError, OSError) as e:   # ours are one line that names the fix; so are lm-eval's task errors
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
