@@ -12,7 +12,7 @@ on lm-eval's tasks (GSM8K, HumanEval, MATH...) the way the Fast-dLLM and FlashDL
 registered, as lm-eval's docs do it for a model outside its tree (`@register_model`, then `cli_evaluate()`).
 Its --model_args are model (folder or Hugging Face id), guide, dtype, device, batch_size, seed, and every
 setting of fastdllm.generate() (gen_length, block_length, steps, cache, threshold, factor, ...: read from
-its signature, so a setting added there works here unchanged); the defaults are the CLI's, the method's
+fastdllm.Settings, so a setting added there works here unchanged); the defaults are the CLI's, the method's
 headline setting (dual cache, threshold 0.9, block 32). docs/eval.md has the details; in short:
 - generate_until only. A request's `max_gen_toks` (else gen_length) is rounded up to a multiple of
   block_length, and its answer is cut at the first end token, then at the first of its `until` strings.
@@ -29,6 +29,7 @@ headline setting (dual cache, threshold 0.9, block 32). docs/eval.md has the det
   and lm-eval gathers the results, as its HF model does.
 """
 import argparse
+import dataclasses
 import inspect
 import json
 import logging
@@ -47,14 +48,15 @@ except ImportError as e:
     raise ImportError(f"harness.py needs lm-eval ({e}): pip install -r requirements-eval.txt") from None
 
 from chat import Chat
-from fastdllm import check_settings, generate, pad_prompts, pick_device_dtype
+from fastdllm import Settings, check_settings, generate, pad_prompts, pick_device_dtype
 from model import check_guide, load_model, read_config, resolve_model_dir
 
 log = logging.getLogger("lm_eval.fastdllm")   # under lm-eval's logger, so it prints with lm-eval's lines
 
-# generate()'s settings, from its signature; the harness itself supplies the rest of its arguments.
-SUPPLIED = {"model", "prompt", "attention_mask", "generator", "on_step", "guide", "eos_ids"}
-SETTINGS = {k: p.default for k, p in inspect.signature(generate).parameters.items() if k not in SUPPLIED}
+# generate()'s settings, from fastdllm.Settings; the harness itself supplies the guide and the end ids, and a
+# custom selection rule (an object) cannot come from the command line.
+SUPPLIED = {"guide", "eos_ids", "select"}
+SETTINGS = {f.name: f.default for f in dataclasses.fields(Settings) if f.name not in SUPPLIED}
 DEFAULTS = SETTINGS | dict(gen_length=256, block_length=32, cache="dual", threshold=0.9, stop_at_eos=True)  # the CLI's
 REFUSAL = ("the fastdllm model only generates (generate_until tasks such as gsm8k or humaneval): a masked-"
            "diffusion model's likelihood needs a Monte Carlo estimate, which this harness does not do")
