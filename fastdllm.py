@@ -160,7 +160,8 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
              eps: float = 1e-3, attention_mask: torch.Tensor | None = None,
              generator: torch.Generator | None = None, refresh_every_step: bool = False,
              stop_at_eos: bool | int = False, eos_ids=None, guide=None, accept: str = "deterministic",
-             accept_k: int = 5, accept_ratio: float = 0.95, verify_chunk: int = 32, on_step=None):
+             accept_k: int = 5, accept_ratio: float = 0.95, verify_chunk: int = 32, speculative: bool = False,
+             accept_threshold: float = 0.1, on_step=None):
     """
     Decode gen_length tokens after `prompt` (B, P). Returns (ids (B, P + gen_length), stats) with stats
     {"nfe": model calls, "fed": tokens fed per call, "committed": tokens committed per call (all rows),
@@ -183,8 +184,11 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
         (default the config's eos id).
     guide: a causal LM (model_type qwen2, sharing the model's token ids) that verifies the drafts (FlashDLM
         guided diffusion): one block over the answer (so "dual" is "prefix" here), accept "deterministic" |
-        "topk" (accept_k) | "topk_relative" (accept_k, accept_ratio), verified in chunks of verify_chunk
-        tokens; a committed end token always ends the answer. Batches are decoded row by row.
+        "topk" (accept_k) | "topk_relative" (accept_k, accept_ratio) | "dynamic_threshold" (accept_threshold)
+        | "aggressive", verified in chunks of verify_chunk tokens; a committed end token always ends the
+        answer. speculative=True commits the guide's token in place of the first rejected draft (FlashDLM's
+        speculative variant) instead of the diffusion model's first draft (the assisted variant). A batch is
+        decoded together, each row exactly as alone.
     generator: the only source of randomness (default: a fresh one seeded 0). on_step(x, stats) is called
         after every step with the live canvas.
     """
@@ -203,12 +207,8 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
     check_prompt(cfg, prompt, gen_length, remasking, top_p, top_k, alg_temp, attention_mask)
     parallel = threshold is not None or factor is not None
     if guided:
-        check_guided(model, guide, threshold, factor, temperature, accept, accept_k, accept_ratio, verify_chunk)
-        if prompt.shape[0] > 1:
-            return generate_rows(model, prompt, attention_mask, gen_length=gen_length, cache=cache,
-                                 guide=guide, accept=accept, accept_k=accept_k, accept_ratio=accept_ratio,
-                                 verify_chunk=verify_chunk, eos_ids=eos_ids, on_step=on_step,
-                                 refresh_every_step=refresh_every_step)
+        check_guided(model, guide, threshold, factor, temperature, accept, accept_k, accept_ratio, verify_chunk,
+                     speculative, accept_threshold)
     n_blocks = gen_length // block_length
     spb = steps // n_blocks                                        # steps per block
     if dream and not guided:
@@ -232,10 +232,11 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
     # own and for FlashDLM's FreeCache sampler (which indexes it by the global step).
     timesteps = torch.linspace(1, eps, (steps if whole_canvas or cache == "free" else spb) + 1, device=device)
     stats = {"nfe": 0, "fed": [], "committed": [], "calls_saved": 0, "guide_calls": 0}
-    if guided:   # the guide's KV cache of the committed text: the prompt, less its last token (fed with drafts)
-        verifier = Guide(guide, L)
-        stats["guide_calls"] += verifier.prefill(prompt[0])
-        accept_fn = partial(S.accept_drafts, rule=accept, k=accept_k, ratio=accept_ratio)
+    if guided:   # the guide's KV cache of the committed text: the prompts, less their last token (fed with drafts)
+        real = None if pos is None else F.pad(attention_mask.to(device).bool(), (0, gen_length), value=True)
+        verifier = Guide(guide, B, L, pos, real)
+        stats["guide_calls"] += verifier.prefill(prompt)
+        accept_fn = partial(S.accept_drafts, rule=accept, k=accept_k, ratio=accept_ratio, threshold=accept_threshold)
     carry = torch.zeros(B, dtype=torch.long, device=device)      # whole-canvas threshold: offered, refused
     t0 = time.perf_counter()
 
@@ -254,8 +255,10 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
             # one earlier, at the last committed token, for both families: each committed token is frozen with
             # keys computed while it held its token, not while it was a mask.
             head, shift = s, int(cfg.shift_logits)
-            if guided and cache == "free":
-                head, shift = cand.long().argmax(-1).min().item() + s, 1
+            if guided and cache == "free":   # fed from the leftmost row's; each row writes from its own (cache.py)
+                last = torch.where(cand.any(-1), s + cand.long().argmax(-1) - 1, L)   # (B,) last committed position
+                head, shift = int(last.min()) + 1, 1
+                kv.write_from = None if first or refresh_every_step else last
             a, b = (0, L) if refresh_every_step else feed_span(cache, first, step, head, e, L, shift)
             cols = cand.any(0).nonzero().squeeze(1)                        # LM head only where a token is open
             if cache == "free" and B > 1:           # a row whose block is full stays frozen (cache.py)
@@ -270,8 +273,8 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
                                  f"or the activations overflowed {logits.dtype} (try --dtype float32)")
             # 2. propose and 3. select: the tokens x0 (B, N) and which of them this step commits
             if guided:
-                x0, transfer, n, calls, ended = S.guided_select(logits, cand, cols, x[0, s + cols[0] - 1],
-                                                                verifier, accept_fn, verify_chunk, eos, cfg.mask_id)
+                x0, transfer, calls, ended = S.guided_select(logits, cand, cols, x, verifier, accept_fn, verify_chunk,
+                                                             eos, cfg.mask_id, speculative)
                 stats["guide_calls"] += calls
             elif not dream:
                 k = budget[:, min(step, spb - 1)]          # threshold/factor steps past the schedule never read it
@@ -290,10 +293,9 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
             x[:, s:e] = torch.where(transfer, x0, x[:, s:e])
             stats["committed"].append(int(transfer.sum()))
             step += 1
-            if guided:
-                verifier.commit(n)
-                if ended:                         # a committed end of text fills the rest and ends the answer
-                    x[x == cfg.mask_id] = eos[0]
+            if guided:                            # a committed end of text fills the rest and ends the answer
+                x[ended] = x[ended].masked_fill(x[ended] == cfg.mask_id, eos[0])
+                verifier.commit(transfer.sum(-1), ~(x == cfg.mask_id).any(-1))
             elif stop_at_eos is not True and stop_at_eos:
                 done = eos_reached(x, P, L, eos, cfg.mask_id, stop_at_eos)
                 x[done] = x[done].masked_fill(x[done] == cfg.mask_id, eos[0])
@@ -329,7 +331,8 @@ def check_dream_modes(whole_canvas, cache, remasking, threshold, factor, gen_len
                          f"raise steps to at least {2 * n_blocks}, or use threshold/factor or cache='free'")
 
 
-def check_guided(model, guide, threshold, factor, temperature, accept, accept_k, accept_ratio, verify_chunk):
+def check_guided(model, guide, threshold, factor, temperature, accept, accept_k, accept_ratio, verify_chunk,
+                 speculative=False, accept_threshold=0.1):
     """Guided diffusion's own settings (FlashDLM, spec/flashdlm.md 2): the guide decides how many drafts to commit,
     so no other parallel rule applies, and drafts are the argmax (no sampling)."""
     check_guide(model.config, guide.config)
@@ -346,20 +349,12 @@ def check_guided(model, guide, threshold, factor, temperature, accept, accept_k,
         raise ValueError(f"accept_ratio must be in (0, 1] (got {accept_ratio!r})")
     if type(verify_chunk) is not int or verify_chunk < 1:
         raise ValueError(f"verify_chunk must be an integer >= 1 (got {verify_chunk!r})")
-
-
-def generate_rows(model, prompt, attention_mask, **kw):
-    """Guided decoding of a batch: each row alone (its pads stripped), then put back in place. Rows of one
-    batch commit different numbers of tokens per step, so the guide's committed text differs per row;
-    decoding them one by one is the simplest way to keep every row exactly as it would be alone."""
-    rows, stats = [], {"nfe": 0, "fed": [], "committed": [], "calls_saved": 0, "guide_calls": 0, "seconds": 0.0}
-    for b in range(prompt.shape[0]):
-        real = prompt[b] if attention_mask is None else prompt[b][attention_mask[b].bool().to(prompt.device)]
-        out, st = generate(model, real[None], **kw)
-        rows.append(torch.cat([prompt[b, :prompt.shape[1] - real.numel()].to(out.device), out[0]]))
-        stats = {key: total + st[key] for key, total in stats.items()}      # lists concatenate, counts add
-    stats["tokens_per_s"] = prompt.shape[0] * kw["gen_length"] / max(stats["seconds"], 1e-9)
-    return torch.stack(rows), stats
+    if type(speculative) is not bool:
+        raise ValueError(f"speculative must be True or False (got {speculative!r})")
+    if isinstance(accept_threshold, bool) or not isinstance(accept_threshold, numbers.Real) \
+            or not 0 <= accept_threshold < 1:
+        raise ValueError(f"accept_threshold must be a number in [0, 1) (got {accept_threshold!r}): the guide "
+                         f"accepts a draft whose probability exceeds it")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from test_flashdlm import eos_bias
 
 with open(os.path.join(GOLDEN, "flashdlm-golden.json")) as f:
     FLASH = json.load(f)
-GUIDED_RUNS = [r for r in FLASH["runs"] if r["settings"]["method"] == "guided_assisted"]
+GUIDED_RUNS = [r for r in FLASH["runs"] if r["settings"]["method"] in ("guided_assisted", "guided_speculative")]
 # The official guide does one spurious forward in this run (when an accepted run spans two verification
 # chunks it re-pushes a token its cache already holds); the tokens are unaffected. We count 51, not 52.
 OFFICIAL_EXTRA_GUIDE_CALLS = {"as_prompt_topk512_g64_vb4": 1}
@@ -26,11 +26,13 @@ def guide(qwen2):
 
 
 def guided_call(st):
-    """Official `assisted_block_diffusion_generate` settings -> our generate() arguments."""
+    """Official `assisted_block_diffusion_generate` / `speculative_block_diffusion_generate` settings -> our
+    generate() arguments."""
     acc = st["acceptance"]
     return dict(gen_length=st["gen_length"], cache={"prompt_frozen": "prefix", "aggressive": "free"}[st["cache_mode"]],
                 accept=acc["rule"], accept_k=acc.get("k", 5), accept_ratio=acc.get("ratio", 0.95),
-                verify_chunk=st["verify_chunk"])
+                accept_threshold=acc.get("threshold", 0.1), verify_chunk=st["verify_chunk"],
+                speculative=st["method"] == "guided_speculative")
 
 
 @pytest.mark.parametrize("run", GUIDED_RUNS, ids=lambda r: r["name"])
