@@ -426,11 +426,15 @@ def parse_args(argv=None):
     p.add_argument("--trace", action="store_true", help="print which tokens each step unmasked")
     p.add_argument("--guide", help="a causal LM sharing the model's tokenizer (Qwen2 format, repo id or folder): "
                    "FlashDLM's guided diffusion (default: off)")
-    p.add_argument("--accept", default="deterministic", help="guided: deterministic | topk | topk_relative "
-                   "(default: %(default)s)")
+    p.add_argument("--accept", default="deterministic", help="guided: deterministic | topk | topk_relative | "
+                   "dynamic_threshold | aggressive (default: %(default)s)")
     p.add_argument("--accept-k", type=int, default=5, help="guided top-k (default: %(default)s)")
     p.add_argument("--accept-ratio", type=float, default=0.95, help="guided topk_relative ratio (default: "
                    "%(default)s)")
+    p.add_argument("--accept-threshold", type=float, default=0.1, help="guided dynamic_threshold: accept a draft "
+                   "whose guide probability exceeds this (default: %(default)s)")
+    p.add_argument("--speculative", action="store_true", help="guided: commit the guide's token in place of the "
+                   "first rejected draft, i.e. the guide's quality (default: the diffusion model's first draft)")
     import bench   # its flags live with it (bench.py imports this file's generate(), so not at the top)
     bench.add_arguments(p)
     args = p.parse_args(argv)
@@ -455,7 +459,8 @@ def settings(args, **override):
               cache=args.cache, threshold=args.threshold, factor=args.factor, temperature=args.temperature,
               remasking=args.remasking, top_p=args.top_p, top_k=args.top_k, alg_temp=args.alg_temp)
     if args.guide:
-        kw.update(accept=args.accept, accept_k=args.accept_k, accept_ratio=args.accept_ratio)
+        kw.update(accept=args.accept, accept_k=args.accept_k, accept_ratio=args.accept_ratio,
+                  accept_threshold=args.accept_threshold, speculative=args.speculative)
     kw.update(override)
     return kw
 
@@ -529,7 +534,8 @@ def main(argv=None):
     args = parse_args(argv)
     device, dtype = pick_device_dtype(args.device, args.dtype)
     kw = settings(args)
-    check_settings(**{k: v for k, v in kw.items() if k not in ("remasking", "accept", "accept_k", "accept_ratio")} |
+    check_settings(**{k: v for k, v in kw.items() if k not in ("remasking", "accept", "accept_k", "accept_ratio",
+                                                               "accept_threshold", "speculative")} |
                    {"block_length": kw["block_length"] or kw["gen_length"],
                     "steps": kw["gen_length"] if kw["steps"] is None else kw["steps"]})
     model_dir = resolve_model_dir(args.model)
