@@ -568,3 +568,34 @@ def test_ctrl_c_prints_the_partial_answer(tmp_path):
     assert p.returncode == 130, (p.returncode, out, err)
     m = re.search(r"\[interrupted after (\d+) steps\]", out)
     assert m and int(m.group(1)) >= 1, out
+
+
+# ---------------------------------------------------------------------------------- issue 18: guided settings
+# FlashDLM's speculative variant and acceptance thresholds (generate(guide=...)): one line each, before any
+# model call.
+@pytest.fixture(scope="module")
+def guided_pair():
+    return (load_model(os.path.join(GOLDEN, "dream-tiny"), device="cpu", dtype=torch.float32),
+            load_model(os.path.join(GOLDEN, "qwen2-tiny"), device="cpu", dtype=torch.float32))
+
+
+@pytest.mark.parametrize("kw,pattern", [
+    (dict(accept_threshold=1.0), r"accept_threshold must be a number in \[0, 1\) \(got 1\.0\)"),
+    (dict(accept_threshold=-0.1), r"accept_threshold must be a number in \[0, 1\) \(got -0\.1\)"),
+    (dict(accept_threshold=float("nan")), r"accept_threshold must be a number in \[0, 1\) \(got nan\)"),
+    (dict(accept_threshold="0.1"), r"accept_threshold must be a number in \[0, 1\) \(got '0\.1'\)"),
+    (dict(accept_threshold=True), r"accept_threshold must be a number in \[0, 1\) \(got True\)"),
+    (dict(speculative="yes"), r"speculative must be True or False \(got 'yes'\)"),
+    (dict(speculative=1), r"speculative must be True or False \(got 1\)"),
+    (dict(accept="greedy"), r"unknown accept rule 'greedy': use one of .*dynamic_threshold, aggressive"),
+])
+def test_bad_guided_settings(guided_pair, kw, pattern):
+    dream, guide = guided_pair
+    with pytest.raises(ValueError, match=pattern) as e:
+        generate(dream, torch.tensor([[5, 6, 7, 8]]), gen_length=8, guide=guide, **kw)
+    one_line(e)
+
+
+def test_cli_bad_accept_threshold_is_one_line():
+    with pytest.raises(ValueError, match="argument --accept-threshold: invalid float value: 'high'"):
+        fastdllm.parse_args(["--prompt", "hi", "--guide", "g", "--accept-threshold", "high"])
