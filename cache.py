@@ -20,7 +20,7 @@ each step feeds is `feed_span`, below: the one place the cache modes differ.
 
 The storage never advances itself: every write names its position, and the generation loop (fastdllm.py)
 decides what to feed. `Guide` at the end is the other cache: the guided-diffusion guide's keys/values of the
-committed text, which only ever grows by what a step commits.
+committed text of every row of a batch, which only ever grows by what a step commits.
 """
 import torch
 

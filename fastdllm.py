@@ -258,7 +258,8 @@ def generate(model, prompt: torch.Tensor, gen_length: int = 128, block_length: i
             if guided and cache == "free":   # fed from the leftmost row's; each row writes from its own (cache.py)
                 last = torch.where(cand.any(-1), s + cand.long().argmax(-1) - 1, L)   # (B,) last committed position
                 head, shift = int(last.min()) + 1, 1
-                kv.write_from = None if first or refresh_every_step else last
+                ragged = not (first or refresh_every_step) and bool((last > last.min()).any())
+                kv.write_from = last if ragged else None
             a, b = (0, L) if refresh_every_step else feed_span(cache, first, step, head, e, L, shift)
             cols = cand.any(0).nonzero().squeeze(1)                        # LM head only where a token is open
             if cache == "free" and B > 1:           # a row whose block is full stays frozen (cache.py)

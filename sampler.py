@@ -14,7 +14,8 @@ block; confidences (B, N) hold -inf at non-candidates so they can never be chose
 - Fast-dLLM's parallel decoding (paper section 3.3): `select_threshold` (Theorem 1: unmask every token
   whose confidence clears tau, and always the most confident) and `select_factor`.
 - FlashDLM's guided diffusion (arXiv 2505.21467; spec/flashdlm.md 2): `accept_drafts`, the guide's verdict on the
-  diffusion model's drafts.
+  diffusion model's drafts (five rules), and `guided_commit`, what a step then commits: the assisted variant's
+  accepted drafts, or the speculative variant's accepted drafts and the guide's own token (`guide_token`).
 - One step's propose-and-select per family, as generate() calls it: `llada_select`, `dream_select` and
   `guided_select` (the one exception to "no model": it asks the guide, through cache.Guide, for its verdict).
 """
