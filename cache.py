@@ -157,13 +157,13 @@ class Guide:
         R, L = y.shape
         start = self.length                                         # (R,) slot of the last committed token
         n = torch.full((R,), -1, dtype=torch.long, device=y.device)  # -1: not decided yet
-        at, calls = None, 0
+        at = torch.zeros(R, self.model.config.vocab_size, dtype=self.cache.k.dtype, device=y.device)
+        calls = 0                                                   # = the chunk index k
         while (n < 0).any():
             open_ = n < 0
-            lo, hi = start + calls * chunk, (start + (calls + 1) * chunk).clamp(max=L - 1)   # each row's chunk
+            lo, hi = start + calls * chunk, (start + (calls + 1) * chunk).clamp(max=L - 1)   # each row's chunk k
             a, b = int(lo[open_].min()), int(hi[open_].max())
             logits = self.forward(y[:, a:b], a)                     # (R, b - a, V): slot i judges token i + 1
-            at = logits.new_zeros(R, logits.shape[-1]) if at is None else at
             calls += 1
             slot = torch.arange(a, b, device=y.device)
             mine = open_[:, None] & (slot >= lo[:, None]) & (slot < hi[:, None])
