@@ -22,7 +22,7 @@ The storage never advances itself: every write names its position. What to feed 
 and its subclasses: `CacheMode` over feed_span, `FreeCache`, `GuidedFreeCache`, `Refresh`), which the
 generation loop (fastdllm.py) asks at every step; a fork adds one by subclassing `Feed`. `Guide` at the end
 is the other cache: the guided-diffusion guide's keys/values of the
-committed text, which only ever grows by what a step commits.
+committed text of every row of a batch, which only ever grows by what a step commits.
 """
 from typing import NamedTuple
 
@@ -40,6 +40,9 @@ class KVCache:
         # in a batch, a row that finished its block early must not be rewritten by the steps the other rows
         # still need, or it would not decode as it would alone. The loop sets this; None = every row.
         self.write_rows = None
+        # (B,) long or None: row b keeps its positions < write_from[b] as they are (guided FreeCache: each row
+        # freezes up to its own last committed token, while the batch feeds from the leftmost row's).
+        self.write_from = None
 
     @classmethod
     def for_model(cls, model, batch: int, length: int) -> "KVCache":
@@ -51,6 +54,11 @@ class KVCache:
         """Write k, v (B, n_kv_heads, T, head_dim) at canvas positions [start, start+T) in place and return
         this layer's keys/values over the whole canvas (views, no copy)."""
         T = k.shape[2]
+        if self.write_from is not None:
+            keep = torch.arange(start, start + T, device=k.device) < self.write_from[:, None]      # (B, T)
+            keep = keep[:, None, :, None]
+            k = torch.where(keep, self.k[layer, :, :, start:start + T], k)
+            v = torch.where(keep, self.v[layer, :, :, start:start + T], v)
         if self.write_rows is None:
             self.k[layer, :, :, start:start + T] = k
             self.v[layer, :, :, start:start + T] = v
@@ -59,6 +67,10 @@ class KVCache:
             self.k[layer, rows, :, start:start + T] = k[rows]
             self.v[layer, rows, :, start:start + T] = v[rows]
         return self.k[layer], self.v[layer]
+
+    def keep_rows(self, keep: torch.Tensor):
+        """Drop the batch rows where keep (B,) is False (one copy; the guide's finished rows)."""
+        self.k, self.v = self.k[:, keep], self.v[:, keep]
 
 
 def feed_span(cache: str, first: bool, block_step: int, s: int, e: int, L: int, shift: int):
@@ -105,6 +117,9 @@ class Feed:
     def rows(self, at: Step):
         return None
 
+    def write_from(self, at: Step):
+        return None
+
 
 class CacheMode(Feed):
     """A built-in mode ("none", "prefix", "dual", "free"): feed_span decides. shift: Dream's logits shift."""
@@ -129,13 +144,21 @@ class FreeCache(CacheMode):
 
 
 class GuidedFreeCache(FreeCache):
-    """Guided FreeCache (FlashDLM's aggressive caching): the block starts at the first mask and the feed one
-    earlier, at the last committed token, for both families: each committed token is frozen with keys
-    computed while it held its token, not while it was a mask."""
+    """Guided FreeCache (FlashDLM's aggressive caching): each row's block starts at its first mask and its
+    feed one earlier, at its last committed token, for both families: each committed token is frozen with keys
+    computed while it held its token, not while it was a mask. A batch feeds from the leftmost row's last
+    committed token, and every other row keeps its own frozen prefix (`write_from`)."""
+
+    def last(self, at: Step):
+        """(B,) each row's last committed position; L for a row with nothing left to decode."""
+        return torch.where(at.cand.any(-1), at.s + at.cand.long().argmax(-1) - 1, at.x.shape[1])
 
     def span(self, at: Step) -> tuple[int, int]:
-        head = at.s + int(at.cand.long().argmax(-1).min())
-        return feed_span("free", at.n == 0, at.step, head, at.e, at.x.shape[1], 1)
+        return feed_span("free", at.n == 0, at.step, int(self.last(at).min()) + 1, at.e, at.x.shape[1], 1)
+
+    def write_from(self, at: Step):
+        last = self.last(at)
+        return last if at.n > 0 and bool((last > last.min()).any()) else None
 
 
 class Refresh(Feed):
@@ -146,24 +169,31 @@ class Refresh(Feed):
         self.inner, self.keeps_cache = inner, inner.keeps_cache
 
     def rows(self, at: Step):
-        return self.inner.rows(at)
+        return self.inner.rows(at)     # (write_from: None, every position is fed afresh)
 
 
-# The guide's state (FlashDLM guided diffusion, arXiv 2505.21467; spec/flashdlm.md 2): one row of committed text.
+# The guide's state (FlashDLM guided diffusion, arXiv 2505.21467; spec/flashdlm.md 2): the committed text of a batch.
 
 class Guide:
     """
-    A causal guide model and its KV cache of the committed text, for ONE row (the decoding loop keeps one
-    Guide per batch row: rows commit different numbers of tokens per step).
+    A causal guide model and its KV cache of the committed text, for a batch of rows verified together: one
+    guide forward per verification chunk serves every row, although rows commit different numbers of tokens.
 
-    Invariant: cache rows [0, length) hold the committed text *except its last token*. Each verification
-    teacher-forces [last committed token, d0, d1, ...]: the row fed `last` predicts d0, the row fed d_i
-    predicts d_{i+1}, so one forward scores a whole run of drafts at once (as in speculative
-    decoding). The rows a step then commits were all computed on accepted text, so keeping them is just
-    moving `length` forward: nothing is recomputed and nothing is copied.
+    Slots are canvas positions: slot i of row b holds the keys/values of the token at canvas position i, so
+    each row's committed text sits where the canvas has it, whatever its length so far or its left padding.
+    RoPE positions are per row (real tokens count from 0, `pos`) and pads are never attended (`real`), so each
+    row's numbers are the ones it would get alone.
+
+    Invariant: row b's slots [0, length[b]) hold its committed text *except its last token*, at slot
+    length[b] (the last committed position, just before the first mask). A verification teacher-forces the
+    drafted canvas from there: the slot of the last committed token predicts the first draft, the slot of
+    draft i predicts draft i+1, so one forward scores a whole run of drafts at once (as in speculative
+    decoding). The slots a step then commits were computed on committed text, so keeping them is moving
+    `length` forward; a slot whose draft was replaced (speculative) lies past the new length and is fed again.
+    Rows that have finished are dropped from the guide's batch (`rows` maps the guide's rows to the batch's).
     """
 
-    def __init__(self, model, max_len: int):
+    def __init__(self, model, batch: int, max_len: int, pos=None, real=None):
         if not model.config.causal:
             raise ValueError(f"the guide must be a causal LM (model_type 'qwen2'), not a {model.config.family} "
                              f"diffusion model: pass a Qwen2-format checkpoint as the guide")
@@ -171,42 +201,78 @@ class Guide:
             raise ValueError(f"the text ({max_len} tokens) is longer than the guide's {model.config.max_seq_len} "
                              f"positions: shorten the prompt or gen_length, or use a guide with a longer context")
         self.model = model
-        self.cache = KVCache.for_model(model, 1, max_len)   # max_len: the canvas, prompt + answer
-        self.length = 0
+        self.cache = KVCache.for_model(model, batch, max_len)   # max_len: the canvas, prompt + answer
+        device = self.cache.k.device
+        self.rows = torch.arange(batch, device=device)           # the batch rows the guide still serves
+        self.length = torch.zeros(batch, dtype=torch.long, device=device)
+        self.pos, self.real = pos, real                          # (B, L) RoPE positions, real-token mask; or None
 
-    def prefill(self, ids: torch.Tensor) -> int:
-        """Start a new text: push the committed ids (T,) except the last token, in one forward (the last
-        token is fed by the first verification, where its row predicts the first draft). -> guide calls."""
-        self.length = 0
-        if ids.numel() < 2:
+    def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """ids (R, T) of the served rows at slots [start, start+T) -> next-token logits (R, T, V)."""
+        end = start + ids.shape[1]
+        pos = None if self.pos is None else self.pos[:, start:end]
+        mask = None if self.real is None else self.real[:, None, None, :end]    # keys: never a pad
+        return self.model(ids, pos, self.cache, start, mask)
+
+    def prefill(self, prompt: torch.Tensor) -> int:
+        """Start new texts: push the prompts (B, P) except their last token, in one forward (the last token is
+        fed by the first verification, where its slot predicts the first draft). -> guide calls."""
+        P = prompt.shape[1]
+        self.length.fill_(P - 1)
+        if P < 2:
             return 0
-        self.model(ids[None, :-1], cache=self.cache, start=0)
-        self.length = ids.numel() - 1
+        self.forward(prompt[self.rows, :-1], 0)
         return 1
 
-    def verify(self, last: int | torch.Tensor, drafts: torch.Tensor, accept, chunk: int = 32):
+    def verify(self, drafted: torch.Tensor, accept, chunk: int = 32):
         """
-        Score drafts (N,) that follow the committed token `last`. accept(logits (n, V), drafts (n,)) -> bool (n,)
-        is the acceptance rule (sampler.accept_drafts). The fed text [last, d0, ..., d_{N-2}] goes in chunks
-        of `chunk` tokens, each verifying `chunk` drafts (the official verify_batch_size, 32), and stops after
-        the first chunk with a rejection: a run of n < N accepted drafts costs n // chunk + 1 forwards, a
-        fully accepted one ceil(N / chunk). The last draft is never fed: no draft follows it.
-        -> (n, calls): n = length of the accepted run from d0, calls = guide forwards made.
-        Leaves `length` alone; the caller commits with `commit`.
+        Score each row's drafts: drafted (B, L) is the canvas with every open position drafted, row b's drafts
+        at [length[b] + 1, L). accept(logits (R, T, V), tokens (R, T)) -> bool (R, T) is the acceptance rule
+        (sampler.accept_drafts). A row's fed text [last, d0, ..., d_{N-2}] goes in chunks of `chunk` tokens,
+        each verifying `chunk` drafts (the official verify_batch_size, 32), up to its first chunk with a
+        rejection: a run of n < N accepted drafts takes n // chunk + 1 chunks, a fully accepted one
+        ceil(N / chunk); the last draft is never fed (no draft follows it). Batched, forward k feeds the span
+        covering every undecided row's chunk k (the guide is causal: re-feeding a row's already verified
+        slots recomputes the same keys/values), so a step costs the largest of the rows' chunk counts.
+        -> (n (B,), at (B, V), calls): n = the accepted run from the first draft, at = the guide's logits at
+        the first rejected draft (zeros elsewhere), calls = guide forwards. Leaves `length` alone: `commit`.
         """
-        fed = torch.cat([torch.as_tensor(last, device=drafts.device).view(1), drafts[:-1]])   # (N,)
-        calls = 0
-        for a in range(0, drafts.numel(), chunk):
-            logits = self.model(fed[None, a:a + chunk], cache=self.cache, start=self.length + a)[0]   # (n, V)
+        y = drafted[self.rows]                                      # (R, L)
+        R, L = y.shape
+        start = self.length                                         # (R,) slot of the last committed token
+        n = torch.full((R,), -1, dtype=torch.long, device=y.device)  # -1: not decided yet
+        at = torch.zeros(R, self.model.config.vocab_size, dtype=self.cache.k.dtype, device=y.device)
+        calls = 0                                                   # = the chunk index k
+        while (n < 0).any():
+            open_ = n < 0
+            lo, hi = start + calls * chunk, (start + (calls + 1) * chunk).clamp(max=L - 1)   # each row's chunk k
+            a, b = int(lo[open_].min()), int(hi[open_].max())
+            logits = self.forward(y[:, a:b], a)                     # (R, b - a, V): slot i judges token i + 1
             calls += 1
-            ok = accept(logits, drafts[a:a + chunk])
-            if not ok.all():
-                return a + int(ok.long().argmin()), calls                  # index of the first rejection
-        return drafts.numel(), calls
+            slot = torch.arange(a, b, device=y.device)
+            mine = open_[:, None] & (slot >= lo[:, None]) & (slot < hi[:, None])
+            bad = mine & ~accept(logits, y[:, a + 1:b + 1])
+            first = torch.where(bad, slot, L).min(-1).values        # the first rejection's slot, L if none
+            hit = first < L
+            at[hit] = logits[hit, first[hit] - a]
+            n = torch.where(hit, first - start, n)
+            n = torch.where(open_ & ~hit & (hi >= L - 1), L - 1 - start, n)      # every draft accepted
+        B = drafted.shape[0]
+        n_all = torch.zeros(B, dtype=torch.long, device=y.device).index_copy_(0, self.rows, n)
+        at_all = at.new_zeros(B, at.shape[-1]).index_copy_(0, self.rows, at)
+        return n_all, at_all, calls
 
-    def commit(self, n: int):
-        """The step committed n >= 1 tokens. Keep the rows of `last` and of the first n - 1 of them: that is
-        the committed text minus its (new) last token again. This also covers a rejected d0 that the loop
-        commits anyway (n = 1: only `last` is kept) and a run cut at an end-of-text token. Rows past `length`
-        are stale drafts; the next chunk overwrites them and the causal mask never reads past the chunk."""
-        self.length += n
+    def commit(self, n: torch.Tensor, done: torch.Tensor):
+        """Row b committed n[b] tokens this step (the accepted run, d0 when the guide rejected it, the guide's
+        token in place of a rejected draft, or a run cut at an end token): keep the slots of `last` and the
+        first n - 1 of them, i.e. the committed text minus its (new) last token again. Slots past `length`
+        hold stale drafts; the next verification overwrites them and the causal mask never reads past the
+        chunk. done (B,): rows whose answer is complete leave the guide's batch, so they cost no more guide
+        work (one copy of the cache, when a row finishes)."""
+        self.length += n[self.rows]
+        keep = ~done[self.rows]
+        if not keep.all():
+            self.rows, self.length = self.rows[keep], self.length[keep]
+            self.cache.keep_rows(keep)
+            self.pos = None if self.pos is None else self.pos[keep]
+            self.real = None if self.real is None else self.real[keep]

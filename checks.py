@@ -168,6 +168,12 @@ def check_guided(model, st):
         bad(f"accept_ratio must be a number in (0, 1] (got {st.accept_ratio!r})")
     if type(st.verify_chunk) is not int or st.verify_chunk < 1:
         bad(f"verify_chunk must be an integer >= 1 (got {st.verify_chunk!r})")
+    if type(st.speculative) is not bool:
+        bad(f"speculative must be True or False (got {st.speculative!r})")
+    if isinstance(st.accept_threshold, bool) or not isinstance(st.accept_threshold, numbers.Real) \
+            or not 0 <= st.accept_threshold < 1:
+        bad(f"accept_threshold must be a number in [0, 1) (got {st.accept_threshold!r}): the guide accepts a "
+            f"draft whose probability exceeds it")
 
 
 def check_call(model, prompt, st, attention_mask, generator, whole_canvas):
@@ -188,7 +194,7 @@ def check_call(model, prompt, st, attention_mask, generator, whole_canvas):
     if st.guide is not None:
         check_guided(model, st)
     else:
-        given = [k for k in GUIDED_ONLY if getattr(st, k, None) is not None and getattr(st, k) is not False]
+        given = [k for k in GUIDED_ONLY if getattr(st, k) is not None and getattr(st, k) is not False]
         if given:
             bad(f"{', '.join(given)} only apply to guided diffusion: pass guide= too, or leave them out")
     if cfg.family == "dream" and st.guide is None:

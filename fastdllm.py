@@ -72,13 +72,17 @@ class Settings:
     stop_at_eos: bool | int = False    # True: stop after a finished block holding an end token; k: FlashDLM's rule
     eos_ids: list | None = None        # the end tokens (default the config's)
     guide: torch.nn.Module | None = None   # FlashDLM guided diffusion: a causal LM with the same token ids
-    accept: str | None = None          # guided: "deterministic" (default) | "topk" | "topk_relative"
+    speculative: bool | None = None    # guided: commit the guide's token at the first rejection (default: no)
+    accept: str | None = None          # guided: "deterministic" (default) | "topk" | "topk_relative" |
+                                       #   "dynamic_threshold" | "aggressive"
     accept_k: int | None = None        # guided top-k (default 5)
     accept_ratio: float | None = None  # guided topk_relative ratio (default 0.95)
+    accept_threshold: float | None = None  # guided dynamic_threshold: p(draft) > this (default 0.1)
     verify_chunk: int | None = None    # guided: drafts verified per guide forward (default 32)
 
 
-GUIDED_DEFAULTS = dict(accept="deterministic", accept_k=5, accept_ratio=0.95, verify_chunk=32)
+GUIDED_DEFAULTS = dict(speculative=False, accept="deterministic", accept_k=5, accept_ratio=0.95, accept_threshold=0.1,
+                       verify_chunk=32)
 
 
 @dataclass
@@ -129,9 +133,13 @@ def make_plan(model, prompt, st: Settings, attention_mask, generator) -> Plan:
     feed = (st.cache if isinstance(st.cache, Feed) else GuidedFreeCache() if guided and st.cache == "free"
             else FreeCache(shift) if st.cache == "free" else CacheMode(st.cache, shift))
     feed = Refresh(feed) if st.refresh_every_step else feed
+    pos, mask = padding(attention_mask, st.gen_length, device)
     if guided:                         # one block over the answer: "dual" is "prefix" here
-        step_rule = S.GuidedStep(Guide(st.guide, L), partial(S.accept_drafts, rule=st.accept, k=st.accept_k,
-                                 ratio=st.accept_ratio), st.verify_chunk, eos, cfg.mask_id, prompt.to(device))
+        real = None if pos is None else F.pad(attention_mask.to(device).bool(), (0, st.gen_length), value=True)
+        accept = partial(S.accept_drafts, rule=st.accept, k=st.accept_k, ratio=st.accept_ratio,
+                         threshold=st.accept_threshold)
+        step_rule = S.GuidedStep(Guide(st.guide, B, L, pos, real), accept, st.verify_chunk, eos, cfg.mask_id,
+                                 st.speculative, prompt.to(device))
     elif dream:
         family = S.DreamCanvasStep if whole_canvas else S.DreamFreeStep if st.cache == "free" else S.DreamStep
         step_rule = family(rule, st.steps, n_blocks, st.block_length, st.temperature, st.remasking, st.top_p, st.top_k,
@@ -141,7 +149,7 @@ def make_plan(model, prompt, st: Settings, attention_mask, generator) -> Plan:
     stop = S.stop_rule(1 if guided else st.stop_at_eos, P, eos, cfg.mask_id)   # guided: a committed end token ends
     kv = KVCache.for_model(model, B, L) if feed.keeps_cache else None
     return Plan([(s, s + st.block_length) for s in range(P, L, st.block_length)], feed, step_rule, stop,
-                model_call(model, kv, feed, *padding(attention_mask, st.gen_length, device)),
+                model_call(model, kv, feed, pos, mask),
                 1 if getattr(rule, "parallel", True) or guided else st.steps // n_blocks)
 
 
@@ -152,7 +160,7 @@ def model_call(model, kv, feed: Feed, pos, mask):
     def forward(x, at: Step, span, cols):
         a, b = span
         if kv is not None:
-            kv.write_rows = feed.rows(at)
+            kv.write_rows, kv.write_from = feed.rows(at), feed.write_from(at)
         logits = model(x[:, a:b], None if pos is None else pos[:, a:b], kv, a,
                        None if mask is None else mask[:, :, a:b], at.s + cols - a)
         if not torch.isfinite(logits.sum(-1, dtype=torch.float32)).all():
@@ -172,15 +180,13 @@ def generate(model, prompt: torch.Tensor, attention_mask: torch.Tensor | None = 
 
     settings: the keywords of `Settings` (gen_length, block_length, steps, cache, threshold, factor, select,
         temperature, remasking, top_p, top_k, alg_temp, eps, refresh_every_step, stop_at_eos, eos_ids, guide,
-        accept, accept_k, accept_ratio, verify_chunk); see its field comments and the README's API table.
+        speculative, accept, accept_k, accept_ratio, accept_threshold, verify_chunk); see its field comments
+        and the README's API table.
     attention_mask: (B, P) 1/0 for left-padded prompts, both families: each row decodes as it would alone.
     generator: the only source of randomness (default: a fresh one seeded 0). on_step(x, stats) is called
         after every step with the live canvas.
     """
     st = settings_of(settings)
-    if st.guide is not None and prompt.shape[0] > 1:
-        resolve(model, prompt, st, attention_mask, generator)
-        return generate_rows(model, prompt, attention_mask, on_step=on_step, **settings)
     p = make_plan(model, prompt, st, attention_mask, generator)
     mask_id, on_step = model.config.mask_id, on_step or (lambda x, stats: None)
     x = F.pad(prompt.to(model.lm_head.weight.device), (0, st.gen_length), value=mask_id)
@@ -213,18 +219,6 @@ def generate(model, prompt: torch.Tensor, attention_mask: torch.Tensor | None = 
     return x, stats
 
 
-def generate_rows(model, prompt, attention_mask, **kw):
-    """Guided decoding of a batch: each row alone (its pads stripped), then put back in place. Rows of one
-    batch commit different numbers of tokens per step, so the guide's committed text differs per row;
-    decoding them one by one is the simplest way to keep every row exactly as it would be alone."""
-    rows, stats = [], {"nfe": 0, "fed": [], "committed": [], "calls_saved": 0, "guide_calls": 0, "seconds": 0.0}
-    for b in range(prompt.shape[0]):
-        real = prompt[b] if attention_mask is None else prompt[b][attention_mask[b].bool().to(prompt.device)]
-        out, st = generate(model, real[None], **kw)
-        rows.append(torch.cat([prompt[b, :prompt.shape[1] - real.numel()].to(out.device), out[0]]))
-        stats = {key: total + st[key] for key, total in stats.items()}      # lists concatenate, counts add
-    stats["tokens_per_s"] = prompt.shape[0] * kw.get("gen_length", 128) / max(stats["seconds"], 1e-9)
-    return torch.stack(rows), stats
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -270,7 +264,8 @@ def checked(kind, ok, what: str):
 
 
 # Flags that only mean something beside another flag: given without it they are an error, never ignored.
-NEEDS = {"accept": "guide", "accept_k": "guide", "accept_ratio": "guide", "batch_size": "prompt_file"}
+NEEDS = {"accept": "guide", "accept_k": "guide", "accept_ratio": "guide", "accept_threshold": "guide",
+         "speculative": "guide", "batch_size": "prompt_file"}
 NOT_GIVEN = object()   # what a NEEDS flag holds after parsing when it was not on the command line
 
 
@@ -318,11 +313,18 @@ def parse_args(argv=None):
     p.add_argument("--guide", help="a causal LM sharing the model's tokenizer (Qwen2 format, repo id or folder): "
                    "FlashDLM's guided diffusion (default: off)")
     p.add_argument("--accept", default="deterministic", choices=S.ACCEPT_RULES, metavar="RULE",
-                   help="guided: deterministic | topk | topk_relative (default: %(default)s)")
+                   help="guided: deterministic | topk | topk_relative | dynamic_threshold | aggressive "
+                   "(default: %(default)s)")
     p.add_argument("--accept-k", type=checked(int, lambda k: k >= 1, "an integer >= 1"), default=5,
                    help="guided top-k (default: %(default)s)")
     p.add_argument("--accept-ratio", type=checked(float, lambda r: 0 < r <= 1, "a number in (0, 1]"),
                    default=0.95, help="guided topk_relative ratio (default: %(default)s)")
+    p.add_argument("--accept-threshold", type=checked(float, lambda t: 0 <= t < 1, "a number in [0, 1)"),
+                   default=0.1, help="guided dynamic_threshold: accept a draft whose guide probability exceeds "
+                   "this (default: %(default)s)")
+    p.add_argument("--speculative", action="store_true", default=False, help="guided: commit the guide's token "
+                   "in place of the first rejected draft, i.e. the guide's quality (default: the diffusion "
+                   "model's first draft)")
     args = p.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(NEEDS, NOT_GIVEN)))
     for flag, need in NEEDS.items():
         if getattr(args, flag) is NOT_GIVEN:
@@ -364,7 +366,8 @@ def settings(args, **override):
               cache=args.cache, threshold=args.threshold, factor=args.factor, temperature=args.temperature,
               remasking=args.remasking, top_p=args.top_p, top_k=args.top_k, alg_temp=args.alg_temp)
     if args.guide:
-        kw.update(accept=args.accept, accept_k=args.accept_k, accept_ratio=args.accept_ratio)
+        kw.update(accept=args.accept, accept_k=args.accept_k, accept_ratio=args.accept_ratio,
+                  accept_threshold=args.accept_threshold, speculative=args.speculative)
     kw.update(override)
     return kw
 
@@ -460,7 +463,8 @@ def main(argv=None):
     args = parse_args(argv)
     device, dtype = pick_device_dtype(args.device, args.dtype)
     kw = settings(args)
-    check_settings(**{k: v for k, v in kw.items() if k not in ("remasking", "accept", "accept_k", "accept_ratio")} |
+    check_settings(**{k: v for k, v in kw.items() if k not in ("remasking", "accept", "accept_k", "accept_ratio",
+                                                               "accept_threshold", "speculative")} |
                    {"block_length": kw["block_length"] or kw["gen_length"],
                     "steps": kw["gen_length"] if kw["steps"] is None else kw["steps"]})
     # The guide first: a typo in its path must not wait for the model's download.

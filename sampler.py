@@ -14,7 +14,8 @@ masks `cand` (B, N); confidences (B, N) hold -inf at non-candidates so they can 
 - Fast-dLLM's parallel decoding (paper section 3.3): `select_threshold` (Theorem 1: unmask every token
   whose confidence clears tau, and always the most confident) and `select_factor`.
 - FlashDLM's guided diffusion (arXiv 2505.21467; spec/flashdlm.md 2): `accept_drafts`, the guide's verdict on the
-  diffusion model's drafts.
+  diffusion model's drafts (five rules), and `guided_commit`, what a step then commits: the assisted variant's
+  accepted drafts, or the speculative variant's accepted drafts and the guide's own token (`guide_token`).
 - The parts generate() calls, each decided once per call: selection rules (`Schedule`, `Threshold`,
   `Factor`: which proposals a step commits), step rules (`LLaDAStep`, `DreamStep` and its FreeCache and
   whole-canvas clocks, `GuidedStep`: one family's propose-and-select with its state), and stop rules
@@ -211,33 +212,79 @@ def select_factor(conf, cand, factor: float):
 
 
 # ---------------------------------------------------------------------------------------- guided diffusion
-ACCEPT_RULES = ("deterministic", "topk", "topk_relative")
+ACCEPT_RULES = ("deterministic", "topk", "topk_relative", "dynamic_threshold", "aggressive")
 
 
-def accept_drafts(logits, drafts, rule: str = "deterministic", k: int = 5, ratio: float = 0.95):
+def accept_drafts(logits, drafts, rule: str = "deterministic", k: int = 5, ratio: float = 0.95,
+                  threshold: float = 0.1):
     """
     FlashDLM's verification (arXiv 2505.21467; spec/flashdlm.md 2): does the causal guide agree with each draft?
-    logits (N, V): the guide's next-token logits at each draft's position; drafts (N,) -> bool (N,).
+    logits (..., V): the guide's next-token logits at each draft's position; drafts (...) -> bool (...).
     - deterministic: the draft is the guide's argmax (the token greedy decoding with the guide would write).
     - topk: the draft is among the guide's k most likely tokens (the official default k = 5).
     - topk_relative: among the top k *and* p(draft) >= ratio * p(top-1), so a flat top-k does not let an
       unlikely token through (their evaluator: k = 5, ratio = 0.95).
-    Decided on float32 probabilities, as the official code decides (softmax, then argmax / topk), so that
-    ties and underflow to 0 fall the same way. The loop commits the accepted *run* from the first draft;
+    - dynamic_threshold: p(draft) > threshold (the official `confidence_threshold`, default 0.1).
+    - aggressive: in the guide's top 5, or p(draft) > 0.05, or inside its top-p 0.95 set (ids sorted by p,
+      kept while their cumulative probability is <= 0.95); the official constants.
+    Decided on float32 probabilities, as the official code decides (softmax, then argmax / topk / sort), so
+    that ties and underflow to 0 fall the same way. The loop commits the accepted *run* from the first draft;
     this function only gives the verdicts.
     """
     if rule not in ACCEPT_RULES:
         raise ValueError(f"unknown acceptance rule {rule!r}: use one of {', '.join(ACCEPT_RULES)}")
-    p = logits.float().softmax(-1)                                            # (N, V)
+    p = logits.float().softmax(-1)                                            # (..., V)
+    p_draft = p.gather(-1, drafts[..., None]).squeeze(-1)                     # (...)
     if rule == "deterministic":
         return p.argmax(-1) == drafts
+    if rule == "dynamic_threshold":
+        return p_draft > threshold
+    if rule == "aggressive":
+        top5 = (p.topk(min(5, p.shape[-1]), dim=-1).indices == drafts[..., None]).any(-1)
+        sorted_p, order = p.sort(-1, descending=True)
+        nucleus = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, order, sorted_p.cumsum(-1) <= 0.95)
+        return top5 | (p_draft > 0.05) | nucleus.gather(-1, drafts[..., None]).squeeze(-1)
     if not k >= 1:
         raise ValueError(f"acceptance top-k must be >= 1 (got {k})")
-    top_p, top_ids = p.topk(min(k, p.shape[-1]), dim=-1)                      # (N, k)
-    ok = (top_ids == drafts[:, None]).any(-1)
+    top_p, top_ids = p.topk(min(k, p.shape[-1]), dim=-1)                      # (..., k)
+    ok = (top_ids == drafts[..., None]).any(-1)
     if rule == "topk_relative":
-        ok &= p.gather(-1, drafts[:, None]).squeeze(-1) >= ratio * top_p[:, 0]
+        ok &= p_draft >= ratio * top_p[..., 0]
     return ok
+
+
+# ---------------------------------------------------------------------------------------- guided commit
+def guide_token(logits, mask_id: int):
+    """The guide's own choice where it rejected a draft: the argmax of its float32 probabilities (the token the
+    official code writes for deterministic, topk and topk_relative; for dynamic_threshold and aggressive it
+    samples one instead, which we do not replay). Never the diffusion model's mask id (the tiny test guide
+    has that row; a committed mask would leave its position open)."""
+    return argmax_except(logits.float().softmax(-1), mask_id)
+
+
+def guided_commit(drafts, cand, n, fix, speculative: bool, eos):
+    """
+    What a guided step commits, per row. drafts (B, N): the diffusion model's argmax at the open columns cand
+    (B, N), which run to the block's end (guided commits go left to right); n (B,): the accepted run from the
+    first draft (Guide.verify); fix (B,): the guide's own token at the first rejected draft (guide_token).
+    - assisted (FlashDLM's default): the accepted run, and at least the first draft (the diffusion model's
+      own token), so the output is the diffusion model's text wherever the guide agrees.
+    - speculative (speculative decoding with the diffusion model as the drafter): the accepted run, then the
+      guide's token in place of the rejected draft. Every committed token is one the rule lets the guide
+      write; with `deterministic` the answer is the guide's own greedy text.
+    Cut after the first end token (eos ids). -> (x0 (B, N), transfer (B, N), ended (B,)).
+    """
+    N = cand.shape[1]
+    col = torch.arange(N, device=cand.device)
+    rank = col - (N - cand.sum(-1, keepdim=True))           # 0 at each row's first open column
+    if speculative:
+        x0 = torch.where(rank == n[:, None], fix[:, None], drafts)
+        take = cand & (rank <= n[:, None])
+    else:
+        x0, take = drafts, cand & (rank < n.clamp(min=1)[:, None])
+    end = take & torch.isin(x0, eos)
+    cut = torch.where(end, col, N).min(-1, keepdim=True).values
+    return x0, take & (col <= cut), end.any(-1)
 
 
 # ---------------------------------------------------------------------------------------- selection rules
@@ -437,15 +484,16 @@ class DreamCanvasStep(DreamStep):
 
 # ---------------------------------------------------------------------------------------- guided step
 class GuidedStep:
-    """FlashDLM guided diffusion (spec/flashdlm.md 2), one row: the drafts are the argmax at every open
-    position (contiguous from the first mask: commits go left to right); the guide verifies them; commit
-    the accepted run, at least the first draft (the diffusion model's own token), cut after an end token.
-    Drafts are limited to the ids the guide has (Dream-7B's 152064 rows vs Qwen2.5's 151936: the rows past
-    the tokenizer are padding, never text). The committed end token itself ends the answer (the stop rule)."""
+    """FlashDLM guided diffusion (spec/flashdlm.md 2), the whole batch: the drafts are the argmax at every open
+    position; the guide verifies each row's drafts (one guide forward per verification chunk for the whole
+    batch, cache.Guide); guided_commit picks what to commit. Drafts are limited to the ids the guide has
+    (Dream-7B's 152064 rows vs Qwen2.5's 151936: the rows past the tokenizer are padding, never text). A
+    committed end token ends its row's answer (the stop rule); a finished row leaves the guide's batch."""
 
-    def __init__(self, verifier, accept, chunk: int, eos, mask_id: int, prompt):
+    def __init__(self, verifier, accept, chunk: int, eos, mask_id: int, speculative: bool, prompt):
         self.verifier, self.accept, self.chunk, self.eos, self.mask_id = verifier, accept, chunk, eos, mask_id
-        self.guide_calls = verifier.prefill(prompt[0])
+        self.speculative = speculative
+        self.guide_calls = verifier.prefill(prompt)
 
     def start_block(self, cand, block: int):
         pass
@@ -455,14 +503,14 @@ class GuidedStep:
 
     def select(self, logits, cols, at, span):
         cand, N = at.cand, at.cand.shape[1]
-        drafts = argmax_except(logits[0, :, :self.verifier.model.config.vocab_size], self.mask_id)   # (n_open,)
-        n, calls = self.verifier.verify(at.x[0, at.s + cols[0] - 1], drafts, self.accept, self.chunk)
-        n = max(n, 1)
-        hit = torch.isin(drafts[:n], self.eos)
-        n = int(hit.nonzero()[0]) + 1 if hit.any() else n
-        self.verifier.commit(n)
+        drafts = widen(argmax_except(logits[..., :self.verifier.model.config.vocab_size], self.mask_id), cols, N, 0)
+        drafted = torch.cat([at.x[:, :at.s], torch.where(cand, drafts, at.x[:, at.s:])], 1)   # every mask drafted
+        n, rejected, calls = self.verifier.verify(drafted, self.accept, self.chunk)
+        x0, transfer, ended = guided_commit(drafts, cand, n, guide_token(rejected, self.mask_id), self.speculative,
+                                            self.eos)
+        self.verifier.commit(transfer.sum(-1), ended | ~(cand & ~transfer).any(-1))   # finished rows leave
         self.guide_calls += calls
-        return widen(drafts[None], cols, N, 0), cand & (torch.arange(N, device=cand.device) < cols[0] + n)
+        return x0, transfer
 
 
 # ---------------------------------------------------------------------------------------- end of text

@@ -124,9 +124,9 @@ def test_train_smoke_guide(tmp_path):
     assert guide.config.family == "qwen2" and guide.config.n_kv_heads < guide.config.n_heads   # GQA, as Qwen2.5
     tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
     prompt = torch.tensor(tok.encode(demo_train.heldout(1)[0][0], add_special_tokens=False).ids)
-    g = Guide(guide, len(prompt) + 8)
-    assert g.prefill(prompt) == 1
-    n, calls = g.verify(prompt[-1], torch.tensor([5, 6, 7]), accept_drafts, chunk=2)
+    g = Guide(guide, 1, len(prompt) + 3)
+    assert g.prefill(prompt[None]) == 1
+    n, _, calls = g.verify(torch.cat([prompt, torch.tensor([5, 6, 7])])[None], accept_drafts, chunk=2)
     assert 0 <= n <= 3 and calls == (1 if n < 2 else 2)
 
 

@@ -915,3 +915,40 @@ def test_bench_flag_error_is_one_line_naming_the_flag(bench_results, case):
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert flag in lines[0], lines[0]
     assert not {"ck", "g.json"} & set(os.listdir(tmp))   # nothing was written
+
+
+# ---------------------------------------------------------------------------------- issue 18: guided settings
+# FlashDLM's speculative variant and acceptance thresholds (generate(guide=...)): one line each, before any
+# model call.
+@pytest.fixture(scope="module")
+def guided_pair():
+    return (load_model(os.path.join(GOLDEN, "dream-tiny"), device="cpu", dtype=torch.float32),
+            load_model(os.path.join(GOLDEN, "qwen2-tiny"), device="cpu", dtype=torch.float32))
+
+
+@pytest.mark.parametrize("kw,pattern", [
+    (dict(accept_threshold=1.0), r"accept_threshold must be a number in \[0, 1\) \(got 1\.0\)"),
+    (dict(accept_threshold=-0.1), r"accept_threshold must be a number in \[0, 1\) \(got -0\.1\)"),
+    (dict(accept_threshold=float("nan")), r"accept_threshold must be a number in \[0, 1\) \(got nan\)"),
+    (dict(accept_threshold="0.1"), r"accept_threshold must be a number in \[0, 1\) \(got '0\.1'\)"),
+    (dict(accept_threshold=True), r"accept_threshold must be a number in \[0, 1\) \(got True\)"),
+    (dict(speculative="yes"), r"speculative must be True or False \(got 'yes'\)"),
+    (dict(speculative=1), r"speculative must be True or False \(got 1\)"),
+    (dict(accept="greedy"), r"unknown accept rule 'greedy': use one of .*dynamic_threshold, aggressive"),
+])
+def test_bad_guided_settings(guided_pair, kw, pattern):
+    dream, guide = guided_pair
+    with pytest.raises(ValueError, match=pattern) as e:
+        generate(dream, torch.tensor([[5, 6, 7, 8]]), gen_length=8, guide=guide, **kw)
+    one_line(e)
+
+
+@pytest.mark.parametrize("value", ["high", "1.5", "nan"])
+def test_cli_bad_accept_threshold_is_one_line(value):
+    with pytest.raises(ValueError, match=rf"argument --accept-threshold: expected a number in \[0, 1\), got '{value}'"):
+        fastdllm.parse_args(["--prompt", "hi", "--guide", "g", "--accept-threshold", value])
+
+
+def test_cli_speculative_needs_a_guide():
+    with pytest.raises(ValueError, match="--speculative only applies with --guide"):
+        fastdllm.parse_args(["--prompt", "hi", "--speculative"])

@@ -135,84 +135,132 @@ def test_accept_drafts_rules():
 
 
 def recorder(reject_at=None):
-    """An acceptance rule that keeps every logits row it is shown and rejects draft `reject_at` (a
-    position in the whole draft list, counted across chunks)."""
+    """An acceptance rule (batch of one row) that keeps every logits row it is shown and rejects draft
+    `reject_at` (a position in the whole draft list, counted across chunks)."""
     seen = []
 
     def accept(logits, drafts):
-        seen.append(logits.clone())
-        ok = torch.ones(len(drafts), dtype=torch.bool)
+        seen.append(logits[0].clone())
+        ok = torch.ones(drafts.shape, dtype=torch.bool)
         start = sum(len(s) for s in seen[:-1])
-        if reject_at is not None and start <= reject_at < start + len(drafts):
-            ok[reject_at - start] = False
+        if reject_at is not None and start <= reject_at < start + drafts.shape[1]:
+            ok[0, reject_at - start] = False
         return ok
     return accept, seen
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 32])
 def test_chunked_cached_verification_equals_one_causal_forward(qwen, chunk):
-    """Over several steps of prefill / verify / commit, with rejections that leave stale rows in the cache,
+    """Over several steps of prefill / verify / commit, with rejections that leave stale slots in the cache,
     every logits row the rule sees equals the uncached causal forward over the committed text + drafts."""
     g = torch.Generator().manual_seed(0)
     text = torch.randint(0, 1000, (9,), generator=g)
-    guide = Guide(qwen, 64)
+    L = 9 + 20                                        # the canvas: the drafts always run to its end
+    guide = Guide(qwen, 1, L)
     with torch.no_grad():
-        assert guide.prefill(text) == 1 and guide.length == 8
-        for reject_at, commit in [(5, 5), (0, 1), (None, 7), (2, 1)]:   # commit 1 after reject_at 2: an eos cut
-            drafts = torch.randint(0, 1000, (7,), generator=g)
+        assert guide.prefill(text[None]) == 1 and guide.length.tolist() == [8]
+        for reject_at, commit in [(5, 5), (0, 1), (None, 7), (2, 1)]:   # commit 7 of 14, 1 after 2: eos cuts
+            drafts = torch.randint(0, 1000, (L - len(text),), generator=g)
             accept, seen = recorder(reject_at)
-            n, calls = guide.verify(text[-1], drafts, accept, chunk=chunk)
-            assert n == (7 if reject_at is None else reject_at)
-            assert calls == len(seen) == (-(-7 // chunk) if reject_at is None else reject_at // chunk + 1)
-            ref = qwen(torch.cat([text, drafts])[None])[0, len(text) - 1:]   # rows predicting d0, d1, ...
+            n, at, calls = guide.verify(torch.cat([text, drafts])[None], accept, chunk=chunk)
+            N = len(drafts)
+            assert n.tolist() == [N if reject_at is None else reject_at]
+            assert calls == len(seen) == (-(-N // chunk) if reject_at is None else reject_at // chunk + 1)
+            ref = qwen(torch.cat([text, drafts])[None])[0, len(text) - 1:-1]   # rows predicting d0, d1, ...
             got = torch.cat(seen)
             # Equal up to float32 rounding, and the guide's choices exactly. Other chunk shapes sum in another
             # order: on logits up to ~60 that is up to ~1e-4 here (a few float32 steps of 4e-6 per layer; the
             # official cached forward is 1.24e-5 off its own uncached one). A wrong position or a stale cache
-            # row is off by O(1).
+            # slot is off by O(1).
             torch.testing.assert_close(got, ref[:len(got)], rtol=0, atol=ATOL)
             assert torch.equal(got.argmax(-1), ref[:len(got)].argmax(-1))
-            guide.commit(commit)
+            if reject_at is not None:              # the guide's logits at the rejected draft, for speculative
+                torch.testing.assert_close(at[0], ref[reject_at], rtol=0, atol=ATOL)
+            guide.commit(torch.tensor([commit]), torch.tensor([False]))
             text = torch.cat([text, drafts[:commit]])
-            assert guide.length == len(text) - 1
+            assert guide.length.tolist() == [len(text) - 1]
+
+
+def test_batched_verification_equals_each_row_alone(qwen):
+    """Three rows, left-padded prompts of different lengths, committing different amounts: one forward per
+    chunk serves them all, and every row's verdicts and logits are the ones it gets alone (the same canvas
+    slots, its own RoPE positions from its first real token, pads never attended). A finished row leaves."""
+    from sampler import accept_drafts
+    accept = functools.partial(accept_drafts, rule="topk", k=512)
+    g = torch.Generator().manual_seed(1)
+    lens, P, G = [9, 4, 6], 9, 24
+    L = P + G
+    rows = [torch.randint(0, 1000, (n,), generator=g) for n in lens]
+    canvas = torch.stack([torch.cat([torch.full((P - n,), 1000), r, torch.randint(0, 1000, (G,), generator=g)])
+                          for r, n in zip(rows, lens)])
+    real = torch.arange(L) >= torch.tensor([[P - n] for n in lens])
+    pos = (real.long().cumsum(-1) - 1).clamp(min=0)
+    batch = Guide(qwen, 3, L, pos, real)
+    alone = [Guide(qwen, 1, n + G) for n in lens]
+    calls, solo_calls = batch.prefill(canvas[:, :P]), 0
+    last = torch.full((3,), P - 1)                        # each row's last committed position
+    sizes = []
+    with torch.no_grad():
+        for i, n in enumerate(lens):
+            solo_calls += alone[i].prefill(canvas[i:i + 1, P - n:P])
+        while len(batch.rows):
+            served = batch.rows.tolist()
+            nb, atb, c = batch.verify(canvas, accept, chunk=4)
+            calls += c
+            for i in served:
+                ns, ats, c = alone[i].verify(canvas[i:i + 1, P - lens[i]:], accept, chunk=4)
+                solo_calls += c
+                assert nb[i] == ns[0]
+                torch.testing.assert_close(atb[i], ats[0], rtol=0, atol=ATOL)
+            # commit the accepted run and the next draft (as if the guide's token were the draft), to the end
+            commit = torch.minimum(nb + 1, L - 1 - last)
+            last += commit
+            for i in served:
+                alone[i].commit(commit[i:i + 1], torch.tensor([False]))
+            batch.commit(commit, last == L - 1)
+            assert batch.cache.k.shape[1] == len(batch.rows)       # a finished row has left the guide's batch
+            sizes.append(len(batch.rows))
+    assert calls < solo_calls and len(set(sizes) - {3}) >= 2        # rows finished at different steps
 
 
 def test_prefill_of_a_single_token_makes_no_call(qwen):
-    guide = Guide(qwen, 8)
-    assert guide.prefill(torch.tensor([5])) == 0 and guide.length == 0
-    n, calls = guide.verify(torch.tensor(5), torch.tensor([1, 2]), recorder()[0])
-    assert (n, calls) == (2, 1)
+    guide = Guide(qwen, 1, 8)
+    assert guide.prefill(torch.tensor([[5]])) == 0 and guide.length.tolist() == [0]
+    n, at, calls = guide.verify(torch.tensor([[5, 1, 2]]), recorder()[0])
+    assert (n.tolist(), calls) == ([2], 1)
 
 
 def test_guide_refuses_diffusion_model_and_long_text(qwen):
     dream = load_model(os.path.join(GOLDEN, "dream-tiny"))
     with pytest.raises(ValueError, match="the guide must be a causal LM"):
-        Guide(dream, 16)
+        Guide(dream, 1, 16)
     with pytest.raises(ValueError, match="longer than the guide's 32768 positions"):
-        Guide(qwen, 40000)
+        Guide(qwen, 1, 40000)
 
 
 def test_guide_pieces_reproduce_the_golden_guided_runs(qwen, golden):
     """A minimal driver of the pieces (Dream drafts, Guide.verify, accept_drafts, Guide.commit), in the
-    official default mode, reproduces every golden prompt_frozen run: ids, Dream forwards, guide forwards
-    and tokens committed per step. The decoding loop proper is fastdllm.generate's; this pins down the
-    guide's call count: a prefix push, then one call per chunk up to the first chunk with a rejection.
-    One golden count is off by one on purpose: in the verify-chunk-4 run one step accepts 5 drafts (two
-    chunks), and the official bookkeeping records only the last chunk's 4 fed tokens as cached, so its next
-    step re-pushes one token the cache already holds (a spurious guide forward that also duplicates a token
-    in its cache, without changing any verdict of this run). We do not reproduce that bug."""
+    official default mode, reproduces every golden prompt_frozen run, assisted and speculative: ids, Dream
+    forwards, guide forwards and tokens committed per step. The decoding loop proper is fastdllm.generate's;
+    this pins down the guide's call count: a prefix push, then one call per chunk up to the first chunk with
+    a rejection. One golden count is off by one on purpose: in the verify-chunk-4 run one step accepts 5
+    drafts (two chunks), and the official bookkeeping records only the last chunk's 4 fed tokens as cached,
+    so its next step re-pushes one token the cache already holds (a spurious guide forward that also
+    duplicates a token in its cache, without changing any verdict of this run). We do not reproduce that bug."""
     dream = load_model(os.path.join(GOLDEN, "dream-tiny"))
     mask, eos = golden["special_ids"]["mask"], golden["special_ids"]["eos"]
     runs = [r for r in golden["runs"] if r["family"] == "guided" and r["settings"]["cache_mode"] == "prompt_frozen"]
-    assert len(runs) == 7
+    assert len(runs) == 12
     for run in runs:
         st, acc = run["settings"], run["settings"]["acceptance"]
-        accept = functools.partial(accept_drafts, rule=acc["rule"], k=acc.get("k", 5), ratio=acc.get("ratio", 0.95))
+        speculative = st["method"] == "guided_speculative"
+        accept = functools.partial(accept_drafts, rule=acc["rule"], k=acc.get("k", 5), ratio=acc.get("ratio", 0.95),
+                                   threshold=acc.get("threshold", 0.1))
         prompt = torch.tensor(golden["prompts"][run["prompt"]])
         P, L = len(prompt), len(prompt) + st["gen_length"]
         x = torch.cat([prompt, torch.full((st["gen_length"],), mask)])
-        kv, guide = KVCache.for_model(dream, 1, L), Guide(qwen, L)
-        nfe, calls, per = 0, guide.prefill(prompt), []
+        kv, guide = KVCache.for_model(dream, 1, L), Guide(qwen, 1, L)
+        nfe, calls, per = 0, guide.prefill(prompt[None]), []
         with torch.no_grad():
             while (x == mask).any():
                 a = 0 if nfe == 0 else P           # step 0: the whole canvas; then the generation part
@@ -221,16 +269,19 @@ def test_guide_pieces_reproduce_the_golden_guided_runs(qwen, golden):
                 nfe += 1
                 first = int((x == mask).nonzero()[0])
                 drafts = logits[first - a:].argmax(-1)
-                n, c = guide.verify(x[first - 1], drafts, accept, chunk=st["verify_chunk"])
-                calls += c
-                new = drafts[:max(n, 1)]                        # a rejected first draft is committed anyway
+                n, at, c = guide.verify(torch.cat([x[:first], drafts])[None], accept, chunk=st["verify_chunk"])
+                n, calls = int(n[0]), calls + c
+                if speculative:                    # the accepted run, then the guide's own token
+                    new = torch.cat([drafts[:n], at[0].argmax()[None]])[:len(drafts)]
+                else:                              # the accepted run; a rejected first draft is committed anyway
+                    new = drafts[:max(n, 1)]
                 if (new == eos).any():
                     new = new[:int((new == eos).nonzero()[0]) + 1]
                 x[first:first + len(new)] = new
-                guide.commit(len(new))
-                per.append(len(new))
                 if new[-1] == eos:
                     x[x == mask] = eos
+                guide.commit(torch.tensor([len(new)]), torch.tensor([not (x == mask).any()]))
+                per.append(len(new))
         assert (x.tolist(), nfe, per) == (run["output"], run["nfe"], run["committed_per_step"]), run["name"]
         bug = 1 if run["name"] == "as_prompt_topk512_g64_vb4" else 0
         assert calls == run["ar_calls"] - bug, run["name"]

@@ -14,7 +14,7 @@ from test_flashdlm import eos_bias
 
 with open(os.path.join(GOLDEN, "flashdlm-golden.json")) as f:
     FLASH = json.load(f)
-GUIDED_RUNS = [r for r in FLASH["runs"] if r["settings"]["method"] == "guided_assisted"]
+GUIDED_RUNS = [r for r in FLASH["runs"] if r["settings"]["method"] in ("guided_assisted", "guided_speculative")]
 # The official guide does one spurious forward in this run (when an accepted run spans two verification
 # chunks it re-pushes a token its cache already holds); the tokens are unaffected. We count 51, not 52.
 OFFICIAL_EXTRA_GUIDE_CALLS = {"as_prompt_topk512_g64_vb4": 1}
@@ -26,11 +26,13 @@ def guide(qwen2):
 
 
 def guided_call(st):
-    """Official `assisted_block_diffusion_generate` settings -> our generate() arguments."""
+    """Official `assisted_block_diffusion_generate` / `speculative_block_diffusion_generate` settings -> our
+    generate() arguments."""
     acc = st["acceptance"]
     return dict(gen_length=st["gen_length"], cache={"prompt_frozen": "prefix", "aggressive": "free"}[st["cache_mode"]],
                 accept=acc["rule"], accept_k=acc.get("k", 5), accept_ratio=acc.get("ratio", 0.95),
-                verify_chunk=st["verify_chunk"])
+                accept_threshold=acc.get("threshold", 0.1), verify_chunk=st["verify_chunk"],
+                speculative=st["method"] == "guided_speculative")
 
 
 @pytest.mark.parametrize("run", GUIDED_RUNS, ids=lambda r: r["name"])
@@ -86,19 +88,94 @@ def test_a_guide_that_always_agrees_commits_every_draft(dream, guide):
     assert not (out == dream.config.mask_id).any()
 
 
+RULES = [dict(accept="deterministic"), dict(accept="topk", accept_k=512),
+         dict(accept="topk_relative", accept_k=512, accept_ratio=1e-18),
+         dict(accept="dynamic_threshold", accept_threshold=1e-15), dict(accept="aggressive")]
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["assisted", "speculative"])
 @pytest.mark.parametrize("cache", ["none", "prefix", "free"])
-@pytest.mark.parametrize("accept", [dict(accept="deterministic"), dict(accept="topk", accept_k=512),
-                                    dict(accept="topk_relative", accept_k=512, accept_ratio=1e-18)])
-def test_guided_batch_rows_equal_single_rows(dream, guide, cache, accept):
-    """Any batch size, padded too: each row is decoded as it would be alone; every mode terminates."""
+@pytest.mark.parametrize("accept", RULES, ids=lambda a: a["accept"])
+def test_guided_batch_rows_equal_single_rows(dream, guide, cache, accept, speculative):
+    """A batch is decoded together (one diffusion forward per step, one guide forward per verification
+    chunk), padded too: each row is decoded as it would be alone; every mode terminates."""
     from fastdllm import pad_prompts
     rows = [FLASH["prompts"]["p10"], FLASH["prompts"]["p24"][:7]]
     ids, am = pad_prompts(rows, dream.config.pad_id)
-    batch, st = generate(dream, ids, attention_mask=am, gen_length=16, guide=guide, cache=cache, **accept)
+    kw = dict(gen_length=16, guide=guide, cache=cache, speculative=speculative, **accept)
+    batch, st = generate(dream, ids, attention_mask=am, **kw)
     assert not (batch == dream.config.mask_id).any()
     for i, row in enumerate(rows):
-        alone, _ = generate(dream, torch.tensor([row]), gen_length=16, guide=guide, cache=cache, **accept)
+        alone, _ = generate(dream, torch.tensor([row]), **kw)
         assert torch.equal(batch[i, -alone.shape[1]:], alone[0])
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["assisted", "speculative"])
+@pytest.mark.parametrize("cache", ["prefix", "free"])
+@pytest.mark.parametrize("eos", [None, 25.0], ids=["no-eos", "eos25"])
+def test_guided_batch_of_four_costs_the_slowest_row(dream, guide, cache, speculative, eos):
+    """Four prompts of four lengths (left-padded), rows that end at different steps (at the end of the
+    canvas, or at an end token: the eos run adds a constant to the eos logit). Every row equals its solo
+    run, a finished row's canvas never changes again, and the batch costs the diffusion forwards of its
+    slowest row (not their sum) and fewer guide forwards than the rows' own together."""
+    from fastdllm import pad_prompts
+    p10, p24 = FLASH["prompts"]["p10"], FLASH["prompts"]["p24"]
+    rows = [p10, p24[:7], p24, p10[:3]]
+    ids, am = pad_prompts(rows, dream.config.pad_id)
+    kw = dict(gen_length=24, guide=guide, cache=cache, speculative=speculative, accept="topk", accept_k=512)
+    canvases = []
+    with eos_bias(dream, eos):
+        batch, st = generate(dream, ids, attention_mask=am, on_step=lambda x, s: canvases.append(x.clone()), **kw)
+        solo = [generate(dream, torch.tensor([r]), **kw) for r in rows]
+    for i, (alone, own) in enumerate(solo):
+        assert torch.equal(batch[i, -alone.shape[1]:], alone[0])
+        assert all(torch.equal(c[i], batch[i]) for c in canvases[own["nfe"] - 1:])   # done: nothing changes
+    nfe = [own["nfe"] for _, own in solo]
+    assert len(set(nfe)) > 1 and st["nfe"] == max(nfe)
+    assert st["guide_calls"] < sum(own["guide_calls"] for _, own in solo)
+    if eos:   # some rows stopped at an end token, before the canvas end
+        assert any((alone[0, len(r):] == dream.config.eos_id).any() for (alone, _), r in zip(solo, rows))
+
+
+def guide_greedy(guide, prompt, gen_length: int, eos: int):
+    """The guide's own greedy decode, written out: one plain forward over the whole text per token, its argmax
+    appended, the rest filled with eos after an end token."""
+    x = prompt[0].tolist()
+    while len(x) < prompt.shape[1] + gen_length:
+        with torch.no_grad():
+            x.append(int(guide(torch.tensor([x]))[0, -1].argmax()))
+        if x[-1] == eos:
+            x += [eos] * (prompt.shape[1] + gen_length - len(x))
+    return x
+
+
+@pytest.mark.parametrize("cache", ["prefix", "free"])
+def test_speculative_deterministic_is_the_guides_greedy_decode(dream, guide, cache):
+    """Speculative decoding with the diffusion model as the drafter: with deterministic acceptance every
+    committed token is the guide's argmax given the committed text, so the answer is the guide's greedy text,
+    whatever the diffusion model drafts and whatever its cache (here on random weights, and with an end
+    token). On the demo pair, which agrees, it is reached in 3 guide calls instead of one per token."""
+    prompt = torch.tensor([FLASH["prompts"]["p10"]])
+    for bias in (None, 15.0):          # 15: the guide ends its text at answer token 19
+        with eos_bias(guide, bias):
+            ref = guide_greedy(guide, prompt, 32, guide.config.eos_id)
+            out, st = generate(dream, prompt, gen_length=32, guide=guide, cache=cache, speculative=True)
+        assert out[0].tolist() == ref
+    assert bias is None or guide.config.eos_id in ref[prompt.shape[1]:]
+
+
+def test_speculative_demo_pair_is_the_guides_greedy_decode_in_few_calls():
+    from conftest import ROOT
+    model = load_model(os.path.join(ROOT, "demo", "llada-arith"), device="cpu", dtype=torch.float32)
+    g = load_model(os.path.join(ROOT, "demo", "qwen2-arith"), device="cpu", dtype=torch.float32)
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(os.path.join(ROOT, "demo", "llada-arith", "tokenizer.json"))
+    prompt = torch.tensor([tok.encode("Tom has 23 apples and buys 45 more. How many apples does he have?",
+                                      add_special_tokens=False).ids])
+    for cache in ("prefix", "free"):
+        out, st = generate(model, prompt, gen_length=32, guide=g, cache=cache, speculative=True)
+        assert out[0].tolist() == guide_greedy(g, prompt, 32, g.config.eos_id)
+        assert st["guide_calls"] <= 4 and st["nfe"] <= 3
 
 
 def test_guided_llada(llada, guide, tmp_path):
