@@ -29,6 +29,7 @@ import time
 import torch
 
 import fastdllm as F
+from checks import check_settings
 from fastdllm import generate
 from model import ModelConfig, load_model
 from tools.checkpoint import load_random, random_prompts, shape_config
@@ -302,9 +303,7 @@ def run(args, rest):
     from model import read_config, resolve_model_dir
     a = F.parse_args(["--prompt", PROMPT if args.prompt is None else args.prompt] + rest)
     kw = F.settings(a, cache="none", threshold=None)    # every row sets its own cache and rule
-    F.check_settings(**{k: v for k, v in kw.items() if k not in ("remasking", "accept", "accept_k", "accept_ratio")}
-                     | {"block_length": kw["block_length"] or kw["gen_length"],
-                        "steps": kw["gen_length"] if kw["steps"] is None else kw["steps"]})
+    F.check_early(kw)
     device, dtype = F.pick_device_dtype(a.device, a.dtype)
     guide_dir = resolve_model_dir(a.guide, role="guide") if a.guide else None
     model_dir = resolve_model_dir(a.model)
@@ -332,7 +331,7 @@ def random_table(args):
     hf, sweeping = shape_config(args), args.cmd == "sweep"
     for G in args.lengths if sweeping else [args.gen_length]:
         try:
-            F.check_settings(gen_length=G, block_length=args.block_length, steps=G if sweeping else args.steps or G,
+            check_settings(gen_length=G, block_length=args.block_length, steps=G if sweeping else args.steps or G,
                              cache="none", threshold=None, factor=None, temperature=0.0)
         except ValueError as e:
             raise ValueError(f"{'--lengths' if sweeping else '--gen-length'} {G}: {e}") from None

@@ -212,7 +212,11 @@ class Guide:
         end = start + ids.shape[1]
         pos = None if self.pos is None else self.pos[:, start:end]
         mask = None if self.real is None else self.real[:, None, None, :end]    # keys: never a pad
-        return self.model(ids, pos, self.cache, start, mask)
+        logits = self.model(ids, pos, self.cache, start, mask)
+        if not torch.isfinite(logits.sum(-1, dtype=torch.float32)).all():   # the diffusion model's check (fastdllm.py)
+            raise ValueError(f"the guide produced NaN/inf logits: its weights hold NaN/inf, or its activations "
+                             f"overflowed {logits.dtype} (try --dtype float32)")
+        return logits
 
     def prefill(self, prompt: torch.Tensor) -> int:
         """Start new texts: push the prompts (B, P) except their last token, in one forward (the last token is

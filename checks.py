@@ -3,6 +3,7 @@ checks.py: every check of a generate() call, in one place, each once. An impossi
 that names the problem and the fix, never deep inside torch. The CLI runs `check_settings` before it loads
 gigabytes of weights; generate() runs `check_call` (all of them) before it decides anything.
 """
+import inspect
 import math
 import numbers
 
@@ -67,6 +68,16 @@ def check_settings(gen_length, block_length, steps, cache, threshold, factor, te
         bad(f"top_k must be >= 1 (got {top_k})")
     if alg_temp is not None and not alg_temp >= 0:
         bad(f"alg_temp must be >= 0 (got {alg_temp})")
+
+
+def check_early(kw: dict):
+    """check_settings on generate() keywords, before any model is loaded (the CLI, the benchmark, the server,
+    the harness): block_length None is one block and steps None one token a step, as generate() fills them in;
+    the settings that need the model are left to check_call."""
+    names = inspect.signature(check_settings).parameters
+    given = {k: v for k, v in kw.items() if k in names}
+    check_settings(**given | {"block_length": kw.get("block_length") or kw["gen_length"],
+                              "steps": kw["gen_length"] if kw.get("steps") is None else kw["steps"]})
 
 
 def check_prompt(cfg, prompt, gen_length, remasking, top_p, top_k, alg_temp, attention_mask=None):

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import sampler as S
 from cache import CacheMode, Feed, FreeCache, Guide, GuidedFreeCache, KVCache, Refresh, Step
 from chat import Chat, check_text, read_turns, streamer
-from checks import CACHE_MODES, check_call, check_settings
+from checks import CACHE_MODES, check_call, check_early
 from model import check_guide, check_readable, load_model, read_config, resolve_model_dir
 
 
@@ -351,6 +351,11 @@ def parse_args(argv=None):
     if args.guide and clash:
         raise ValueError(f"--{clash} does not apply with --guide: the guide decides how many drafts each step "
                          f"commits, and drafts are the argmax; drop --{clash}")
+    unused = next((f for f in ("steps", "remasking", "top_p", "top_k", "alg_temp") if getattr(args, f) is not None),
+                  "no_early_stop" if args.no_early_stop else None)
+    if args.guide and unused:   # accepted and without effect would be a silent lie: refuse
+        raise ValueError(f"--{unused.replace('_', '-')} does not apply with --guide: a guided answer is one block "
+                         f"of argmax drafts, decoded until a committed end token or no mask is left; drop it")
     if args.trace and args.prompt_file:
         raise ValueError("--trace shows the steps of one answer: use it with --prompt or --interactive, "
                          "not --prompt-file")
@@ -463,10 +468,7 @@ def main(argv=None):
     args = parse_args(argv)
     device, dtype = pick_device_dtype(args.device, args.dtype)
     kw = settings(args)
-    check_settings(**{k: v for k, v in kw.items() if k not in ("remasking", "accept", "accept_k", "accept_ratio",
-                                                               "accept_threshold", "speculative")} |
-                   {"block_length": kw["block_length"] or kw["gen_length"],
-                    "steps": kw["gen_length"] if kw["steps"] is None else kw["steps"]})
+    check_early(kw)
     # The guide first: a typo in its path must not wait for the model's download.
     guide_dir = resolve_model_dir(args.guide, role="guide") if args.guide else None
     model_dir = resolve_model_dir(args.model)

@@ -30,7 +30,6 @@ headline setting (dual cache, threshold 0.9, block 32). docs/eval.md has the det
 """
 import argparse
 import dataclasses
-import inspect
 import json
 import logging
 import os
@@ -48,7 +47,7 @@ except ImportError as e:
     raise ImportError(f"harness.py needs lm-eval ({e}): pip install -r requirements-eval.txt") from None
 
 from chat import Chat
-from fastdllm import Settings, check_settings, generate, pad_prompts, pick_device_dtype
+from fastdllm import Settings, check_early, generate, pad_prompts, pick_device_dtype
 from model import check_guide, load_model, read_config, resolve_model_dir
 
 log = logging.getLogger("lm_eval.fastdllm")   # under lm-eval's logger, so it prints with lm-eval's lines
@@ -85,8 +84,7 @@ class FastDLLM(LM):
         self.settings = DEFAULTS | settings
         self.settings["block_length"] = self.settings["block_length"] or None
         s = self.settings     # what needs no model is checked now, not after reading gigabytes of weights
-        check = dict(s, block_length=s["block_length"] or s["gen_length"], steps=s.get("steps") or s["gen_length"])
-        check_settings(**{k: check[k] for k in inspect.signature(check_settings).parameters if k in check})
+        check_early(s)
         self.model_name, self.guide_name, self.batch_size, self.seed = model, guide, int(batch_size), seed
         if device == "cuda:0" and not torch.cuda.is_available():   # lm-eval's default --device, as its HF model
             log.warning("CUDA is not available: running on cpu")

@@ -36,6 +36,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
+import checks
 import fastdllm
 from chat import Chat, check_text, decode
 from model import read_config, resolve_model_dir
@@ -427,8 +428,7 @@ class App:
             max_tokens, gen = self.gen_length(len(ids), body, kw, guided, param)
             k = kw | {"gen_length": gen}
             try:   # the model-free checks of generate(), here so that a bad setting is a 400 before any batch
-                fastdllm.check_settings(gen, k["block_length"] or gen, k["steps"] or gen, k["cache"], k["threshold"],
-                                        k["factor"], k["temperature"], k["top_p"], k["top_k"], k["alg_temp"])
+                checks.check_early(k)
                 if guided and (k["threshold"] is not None or k["factor"] is not None):
                     raise ValueError("pass guide or threshold/factor, not both: with a guide the guide decides how "
                                      "many drafts each step commits (send \"threshold\": null)")

@@ -952,3 +952,19 @@ def test_cli_bad_accept_threshold_is_one_line(value):
 def test_cli_speculative_needs_a_guide():
     with pytest.raises(ValueError, match="--speculative only applies with --guide"):
         fastdllm.parse_args(["--prompt", "hi", "--speculative"])
+
+
+def test_api20_a_guide_with_nan_weights_stops_with_one_line_naming_the_guide(dream):
+    """Before: the NaN verdicts rejected every draft and the decode silently fell back to one token a step."""
+    guide = load_model(os.path.join(GOLDEN, "qwen2-tiny"), device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        guide.layers[0].mlp.w_up.weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"the guide produced NaN/inf logits: its weights hold NaN/inf") as e:
+        generate(dream, torch.tensor([[5, 6, 7, 8]]), gen_length=8, guide=guide)
+    one_line(e)
+
+
+@pytest.mark.parametrize("flag", [["--steps", "8"], ["--remasking", "random"], ["--top-k", "3"], ["--no-early-stop"]])
+def test_cli_flags_without_effect_under_a_guide_are_refused(flag):
+    with pytest.raises(ValueError, match=rf"{flag[0]} does not apply with --guide: .*drop it"):
+        fastdllm.parse_args(["--prompt", "hi", "--guide", "g", *flag])

@@ -24,7 +24,8 @@ sys.path.insert(0, ROOT)   # run as a script from anywhere
 import torch  # noqa: E402
 
 from bench import PeakMemory, environment, modes, run_modes, run_row, sync, table, write_json  # noqa: E402
-from fastdllm import CACHE_MODES, check_settings, pick_device_dtype  # noqa: E402
+from checks import CACHE_MODES, check_settings  # noqa: E402
+from fastdllm import pick_device_dtype  # noqa: E402
 from model import ModelConfig, checkpoint_names, load_model  # noqa: E402
 from tools.checkpoint import SHAPES, hf_config, make_checkpoint, random_prompts  # noqa: E402
 from tools.flags import Parser, integer, listing, nonempty, out_file, positive  # noqa: E402
