@@ -175,7 +175,8 @@ def check_guided(model, st):
         bad(f"unknown accept rule {st.accept!r}: use one of {', '.join(ACCEPT_RULES)}")
     if type(st.accept_k) is not int or st.accept_k < 1:
         bad(f"accept_k must be an integer >= 1 (got {st.accept_k!r})")
-    if not isinstance(st.accept_ratio, numbers.Real) or isinstance(st.accept_ratio, bool) or not 0 < st.accept_ratio <= 1:
+    ratio = st.accept_ratio
+    if not isinstance(ratio, numbers.Real) or isinstance(ratio, bool) or not 0 < ratio <= 1:
         bad(f"accept_ratio must be a number in (0, 1] (got {st.accept_ratio!r})")
     if type(st.verify_chunk) is not int or st.verify_chunk < 1:
         bad(f"verify_chunk must be an integer >= 1 (got {st.verify_chunk!r})")

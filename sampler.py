@@ -391,7 +391,8 @@ class DreamStep:
 
     def __init__(self, rule, steps: int, n_blocks: int, block_length: int, temperature, remasking, top_p, top_k,
                  alg_temp, eps, generator, mask_id: int, device):
-        self.rule, self.steps, self.spb, self.n_blocks, self.block_length = rule, steps, steps // n_blocks, n_blocks, block_length
+        self.rule, self.steps, self.spb = rule, steps, steps // n_blocks
+        self.n_blocks, self.block_length = n_blocks, block_length
         self.remasking, self.alg_temp, self.generator = remasking, alg_temp, generator
         self.opts = dict(temperature=temperature, top_p=top_p, top_k=top_k, generator=generator, mask_id=mask_id)
         self.sample = partial(dream_sample, **self.opts)
@@ -462,7 +463,8 @@ class DreamCanvasStep(DreamStep):
         self.quota = isinstance(rule, Threshold)
 
     def start_block(self, cand, block: int):
-        self.block, self.carry = block, torch.zeros(cand.shape[0], dtype=torch.long, device=cand.device)   # offered, refused
+        self.block = block
+        self.carry = torch.zeros(cand.shape[0], dtype=torch.long, device=cand.device)   # offered, refused
 
     def grid_steps(self) -> int:
         return self.steps
