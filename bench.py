@@ -29,7 +29,7 @@ import time
 import torch
 
 import fastdllm as F
-from checks import check_settings
+from checks import GUIDED_ONLY, check_settings
 from fastdllm import generate
 from model import ModelConfig, load_model
 from tools.checkpoint import load_random, random_prompts, shape_config
@@ -96,6 +96,8 @@ def run_row(model, prompt, mode: dict, kw: dict, guide=None, eos_ids=None, repea
     device = prompt.device
     eos_ids = set(eos_ids or [model.config.eos_id]) - {None}
     call = dict(kw, cache=mode["cache"], threshold=mode["threshold"], factor=mode["factor"])
+    if not mode["guided"]:      # the guide's settings belong to the guided rows only
+        call = {k: v for k, v in call.items() if k not in GUIDED_ONLY}
     if mode["stop"]:
         call.update(stop_at_eos=mode["stop"], eos_ids=sorted(eos_ids))
     if mode["guided"]:
@@ -147,7 +149,7 @@ def modes(caches, thresholds=(), factors=(), stops=(False,), guided=()):
 
 def rule_name(mode, kw) -> str:
     if mode["guided"]:
-        return f"guided {mode['guided']}"
+        return f"{'speculative' if kw.get('speculative') else 'guided'} {mode['guided']}"
     if mode["threshold"] is not None:
         return f"tau {mode['threshold']:g}"
     if mode["factor"] is not None:

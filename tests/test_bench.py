@@ -229,3 +229,13 @@ def test_the_library_never_imports_the_benchmark(capsys):
     with pytest.raises(SystemExit):
         fastdllm.parse_args(["--help"])
     assert "bench" not in capsys.readouterr().out.lower()
+
+
+def test_guide_settings_reach_only_the_guided_rows(dream, qwen2):
+    """`bench.py run --guide G --speculative` passes the guide's settings with every row's keywords: the
+    unguided rows must drop them (generate() refuses guided-only settings without a guide), not become n/a."""
+    kw = dict(gen_length=16, block_length=8, steps=16, speculative=True, accept_k=5)
+    rows, _ = bench.run_modes(dream, PROMPT_DREAM, bench.modes(["prefix"], [0.9], guided=["deterministic"]), kw,
+                              guide=qwen2, warmup=False)
+    assert all("error" not in r for r in rows), rows
+    assert {r["rule"] for r in rows} >= {"tau 0.9", "speculative deterministic"}
