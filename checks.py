@@ -15,7 +15,10 @@ from sampler import ACCEPT_RULES
 CACHE_MODES = ("none", "prefix", "dual", "free")
 LLADA_REMASKING = ("low_confidence", "random")
 DREAM_REMASKING = ("origin", "maskgit_plus", "topk_margin", "entropy", "position_weighted")
-GUIDED_ONLY = ("accept", "accept_k", "accept_ratio", "accept_threshold", "verify_chunk", "speculative")
+# Guided diffusion's own settings and their defaults (FlashDLM's): None in fastdllm.Settings means "the default".
+GUIDED_DEFAULTS = dict(speculative=False, accept="deterministic", accept_k=5, accept_ratio=0.95, accept_threshold=0.1,
+                       verify_chunk=32)
+GUIDED_ONLY = tuple(GUIDED_DEFAULTS)
 
 
 def bad(msg):
@@ -206,7 +209,9 @@ def check_call(model, prompt, st, attention_mask, generator, whole_canvas):
     if st.guide is not None:
         check_guided(model, st)
     else:
-        given = [k for k in GUIDED_ONLY if getattr(st, k) is not None and getattr(st, k) is not False]
+        # A guided setting at its default changes nothing without a guide (callers that pass every keyword keep
+        # working); any other value would be silently ignored: refuse it.
+        given = [k for k, v in GUIDED_DEFAULTS.items() if getattr(st, k) is not None and getattr(st, k) != v]
         if given:
             bad(f"{', '.join(given)} only apply to guided diffusion: pass guide= too, or leave them out")
     if cfg.family == "dream" and st.guide is None:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 import sampler as S
 from cache import CacheMode, Feed, FreeCache, Guide, GuidedFreeCache, KVCache, Refresh, Step
 from chat import Chat, check_text, read_turns, streamer
-from checks import CACHE_MODES, check_call, check_early
+from checks import CACHE_MODES, GUIDED_DEFAULTS, check_call, check_early
 from model import check_guide, check_readable, load_model, read_config, resolve_model_dir
 
 
@@ -79,10 +79,6 @@ class Settings:
     accept_ratio: float | None = None  # guided topk_relative ratio (default 0.95)
     accept_threshold: float | None = None  # guided dynamic_threshold: p(draft) > this (default 0.1)
     verify_chunk: int | None = None    # guided: drafts verified per guide forward (default 32)
-
-
-GUIDED_DEFAULTS = dict(speculative=False, accept="deterministic", accept_k=5, accept_ratio=0.95, accept_threshold=0.1,
-                       verify_chunk=32)
 
 
 @dataclass

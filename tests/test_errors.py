@@ -968,3 +968,11 @@ def test_api20_a_guide_with_nan_weights_stops_with_one_line_naming_the_guide(dre
 def test_cli_flags_without_effect_under_a_guide_are_refused(flag):
     with pytest.raises(ValueError, match=rf"{flag[0]} does not apply with --guide: .*drop it"):
         fastdllm.parse_args(["--prompt", "hi", "--guide", "g", *flag])
+
+
+def test_api20_guided_settings_at_their_defaults_pass_without_a_guide(llada):
+    """Callers that pass every keyword (the old flat API) keep working: a guided setting at its default changes
+    nothing without a guide; only a value that would be silently ignored is refused."""
+    out, _ = generate(llada, PROMPT, gen_length=8, block_length=4, accept="deterministic", accept_k=5,
+                      accept_ratio=0.95, verify_chunk=32, speculative=False, accept_threshold=0.1)
+    assert not (out == llada.config.mask_id).any()
