@@ -140,9 +140,12 @@ def check_dream_modes(whole_canvas, cache, remasking, parallel, custom_rule, gen
                       threshold):
     """Dream's samplers each implement some of the rules: say which one does what was asked."""
     free = cache == "free"
-    if whole_canvas and (cache != "none" or parallel and threshold is None):
-        bad("Dream's whole-canvas sampler (block_length=None) has no cache, factor or custom rule: pass a "
+    if whole_canvas and (cache != "none" or parallel and threshold is None and not custom_rule):
+        bad("Dream's whole-canvas sampler (block_length=None) has no cache or factor rule: pass a "
             "block_length to use Fast-dLLM's block sampler")
+    if whole_canvas and custom_rule:
+        bad("Dream's whole-canvas sampler (block_length=None) has its own rules: a custom select rule needs a "
+            "block_length (Fast-dLLM's block sampler)")
     if whole_canvas and threshold is not None and gen_length % steps:
         bad(f"Dream's whole-canvas threshold rule spreads the {gen_length} masks evenly over the "
             f"steps: steps ({steps}) must divide gen_length")
@@ -180,7 +183,7 @@ def check_guided(model, st):
         bad(f"accept_k must be an integer >= 1 (got {st.accept_k!r})")
     ratio = st.accept_ratio
     if not isinstance(ratio, numbers.Real) or isinstance(ratio, bool) or not 0 < ratio <= 1:
-        bad(f"accept_ratio must be a number in (0, 1] (got {st.accept_ratio!r})")
+        bad(f"accept_ratio must be in (0, 1] (got {st.accept_ratio!r})")
     if type(st.verify_chunk) is not int or st.verify_chunk < 1:
         bad(f"verify_chunk must be an integer >= 1 (got {st.verify_chunk!r})")
     if type(st.speculative) is not bool:

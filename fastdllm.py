@@ -167,7 +167,7 @@ def model_call(model, kv, feed: Feed, pos, mask):
 
 
 @torch.inference_mode()
-def generate(model, prompt: torch.Tensor, attention_mask: torch.Tensor | None = None,
+def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
              generator: torch.Generator | None = None, on_step=None, **settings):
     """
     Decode gen_length tokens after `prompt` (B, P). Returns (ids (B, P + gen_length), stats) with stats
