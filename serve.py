@@ -726,6 +726,7 @@ ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True               # a handler still streaming never blocks shutdown
+    request_queue_size = 128            # listen() backlog: socketserver's 5 resets a burst of clients
 
     def handle_error(self, request, client_address):
         if not isinstance(sys.exc_info()[1], CLIENT_GONE):
