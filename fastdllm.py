@@ -1,6 +1,5 @@
 """
-fastdllm.py: fast inference for masked-diffusion LLMs (LLaDA-8B, Dream-7B), the one generation loop and
-its command line.
+fastdllm.py: fast inference for masked-diffusion LLMs (LLaDA-8B, Dream-7B): the one generation loop, the CLI.
 
 A diffusion LM generates by denoising: the answer starts as gen_length [MASK] tokens, and each model call
 ("step", counted as NFE) predicts every masked position at once and commits some of them. generate() first
@@ -8,8 +7,7 @@ decides, once, everything that depends only on the call's settings (`make_plan`)
 none, Fast-dLLM's prefix cache and DualCache, arXiv 2505.22618 section 3.2, FlashDLM's FreeCache, arXiv
 2505.21467), a step rule for the model's family with its selection rule (sampler.py: LLaDA's and Dream's
 samplers, Fast-dLLM's threshold / factor decoding, section 3.3, FlashDLM's guided diffusion), and a stop
-rule (end of text). Then one loop over semi-autoregressive blocks, each step reading
-feed -> propose -> select -> commit -> stop.
+rule (end of text). Then one loop over blocks, each step: feed -> propose -> select -> commit -> stop.
 
     python fastdllm.py --prompt "What is 7 * 8?"                    # LLaDA-8B-Instruct, dual cache, tau 0.9
     python fastdllm.py --model demo/llada-arith --gen-length 32 --prompt "Tom has 23 apples and buys 45 more. How many apples does he have?"
@@ -29,9 +27,10 @@ import torch.nn.functional as F
 
 import sampler as S
 from cache import CacheMode, Feed, FreeCache, Guide, GuidedFreeCache, KVCache, Refresh, Step
-from chat import Chat, check_text, read_turns, streamer
+from chat import (Chat, check_text, checked, fit_gen_length, load, load_guide, optional_float, pick_device_dtype,
+                  read_prompts, read_turns, streamer)
 from checks import CACHE_MODES, GUIDED_DEFAULTS, check_call, check_early
-from model import check_guide, check_readable, load_model, read_config, resolve_model_dir
+from model import check_readable, read_config, resolve_model_dir
 
 
 def padding(attention_mask, gen_length: int, device):
@@ -215,49 +214,8 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
     return x, stats
 
 
-
-
 # ----------------------------------------------------------------------------------------------------------
-# Command line
-
-def pick_device_dtype(device: str | None, dtype: str | None):
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but CUDA is not available here: use --device cpu")
-    if device not in ("cpu", "mps") and not device.startswith("cuda"):
-        raise ValueError(f"unknown --device {device!r}: use cpu or cuda (cuda:N)")
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    if dtype not in dtypes:
-        raise ValueError(f"unknown --dtype {dtype!r}: use float32, bfloat16 or float16")
-    if device == "cpu" and dtype == "float16":
-        raise ValueError("--dtype float16 is not supported on CPU: use float32 (or bfloat16)")
-    if device.startswith("cuda") and dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
-        raise ValueError("this GPU does not support bfloat16: use --dtype float16 or float32")
-    return torch.device(device), dtypes[dtype]
-
-
-def optional_float(text: str):
-    try:
-        return None if text.lower() in ("none", "off") else float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or none, got {text!r}") from None
-
-
-def checked(kind, ok, what: str):
-    """An argparse type: kind(text), refused unless ok(value) (NaN fails every comparison), e.g.
-    "argument --accept-k: expected an integer >= 1, got '0'"."""
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-    return parse
-
+# Command line (its helpers: chat.py)
 
 # Flags that only mean something beside another flag: given without it they are an error, never ignored.
 NEEDS = {"accept": "guide", "accept_k": "guide", "accept_ratio": "guide", "accept_threshold": "guide",
@@ -382,67 +340,6 @@ def run_batch(model, rows, args, device, on_step=None, **override):
     x, stats = generate(model, ids.to(device), attention_mask=am.to(device), generator=gen, on_step=on_step,
                         **kw | settings(args, **override))
     return [row[ids.shape[1] - len(r):] for row, r in zip(x.tolist(), rows)], stats
-
-
-def fit_gen_length(args, n_prompt: int, max_seq_len: int) -> int:
-    """An explicit --gen-length as given (generate() checks it); the default 256 cut to the largest multiple
-    of --block-length that fits the model's positions (the demo model has 64), said on stderr."""
-    block = args.block_length or 1
-    fit = (max_seq_len - n_prompt) // block * block
-    if not args.fit_gen_length or n_prompt + args.gen_length <= max_seq_len or fit < 1:
-        return args.gen_length
-    print(f"note: the prompt ({n_prompt} tokens) + gen-length {args.gen_length} exceed the model's {max_seq_len} "
-          f"positions: generating {fit} tokens (pass --gen-length to choose)", file=sys.stderr)
-    return fit
-
-
-def load(what: str, model_dir: str, device, dtype):
-    """load_model, said on stderr (stdout holds only answers): on a terminal a live line (shard i of n, GB
-    read), then one summary line, the only one when stderr is a file or a pipe."""
-    start, tty, seen = time.perf_counter(), sys.stderr.isatty(), {"shown": 0.0, "total": 0}
-
-    def progress(shard, n, done, total):
-        seen["total"] = total
-        if tty and time.perf_counter() - seen["shown"] > 0.1:
-            seen["shown"] = time.perf_counter()
-            print(f"\rloading {what}: shard {shard} of {n}, {done / 1e9:.1f} of {total / 1e9:.1f} GB", end="",
-                  file=sys.stderr, flush=True)
-    try:
-        model = load_model(model_dir, device=device, dtype=dtype, progress=progress)
-    finally:
-        if seen["shown"]:
-            print("\r\x1b[K", end="", file=sys.stderr)    # clear the live line
-    size = f"{seen['total'] / 1e9:.1f} GB" if seen["total"] >= 1e8 else f"{seen['total'] / 1e6:.1f} MB"
-    print(f"loaded {what} in {time.perf_counter() - start:.2f} s ({size})", file=sys.stderr)
-    return model
-
-
-def load_guide(guide_dir, args, cfg, chat, device, dtype):
-    """--guide: check that it shares the model's token ids on its small files, then load it (or None)."""
-    if not guide_dir:
-        return None
-    from chat import load_tokenizer
-    try:   # with both tokenizers every shared id is compared token by token; else the configs' ids
-        guide_tok = load_tokenizer(guide_dir)
-    except FileNotFoundError:
-        guide_tok = None
-    check_guide(cfg, read_config(guide_dir), chat.tok, guide_tok)
-    return load(f"the guide {args.guide}", guide_dir, device, dtype)
-
-
-def read_prompts(path: str) -> list[str]:
-    """--prompt-file's prompts, one per non-empty line (read by parse_args: its errors come before any model)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            prompts = [line.strip() for line in f if line.strip()]
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--prompt-file {path} is not valid UTF-8 text ({e.reason} at byte {e.start}): "
-                         f"convert it (e.g. with iconv)") from None
-    except OSError as e:   # missing, a folder, no permission
-        raise ValueError(f"cannot read --prompt-file {path}: {e.strerror or e}") from None
-    if not prompts:
-        raise ValueError(f"--prompt-file {path} has no prompt: write one prompt per line")
-    return prompts
 
 
 def answer_prompts(model, chat, args, device):

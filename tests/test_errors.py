@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import GOLDEN, ROOT, write_tokenizer
 import fastdllm
+import chat
 from chat import Chat
 from fastdllm import generate
 from model import load_model
@@ -520,7 +521,7 @@ BEFORE_LOADING = {   # a bad checkpoint folder: the error, said from config.json
 @pytest.mark.parametrize("case", BEFORE_LOADING)
 def test_cli_checks_the_small_files_before_the_weights(tmp_path, monkeypatch, case):
     make, argv, pattern = BEFORE_LOADING[case]
-    monkeypatch.setattr(fastdllm, "load_model", lambda *a, **kw: pytest.fail("loaded the weights first"))
+    monkeypatch.setattr(chat, "load_model", lambda *a, **kw: pytest.fail("loaded the weights first"))
     with pytest.raises(ValueError) as e:
         fastdllm.main(["--model", make(tmp_path), *RUN, *argv])
     assert re.search(pattern, one_line(e)), str(e.value)
