@@ -80,6 +80,14 @@ class Settings:
     verify_chunk: int | None = None    # guided: drafts verified per guide forward (default 32)
 
 
+def answer_tokens(answers: torch.Tensor, eos: torch.Tensor) -> int:
+    """Generated tokens before each row's first end token, summed over rows: what tokens/s counts everywhere
+    (the CLI, the server, the harness, bench.py), so that end-of-text filler is never counted as speed."""
+    end = torch.isin(answers, eos)
+    first = torch.where(end.any(-1), end.long().argmax(-1), answers.shape[1])
+    return int(first.sum())
+
+
 @dataclass
 class Plan:
     """What one generate() call decided before its loop: the blocks and the parts the loop calls."""
@@ -89,6 +97,7 @@ class Plan:
     stop: S.StopRule          # sampler.py: when an answer has ended
     forward: Callable         # (x, at, span, cols) -> logits at the block columns `cols`
     calls_per_block: int      # the fewest calls a block takes (for calls_saved)
+    eos: torch.Tensor         # the end-of-text ids
 
 
 def settings_of(options: dict) -> Settings:
@@ -145,7 +154,7 @@ def make_plan(model, prompt, st: Settings, attention_mask, generator) -> Plan:
     kv = KVCache.for_model(model, B, L) if feed.keeps_cache else None
     return Plan([(s, s + st.block_length) for s in range(P, L, st.block_length)], feed, step_rule, stop,
                 model_call(model, kv, feed, pos, mask),
-                1 if getattr(rule, "parallel", True) or guided else st.steps // n_blocks)
+                1 if getattr(rule, "parallel", True) or guided else st.steps // n_blocks, eos)
 
 
 def model_call(model, kv, feed: Feed, pos, mask):
@@ -170,8 +179,10 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
              generator: torch.Generator | None = None, on_step=None, **settings):
     """
     Decode gen_length tokens after `prompt` (B, P). Returns (ids (B, P + gen_length), stats) with stats
-    {"nfe": model calls, "fed": tokens fed per call, "committed": tokens committed per call (all rows),
-    "calls_saved", "guide_calls", "seconds", "tokens_per_s"}.
+    {"nfe": model calls, "row_nfe": the calls that served each row (a row's NFE alone, whatever the batch),
+    "fed": tokens fed per call, "committed": tokens committed per call (all rows), "calls_saved",
+    "guide_calls", "seconds", "answer_tokens": generated tokens before each row's first end token, summed,
+    "tokens_per_s": answer_tokens per second}.
 
     settings: the keywords of `Settings` (gen_length, block_length, steps, cache, threshold, factor, select,
         temperature, remasking, top_p, top_k, alg_temp, eps, refresh_every_step, stop_at_eos, eos_ids, guide,
@@ -186,6 +197,7 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
     mask_id, on_step = model.config.mask_id, on_step or (lambda x, stats: None)
     x = F.pad(prompt.to(model.lm_head.weight.device), (0, st.gen_length), value=mask_id)
     stats = {"nfe": 0, "fed": [], "committed": [], "calls_saved": 0, "guide_calls": 0}
+    row_nfe = torch.zeros(prompt.shape[0], dtype=torch.long, device=x.device)
     t0 = time.perf_counter()
     for bi, (s, e) in enumerate(p.blocks):
         p.rule.start_block(x[:, s:e] == mask_id, bi)
@@ -195,6 +207,7 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
             span = p.feed.span(at)                                       # 1. feed: what the cache policy asks
             cols = cand.any(0).nonzero().squeeze(1)                      # LM head only where a token is open
             logits = p.forward(x, at, span, cols)
+            row_nfe += cand.any(-1)
             x0, transfer = p.rule.select(logits, cols, at, span)         # 2. propose and 3. select
             x[:, s:e] = torch.where(transfer, x0, x[:, s:e])             # 4. commit
             p.stop.step(x)                                               # 5. stop at the end of text
@@ -210,7 +223,9 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
     if x.device.type == "cuda":
         torch.cuda.synchronize(x.device)
     stats["seconds"] = time.perf_counter() - t0
-    stats["tokens_per_s"] = x.shape[0] * st.gen_length / max(stats["seconds"], 1e-9)
+    stats["row_nfe"] = row_nfe.tolist()
+    stats["answer_tokens"] = answer_tokens(x[:, prompt.shape[1]:], p.eos)
+    stats["tokens_per_s"] = stats["answer_tokens"] / max(stats["seconds"], 1e-9)
     return x, stats
 
 
