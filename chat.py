@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from model import check_guide, load_model, read_config
+from guided import check_guide
+from model import load_model, read_config
 
 # Qwen2's pre-tokenizer split. Unlike GPT-4's it takes digits one at a time (\p{N}, not \p{N}{1,3}), so a
 # number is always one token per digit, whatever merges.txt says.

@@ -1,7 +1,10 @@
 """
 checks.py: every check of a generate() call, in one place, each once. An impossible request fails in one line
 that names the problem and the fix, never deep inside torch. The CLI runs `check_settings` before it loads
-gigabytes of weights; generate() runs `check_call` (all of them) before it decides anything.
+gigabytes of weights; generate() runs `check_call` (all of them) before it decides anything, and checks the
+four hooks at the boundary while it runs: every step, the shapes and dtypes of what a step rule, a selection
+rule and a stop rule return (host metadata, no sync), and their values inside the step's one host read
+(`check_step`); every cache policy's span (`check_span`).
 """
 import inspect
 import math
@@ -9,16 +12,15 @@ import numbers
 
 import torch
 
-from model import check_guide
-from sampler import ACCEPT_RULES
+from cache import Feed
+from guided import check_guided
 
 CACHE_MODES = ("none", "prefix", "dual", "free")
 LLADA_REMASKING = ("low_confidence", "random")
 DREAM_REMASKING = ("origin", "maskgit_plus", "topk_margin", "entropy", "position_weighted")
-# Guided diffusion's own settings and their defaults (FlashDLM's): None in fastdllm.Settings means "the default".
-GUIDED_DEFAULTS = dict(speculative=False, accept="deterministic", accept_k=5, accept_ratio=0.95, accept_threshold=0.1,
-                       verify_chunk=32)
-GUIDED_ONLY = tuple(GUIDED_DEFAULTS)
+# Guided diffusion's own settings (their defaults: fastdllm.Settings).
+GUIDED_ONLY = ("speculative", "accept", "accept_k", "accept_ratio", "accept_threshold", "verify_chunk")
+BOOLEANS = ("refresh_every_step", "compile", "speculative")
 
 
 def bad(msg):
@@ -51,12 +53,14 @@ def check_settings(gen_length, block_length, steps, cache, threshold, factor, te
     if steps % (gen_length // block_length):
         bad(f"steps {steps} is not divisible by the number of blocks {gen_length // block_length} "
             f"(gen_length / block_length): use a multiple, e.g. steps={gen_length}")
-    if not isinstance(cache, str) and not hasattr(cache, "span"):
-        bad(f"cache must be a mode name ({', '.join(CACHE_MODES)}) or a cache.Feed policy, not {cache!r}")
+    if not isinstance(cache, (str, Feed)):
+        raise TypeError(f"cache must be a mode name ({', '.join(CACHE_MODES)}) or a cache.Feed policy (subclass "
+                        f"cache.Feed and write its span()), not {cache!r}")
     if isinstance(cache, str) and cache not in CACHE_MODES:
         bad(f"unknown cache mode {cache!r}: use one of {', '.join(CACHE_MODES)}")
     if threshold is not None and not threshold > 0:      # `not >` also catches NaN
-        bad(f"threshold must be in (0, 1] (got {threshold}); above 1 means one token per step, None turns it off")
+        bad(f"threshold must be a number > 0 (got {threshold}): 0.9 is Fast-dLLM's; above 1 means one token per "
+            f"step, None turns it off")
     if factor is not None and not factor > 0:
         bad(f"factor must be > 0 (got {factor})")
     if threshold is not None and factor is not None:
@@ -160,43 +164,27 @@ def check_dream_modes(whole_canvas, cache, remasking, parallel, custom_rule, gen
             "cache 'none', 'prefix' or 'dual'")
 
 
-def check_guided(model, st):
-    """Guided diffusion's own settings (FlashDLM, spec/flashdlm.md 2): the guide decides how many drafts to commit,
-    so no other parallel rule applies, and drafts are the argmax (no sampling)."""
-    guide = st.guide
-    if isinstance(guide, str):
-        bad(f"guide must be a loaded causal model, not the path {guide!r}: load it with model.load_model(path)")
-    if not isinstance(guide, torch.nn.Module) or not getattr(getattr(guide, "config", None), "causal", False):
-        bad(f"guide must be a causal LM loaded with model.load_model (a Qwen2-format checkpoint, e.g. "
-            f"Qwen/Qwen2.5-1.5B-Instruct for Dream), not {type(guide).__name__}")
-    check_guide(model.config, guide.config)
-    if st.threshold is not None or st.factor is not None:
-        bad("pass a guide or threshold/factor, not both: with a guide the guide decides how many "
-            "drafts each step commits")
-    if st.select is not None:
-        bad("pass a guide or a select rule, not both: with a guide the guide decides how many drafts each step commits")
-    if st.temperature:
-        bad(f"guided drafts are the diffusion model's argmax: temperature must be 0 (got {st.temperature})")
-    if st.accept not in ACCEPT_RULES:
-        bad(f"unknown accept rule {st.accept!r}: use one of {', '.join(ACCEPT_RULES)}")
-    if type(st.accept_k) is not int or st.accept_k < 1:
-        bad(f"accept_k must be an integer >= 1 (got {st.accept_k!r})")
-    ratio = st.accept_ratio
-    if not isinstance(ratio, numbers.Real) or isinstance(ratio, bool) or not 0 < ratio <= 1:
-        bad(f"accept_ratio must be in (0, 1] (got {st.accept_ratio!r})")
-    if type(st.verify_chunk) is not int or st.verify_chunk < 1:
-        bad(f"verify_chunk must be an integer >= 1 (got {st.verify_chunk!r})")
-    if type(st.speculative) is not bool:
-        bad(f"speculative must be True or False (got {st.speculative!r})")
-    if isinstance(st.accept_threshold, bool) or not isinstance(st.accept_threshold, numbers.Real) \
-            or not 0 <= st.accept_threshold < 1:
-        bad(f"accept_threshold must be a number in [0, 1) (got {st.accept_threshold!r}): the guide accepts a "
-            f"draft whose probability exceeds it")
+def check_hooks(st):
+    """The four hooks are objects of a known protocol (README "Fork it"): a refusal names the hook."""
+    if st.select is not None and not callable(st.select):
+        raise TypeError(f"select must be a selection rule, a callable (proposal, at) -> (B, N) bool, not {st.select!r}")
+    if st.propose is not None and not callable(getattr(st.propose, "propose", None)):
+        raise TypeError(f"propose must be a step rule with .propose(logits, at) -> sampler.Proposal (subclass "
+                        f"sampler.StepRule), not {st.propose!r}")
+    if st.stop is not None and not callable(st.stop):
+        raise TypeError(f"stop must be a stop rule, a callable (x, at, proposal) -> (B,) bool, not {st.stop!r}")
+    if st.stop is not None and st.stop_at_eos:
+        bad("pass stop or stop_at_eos, not both: each is a rule for when an answer has ended")
+    if st.select is not None and (st.threshold is not None or st.factor is not None):
+        bad("pass select or threshold/factor, not both: each is a rule for how many tokens a step commits")
+    for name in BOOLEANS:
+        if type(getattr(st, name)) is not bool:
+            bad(f"{name} must be True or False (got {getattr(st, name)!r})")
 
 
-def check_call(model, prompt, st, attention_mask, generator, whole_canvas):
+def check_call(model, prompt, st, attention_mask, generator, whole_canvas, defaults):
     """Every check of one generate() call, in the order that names the first real problem. `st` holds the
-    call's settings with the family's defaults already filled in (fastdllm.Settings)."""
+    call's settings with the family's defaults already filled in, `defaults` the defaults (fastdllm.Settings)."""
     cfg = model.config
     if cfg.causal:
         bad("this is a causal LM (model_type qwen2), not a diffusion LM: pass it as guide= and a "
@@ -205,19 +193,16 @@ def check_call(model, prompt, st, attention_mask, generator, whole_canvas):
                    st.top_p, st.top_k, st.alg_temp, st.eps, generator)
     check_prompt(cfg, prompt, st.gen_length, st.remasking, st.top_p, st.top_k, st.alg_temp, attention_mask)
     check_stop(cfg, st.stop_at_eos, st.eos_ids)
-    if st.select is not None and not callable(st.select):
-        bad(f"select must be a selection rule, a callable (proposal, cand, k) -> commit mask, not {st.select!r}")
-    if st.select is not None and (st.threshold is not None or st.factor is not None):
-        bad("pass select or threshold/factor, not both: each is a rule for how many tokens a step commits")
+    check_hooks(st)
     if st.guide is not None:
-        check_guided(model, st)
+        check_guided(model, st, defaults)
     else:
         # A guided setting at its default changes nothing without a guide (callers that pass every keyword keep
         # working); any other value would be silently ignored: refuse it.
-        given = [k for k, v in GUIDED_DEFAULTS.items() if getattr(st, k) is not None and getattr(st, k) != v]
+        given = [k for k in GUIDED_ONLY if getattr(st, k) != getattr(defaults, k)]
         if given:
             bad(f"{', '.join(given)} only apply to guided diffusion: pass guide= too, or leave them out")
-    if cfg.family == "dream" and st.guide is None:
+    if cfg.family == "dream" and st.guide is None and st.propose is None:
         n_blocks = st.gen_length // st.block_length
         check_dream_modes(whole_canvas, st.cache, st.remasking, st.threshold is not None or st.factor is not None
                           or st.select is not None, st.select is not None, st.gen_length, st.steps,
@@ -226,3 +211,84 @@ def check_call(model, prompt, st, attention_mask, generator, whole_canvas):
     if generator is not None and generator.device.type != device.type:
         bad(f"the generator is on {generator.device.type} but the model on {device.type}: "
             f"create it with torch.Generator({device.type!r})")
+
+
+# ---------------------------------------------------------------------------------------- the hooks, while running
+def name(hook) -> str:
+    return type(hook).__name__ if not hasattr(hook, "__name__") else hook.__name__
+
+
+def check_span(feed, at, open_cols: list) -> tuple[int, int]:
+    """A cache policy's span for the step `at`: a pair of ints inside the canvas, the whole canvas at a
+    generation's first call (the cache starts empty), covering every open position of the block (open_cols:
+    their block columns, read at the previous step). A shifted family predicts position p from p - 1: a span
+    that starts exactly at the first open position is widened by one, so no policy can silently break Dream."""
+    span, L = feed.span(at), at.x.shape[1]
+    if not (isinstance(span, (tuple, list)) and len(span) == 2 and all(type(v) is int for v in span)):
+        raise TypeError(f"cache= {name(feed)}.span() returned {span!r}: a span is a pair of ints (a, b)")
+    a, b = span
+    where = f"at step {at.i} of block [{at.s}, {at.e})"
+    if not 0 <= a < b <= L:
+        raise ValueError(f"cache= {name(feed)}.span() returned ({a}, {b}) {where}: a span lies inside the canvas "
+                         f"[0, {L})")
+    if at.n == 0 and feed.keeps_cache and (a, b) != (0, L):
+        raise ValueError(f"cache= {name(feed)}.span() returned ({a}, {b}) at the first call: it must feed the "
+                         f"whole canvas (0, {L}), the cache starts empty")
+    if open_cols:
+        first, last = at.s + open_cols[0], at.s + open_cols[-1]
+        a = a - 1 if at.shift and a == first else a
+        if not (a + at.shift <= first and last < b):
+            raise ValueError(f"cache= {name(feed)}.span() returned ({span[0]}, {b}) {where}: it must cover the open "
+                             f"positions [{first}, {last}]" + (" and the one before them (this family predicts "
+                                                                "position p from p - 1)" if at.shift else ""))
+    return a, b
+
+
+def described(v) -> str:
+    return f"a {tuple(v.shape)} {v.dtype} tensor" if isinstance(v, torch.Tensor) else repr(v)
+
+
+def checked_hooks(rule, select, stop, B: int, N: int):
+    """The step rule's propose, the selection rule and the stop rule, each checked at every step for the shape
+    and dtype of what it returns (host metadata only; their values are checked in the step's one read)."""
+    def propose(logits, at):
+        p = rule.propose(logits, at)
+        fields = (("x0", (B, N), False), ("conf", (B, N), True), ("open", (B, N), None), ("k", (B,), False))
+        for f, shape, floating in fields:
+            v = getattr(p, f, None)
+            if not (isinstance(v, torch.Tensor) and v.shape == shape and
+                    (v.dtype == torch.bool if floating is None else v.is_floating_point() == floating)):
+                raise TypeError(f"propose= {name(rule)}.propose() returned {f} = {described(v)}: a sampler.Proposal "
+                                f"holds {f} of shape {shape} ({'bool' if floating is None else 'float' if floating else 'integer'})")
+        return p
+
+    def selection(p, at):
+        take = select(p, at)
+        if not (isinstance(take, torch.Tensor) and take.dtype == torch.bool and take.shape == (B, N)):
+            raise TypeError(f"select= {name(select)} returned {described(take)}: a selection rule returns a "
+                            f"({B}, {N}) bool tensor, one row per batch row, True = commit")
+        return take
+
+    selection.__name__ = name(select)
+
+    def stopping(x, at, p):
+        ended = stop(x, at, p)
+        if not (isinstance(ended, torch.Tensor) and ended.dtype == torch.bool and ended.shape == (B,)):
+            raise TypeError(f"stop= {name(stop)} returned {described(ended)}: a stop rule returns a ({B},) bool "
+                            f"tensor, True = the row's answer has ended")
+        return ended
+    return propose, selection, stopping
+
+
+def check_step(nonfinite: int, opened: int, outside: int, at, rule, select):
+    """The values the step's one host read brought back: NaN/inf logits, a proposal that opens a committed
+    position, a selection outside the proposal's open positions (it would overwrite committed tokens)."""
+    if nonfinite:
+        bad(f"the model produced NaN/inf logits at step {at.n + 1}: the weights hold NaN/inf, or the activations "
+            f"overflowed (try --dtype float32)")
+    if opened:
+        bad(f"propose= {name(rule)}.propose() opened positions that are not masks at step {at.n + 1}: a proposal's "
+            f"open positions lie inside at.cand")
+    if outside:
+        bad(f"select= {name(select)} chose positions outside the proposal's open positions at step {at.n + 1} "
+            f"(committed tokens would be overwritten): return a subset of proposal.open")

@@ -3,11 +3,13 @@ fastdllm.py: fast inference for masked-diffusion LLMs (LLaDA-8B, Dream-7B): the 
 
 A diffusion LM generates by denoising: the answer starts as gen_length [MASK] tokens, and each model call
 ("step", counted as NFE) predicts every masked position at once and commits some of them. generate() first
-decides, once, everything that depends only on the call's settings (`make_plan`): a cache policy (cache.py:
-none, Fast-dLLM's prefix cache and DualCache, arXiv 2505.22618 section 3.2, FlashDLM's FreeCache, arXiv
-2505.21467), a step rule for the model's family with its selection rule (sampler.py: LLaDA's and Dream's
-samplers, Fast-dLLM's threshold / factor decoding, section 3.3, FlashDLM's guided diffusion), and a stop
-rule (end of text). Then one loop over blocks, each step: feed -> propose -> select -> commit -> stop.
+decides, once, everything that depends only on the call's settings (`make_plan`), four parts a fork can
+replace: the cache policy (cache.py: none, Fast-dLLM's prefix cache and DualCache, arXiv 2505.22618 section
+3.2, FlashDLM's FreeCache, arXiv 2505.21467), the family's step rule (sampler.py: how LLaDA and Dream propose
+tokens and confidences; guided.py: FlashDLM's guided diffusion), the selection rule (sampler.py: the
+schedule, Fast-dLLM's threshold / factor decoding, section 3.3) and the stop rule (end of text). Then one loop
+over blocks, each step: feed -> propose -> select -> commit -> stop, at fixed shapes within a block and with
+one host sync (the loop's "go on?"), so `compile=True` can capture each step's model call as one graph.
 
     python fastdllm.py --prompt "What is 7 * 8?"                    # LLaDA-8B-Instruct, dual cache, tau 0.9
     python fastdllm.py --model demo/llada-arith --gen-length 32 --prompt "Tom has 23 apples and buys 45 more. How many apples does he have?"
@@ -20,17 +22,67 @@ import sys
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+import checks
 import sampler as S
-from cache import CacheMode, Feed, FreeCache, Guide, GuidedFreeCache, KVCache, Refresh, Step
+from cache import CACHE_POLICIES, Feed, KVCache, Refresh
 from chat import (Chat, check_text, checked, fit_gen_length, load, load_guide, optional_float, pick_device_dtype,
                   read_prompts, read_turns, streamer)
-from checks import CACHE_MODES, GUIDED_DEFAULTS, check_call, check_early
+from checks import CACHE_MODES, check_early
+from guided import ACCEPT_RULES, Guide, Guided, GuidedFreeCache, accept_drafts
 from model import check_readable, read_config, resolve_model_dir
+
+
+@dataclass
+class Settings:
+    """Every decoding setting of generate(), with its default (generate(model, prompt, **settings) takes
+    them as keywords). None means "the family's or the method's default". The four hooks (cache, propose,
+    select, stop) also take a fork's own part; README "Fork it" has their protocols."""
+    gen_length: int = 128              # tokens to generate
+    block_length: int | None = 32      # semi-autoregressive block; None = one block (Dream: its own sampler)
+    steps: int | None = None           # denoising steps over the answer (default gen_length: 1 token/step)
+    cache: str | Feed = "none"         # "none" | "prefix" | "dual" | "free", or a cache.Feed policy
+    threshold: float | None = None     # Fast-dLLM 3.3: commit every token with confidence >= threshold
+    factor: float | None = None        # Fast-dLLM 3.3: factor-based parallel decoding
+    select: Callable | None = None     # a selection rule: rule(proposal, at) -> (B, N) bool (sampler.py)
+    propose: object | None = None      # a step rule: .propose(logits, at) -> sampler.Proposal (sampler.StepRule)
+    stop: Callable | None = None       # a stop rule: rule(x, at, proposal) -> (B,) bool rows ended (sampler.py)
+    temperature: float = 0.0           # 0 = greedy
+    remasking: str | None = None       # LLaDA "low_confidence" | "random"; Dream's alg (default "entropy")
+    top_p: float | None = None         # Dream's sampling options
+    top_k: int | None = None
+    alg_temp: float | None = None
+    eps: float = 1e-3                  # Dream's time grid runs from 1 down to eps
+    refresh_every_step: bool = False   # feed the whole canvas every step (checks the cache plumbing)
+    stop_at_eos: bool | int = False    # True: stop after a finished block holding an end token; k: FlashDLM's rule
+    eos_ids: list | None = None        # the end tokens (default the config's)
+    compile: bool = False              # torch.compile the model call (CUDA: CUDA graphs), one graph per feed shape
+    guide: torch.nn.Module | None = None   # FlashDLM guided diffusion: a causal LM with the same token ids
+    speculative: bool = False          # guided: commit the guide's token at the first rejection
+    accept: str = "deterministic"      # guided: "deterministic" | "topk" | "topk_relative" | "dynamic_threshold" |
+                                       #   "aggressive"
+    accept_k: int = 5                  # guided top-k and topk_relative
+    accept_ratio: float = 0.95         # guided topk_relative ratio
+    accept_threshold: float = 0.1      # guided dynamic_threshold: p(draft) > this
+    verify_chunk: int = 32             # guided: drafts verified per guide forward
+
+
+class Step(NamedTuple):
+    """Where a decoding step stands: what every part of the plan receives ("at")."""
+    n: int                 # model calls so far in this generation (0 = the first)
+    i: int                 # steps so far in the current block
+    s: int                 # the block is canvas positions [s, e)
+    e: int
+    x: torch.Tensor        # (B, L) the canvas
+    cand: torch.Tensor     # (B, N) bool: the block's positions still masked (every one predicted by this call)
+    shift: int             # the family's logits shift: position p is predicted from hidden state p - shift
+    span: tuple = None     # (a, b): the canvas span this call feeds (the cache policy's answer; None while it is asked)
+    refresh: bool = False  # this call feeds the whole canvas
+    cols: torch.Tensor = None   # (n,) long: the block columns the logits are computed at (all N when compiled)
 
 
 def padding(attention_mask, gen_length: int, device):
@@ -50,36 +102,6 @@ def pad_prompts(rows: list[list[int]], pad_id: int):
     return ids, (torch.arange(P) >= torch.tensor([[P - len(r)] for r in rows])).long()
 
 
-@dataclass
-class Settings:
-    """Every decoding setting of generate(), with its default (generate(model, prompt, **settings) takes
-    them as keywords). None means "the family's or the method's default"."""
-    gen_length: int = 128              # tokens to generate
-    block_length: int | None = 32      # semi-autoregressive block; None = one block (Dream: its own sampler)
-    steps: int | None = None           # denoising steps over the answer (default gen_length: 1 token/step)
-    cache: str | Feed = "none"         # "none" | "prefix" | "dual" | "free", or a cache.Feed policy
-    threshold: float | None = None     # Fast-dLLM 3.3: commit every token with confidence >= threshold
-    factor: float | None = None        # Fast-dLLM 3.3: factor-based parallel decoding
-    select: Callable | None = None     # a custom selection rule (sampler.py: rule(proposal, cand, k))
-    temperature: float = 0.0           # 0 = greedy
-    remasking: str | None = None       # LLaDA "low_confidence" | "random"; Dream's alg (default "entropy")
-    top_p: float | None = None         # Dream's sampling options
-    top_k: int | None = None
-    alg_temp: float | None = None
-    eps: float = 1e-3                  # Dream's time grid runs from 1 down to eps
-    refresh_every_step: bool = False   # feed the whole canvas every step (checks the cache plumbing)
-    stop_at_eos: bool | int = False    # True: stop after a finished block holding an end token; k: FlashDLM's rule
-    eos_ids: list | None = None        # the end tokens (default the config's)
-    guide: torch.nn.Module | None = None   # FlashDLM guided diffusion: a causal LM with the same token ids
-    speculative: bool | None = None    # guided: commit the guide's token at the first rejection (default: no)
-    accept: str | None = None          # guided: "deterministic" (default) | "topk" | "topk_relative" |
-                                       #   "dynamic_threshold" | "aggressive"
-    accept_k: int | None = None        # guided top-k (default 5)
-    accept_ratio: float | None = None  # guided topk_relative ratio (default 0.95)
-    accept_threshold: float | None = None  # guided dynamic_threshold: p(draft) > this (default 0.1)
-    verify_chunk: int | None = None    # guided: drafts verified per guide forward (default 32)
-
-
 def answer_tokens(answers: torch.Tensor, eos: torch.Tensor) -> int:
     """Generated tokens before each row's first end token, summed over rows: what tokens/s counts everywhere
     (the CLI, the server, the harness, bench.py), so that end-of-text filler is never counted as speed."""
@@ -88,16 +110,78 @@ def answer_tokens(answers: torch.Tensor, eos: torch.Tensor) -> int:
     return int(first.sum())
 
 
+def logits_at(model, ids, pos, kv, slots, mask, rows):
+    """One model call -> (logits at the chunk rows `rows`, is any of them NaN/inf). The NaN/inf check reads the
+    logits' row sums (one reduction, into which any NaN/inf propagates) and stays on the device until the
+    step's one host read. compile=True compiles exactly this function."""
+    logits = model(ids, pos, kv, slots, mask, rows)
+    return logits, ~torch.isfinite(logits.sum(-1, dtype=torch.float32)).all()
+
+
+def compiled(device):
+    """logits_at through torch.compile: one graph per feed shape (fullgraph, static shapes; the slots and rows
+    are tensors, so the same graph serves every block). On CUDA with CUDA graphs ("reduce-overhead": one
+    launch per call instead of ~1,500). emulate_precision_casts rounds low-precision intermediates where eager
+    does, so bf16 ids equal eager's (tests/test_compile.py). The prefix and free caches feed one width per
+    block: the recompile limit is raised for this function's calls only."""
+    options = {"emulate_precision_casts": True} | ({"triton.cudagraphs": True} if device.type == "cuda" else {})
+    fn = torch.compile(logits_at, fullgraph=True, dynamic=False, options=options)
+
+    def call(*args):
+        if device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()   # the previous step's logits are no longer read
+        with torch._dynamo.config.patch(recompile_limit=256):
+            return fn(*args)
+    return call
+
+
 @dataclass
 class Plan:
     """What one generate() call decided before its loop: the blocks and the parts the loop calls."""
     blocks: list              # [(s, e)] the semi-autoregressive blocks of the answer
     feed: Feed                # cache.py: which span each step feeds
-    rule: object              # sampler.py: one family's propose + select, with its state
-    stop: S.StopRule          # sampler.py: when an answer has ended
-    forward: Callable         # (x, at, span, cols) -> logits at the block columns `cols`
+    rule: S.StepRule          # the family's step rule (start_block, more)
+    propose: Callable         # its propose, -> sampler.Proposal    (these three: checks.checked_hooks)
+    select: Callable          # the selection rule
+    stop: Callable            # the stop rule
+    model: torch.nn.Module
+    call: Callable            # logits_at, eager or compiled
+    kv: KVCache | None
+    pos: torch.Tensor         # (B, L) RoPE positions
+    mask: torch.Tensor | None # (B, 1, L, L) attention mask of padded rows
+    shift: int
+    mask_id: int
+    fixed_head: bool          # the LM head on all N block columns (compiled) or on the open ones (eager)
     calls_per_block: int      # the fewest calls a block takes (for calls_saved)
     eos: torch.Tensor         # the end-of-text ids
+    ar: torch.Tensor          # arange(L): slots and columns as views, no kernel
+
+    def at(self, x, n: int, i: int, s: int, e: int, open_cols: list) -> Step:
+        """Where this step stands: the cache policy's span (checked to cover every open position; for a shifted
+        family, widened by one to the position before the first open one), and the block columns to predict."""
+        at = Step(n, i, s, e, x, x[:, s:e] == self.mask_id, self.shift)
+        a, b = checks.check_span(self.feed, at, open_cols)
+        cols = self.ar[:e - s] if self.fixed_head else torch.tensor(open_cols, dtype=torch.long, device=x.device)
+        return at._replace(span=(a, b), refresh=(a, b) == (0, x.shape[1]), cols=cols)
+
+    def forward(self, x, at: Step):
+        """The model on the fed span -> (logits (B, n, V) at the block columns at.cols, NaN/inf flag)."""
+        a, b = at.span
+        slots = self.feed.slots(at, a, b)
+        slots = self.ar[a:b] if slots is None else slots
+        rows = (at.cols + (at.s - a)).clamp(0, b - a - 1)      # chunk rows of the block columns
+        return self.call(self.model, x[:, a:b], self.pos[:, a:b], self.kv, slots,
+                         None if self.mask is None else self.mask[:, :, a:b], rows)
+
+    def read(self, x, at: Step, p: S.Proposal, take, ended, bad, P: int):
+        """The step's one host read, which checks.check_step reads first -> (NaN/inf?, proposal opened a
+        committed position?, selection outside p.open?), then (every row ended?, tokens committed, masks left in
+        the answer, the block's open columns)."""
+        masks = x[:, at.s:at.e] == self.mask_id
+        head = torch.stack([bad, (p.open & ~at.cand).any(), (take & ~p.open).any(), ended.all(), take.sum(),
+                            (x[:, P:] == self.mask_id).sum()])
+        v = torch.cat([head, masks.any(0)]).tolist()
+        return v[:3], v[3:6] + [[c for c, m in enumerate(v[6:]) if m]]
 
 
 def settings_of(options: dict) -> Settings:
@@ -116,62 +200,46 @@ def resolve(model, prompt, st: Settings, attention_mask, generator):
     st = dataclasses.replace(
         st, remasking=st.remasking or ("entropy" if dream else "low_confidence"),
         block_length=st.gen_length if guided else st.block_length or st.gen_length,   # guided: one block
-        steps=st.gen_length if st.steps is None or guided else st.steps,
-        **({k: v if getattr(st, k) is None else getattr(st, k) for k, v in GUIDED_DEFAULTS.items()} if guided else {}))
-    check_call(model, prompt, st, attention_mask, generator, whole_canvas)
+        steps=st.gen_length if st.steps is None or guided else st.steps)
+    checks.check_call(model, prompt, st, attention_mask, generator, whole_canvas, Settings())
     return st, whole_canvas
 
 
 def make_plan(model, prompt, st: Settings, attention_mask, generator) -> Plan:
-    """Turn (family, cache, rule, stop) into parts, once: everything here depends only on the call's settings."""
+    """Turn (cache, family, selection, stop) into parts, once: everything here depends only on the call's
+    settings, so the loop has no branch on a setting."""
     cfg, device = model.config, model.lm_head.weight.device
     st, whole_canvas = resolve(model, prompt, st, attention_mask, generator)
-    dream, guided = cfg.family == "dream", st.guide is not None
+    guided = st.guide is not None
     B, P = prompt.shape
-    L = P + st.gen_length
-    n_blocks = st.gen_length // st.block_length
+    L, n_blocks = P + st.gen_length, st.gen_length // st.block_length
     generator = generator or torch.Generator(device).manual_seed(0)
     eos = torch.tensor(sorted(set(st.eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
-    rule = S.selection_rule(st.threshold, st.factor, st.select)
-    shift = int(cfg.shift_logits)      # Dream predicts position i from hidden state i - 1
-    feed = (st.cache if isinstance(st.cache, Feed) else GuidedFreeCache() if guided and st.cache == "free"
-            else FreeCache(shift) if st.cache == "free" else CacheMode(st.cache, shift))
-    feed = Refresh(feed) if st.refresh_every_step else feed
     pos, mask = padding(attention_mask, st.gen_length, device)
-    if guided:                         # one block over the answer: "dual" is "prefix" here
+    ar = torch.arange(L, device=device)
+    if guided:    # one block over the answer; "dual" is "prefix" there; a committed end token ends the answer
         real = None if pos is None else F.pad(attention_mask.to(device).bool(), (0, st.gen_length), value=True)
-        accept = partial(S.accept_drafts, rule=st.accept, k=st.accept_k, ratio=st.accept_ratio,
+        accept = partial(accept_drafts, rule=st.accept, k=st.accept_k, ratio=st.accept_ratio,
                          threshold=st.accept_threshold)
-        step_rule = S.GuidedStep(Guide(st.guide, B, L, pos, real), accept, st.verify_chunk, eos, cfg.mask_id,
-                                 st.speculative, prompt.to(device))
-    elif dream:
-        family = S.DreamCanvasStep if whole_canvas else S.DreamFreeStep if st.cache == "free" else S.DreamStep
-        step_rule = family(rule, st.steps, n_blocks, st.block_length, st.temperature, st.remasking, st.top_p, st.top_k,
-                           st.alg_temp, st.eps, generator, cfg.mask_id, device)
+        rule = Guided(Guide(st.guide, B, L, pos, real), accept, st.verify_chunk, eos, cfg.mask_id, st.speculative,
+                      prompt.to(device))
+        select, stop_run = S.Schedule(), 1
+        feed = {"free": GuidedFreeCache, "none": CACHE_POLICIES["none"]}.get(st.cache, CACHE_POLICIES["prefix"])()
     else:
-        step_rule = S.LLaDAStep(rule, st.steps // n_blocks, st.temperature, st.remasking, generator, cfg.mask_id)
-    stop = S.stop_rule(1 if guided else st.stop_at_eos, P, eos, cfg.mask_id)   # guided: a committed end token ends
-    kv = KVCache.for_model(model, B, L) if feed.keeps_cache else None
-    return Plan([(s, s + st.block_length) for s in range(P, L, st.block_length)], feed, step_rule, stop,
-                model_call(model, kv, feed, pos, mask),
-                1 if getattr(rule, "parallel", True) or guided else st.steps // n_blocks, eos)
-
-
-def model_call(model, kv, feed: Feed, pos, mask):
-    """One model call over the fed span [a, b) of the canvas, logits only at the block's open columns. The
-    NaN/inf check reads the logits' row sums (one reduction, into which any NaN/inf propagates): checking
-    every value was ~7% of a DualCache step on a 126k vocabulary."""
-    def forward(x, at: Step, span, cols):
-        a, b = span
-        if kv is not None:
-            kv.write_rows, kv.write_from = feed.rows(at), feed.write_from(at)
-        logits = model(x[:, a:b], None if pos is None else pos[:, a:b], kv, a,
-                       None if mask is None else mask[:, :, a:b], at.s + cols - a)
-        if not torch.isfinite(logits.sum(-1, dtype=torch.float32)).all():
-            raise ValueError(f"the model produced NaN/inf logits at step {at.n + 1}: the weights hold NaN/inf, "
-                             f"or the activations overflowed {logits.dtype} (try --dtype float32)")
-        return logits
-    return forward
+        rule, select = S.family_rules(cfg, st, whole_canvas, n_blocks, generator, device)
+        feed = st.cache if isinstance(st.cache, Feed) else CACHE_POLICIES[st.cache]()
+        stop_run = st.stop_at_eos
+    feed = Refresh(feed) if st.refresh_every_step else feed
+    stop = st.stop or (S.EndOfText(P, eos, cfg.mask_id, stop_run) if stop_run else S.NoStop())
+    kv = KVCache.for_model(model, B, L, feed.spare) if feed.keeps_cache else None
+    if st.compile and kv is not None and device.type == "cuda":
+        for t in kv.k + kv.v:         # CUDA graphs: the cache is written in place, at an address kept per call
+            torch._dynamo.mark_static_address(t, guard=False)
+    calls_per_block = 1 if getattr(select, "parallel", True) or guided else st.steps // n_blocks
+    return Plan([(s, s + st.block_length) for s in range(P, L, st.block_length)], feed, rule,
+                *checks.checked_hooks(rule, select, stop, B, st.block_length), model,
+                compiled(device) if st.compile else logits_at, kv, ar.expand(B, L) if pos is None else pos, mask,
+                int(cfg.shift_logits), cfg.mask_id, st.compile, calls_per_block, eos, ar)
 
 
 @torch.inference_mode()
@@ -180,51 +248,58 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
     """
     Decode gen_length tokens after `prompt` (B, P). Returns (ids (B, P + gen_length), stats) with stats
     {"nfe": model calls, "row_nfe": the calls that served each row (a row's NFE alone, whatever the batch),
-    "fed": tokens fed per call, "committed": tokens committed per call (all rows), "calls_saved",
-    "guide_calls", "seconds", "answer_tokens": generated tokens before each row's first end token, summed,
-    "tokens_per_s": answer_tokens per second}.
+    "row_committed": the tokens the selection committed in each row, "fed": tokens fed per call, "committed": tokens the selection committed per call (all rows), "filled":
+    tokens the stop rule filled per call, "calls_saved", "guide_calls", "seconds", "answer_tokens": generated
+    tokens before each row's first end token, summed, "tokens_per_s": answer_tokens per second}.
 
     settings: the keywords of `Settings` (gen_length, block_length, steps, cache, threshold, factor, select,
-        temperature, remasking, top_p, top_k, alg_temp, eps, refresh_every_step, stop_at_eos, eos_ids, guide,
-        speculative, accept, accept_k, accept_ratio, accept_threshold, verify_chunk); see its field comments
-        and the README's API table.
+        propose, stop, temperature, remasking, top_p, top_k, alg_temp, eps, refresh_every_step, stop_at_eos,
+        eos_ids, compile, guide, speculative, accept, accept_k, accept_ratio, accept_threshold, verify_chunk);
+        see its field comments and the README's API table.
     attention_mask: (B, P) 1/0 for left-padded prompts, both families: each row decodes as it would alone.
     generator: the only source of randomness (default: a fresh one seeded 0). on_step(x, stats) is called
         after every step with the live canvas.
     """
     st = settings_of(settings)
     p = make_plan(model, prompt, st, attention_mask, generator)
-    mask_id, on_step = model.config.mask_id, on_step or (lambda x, stats: None)
-    x = F.pad(prompt.to(model.lm_head.weight.device), (0, st.gen_length), value=mask_id)
-    stats = {"nfe": 0, "fed": [], "committed": [], "calls_saved": 0, "guide_calls": 0}
-    row_nfe = torch.zeros(prompt.shape[0], dtype=torch.long, device=x.device)
+    on_step = on_step or (lambda x, stats: None)
+    x = F.pad(prompt.to(p.ar.device), (0, st.gen_length), value=p.mask_id)
+    B, P = prompt.shape
+    stats = {"nfe": 0, "fed": [], "committed": [], "filled": [], "calls_saved": 0, "guide_calls": 0}
+    row_nfe, row_committed = (torch.zeros(B, dtype=torch.long, device=x.device) for _ in range(2))
+    left = B * st.gen_length
     t0 = time.perf_counter()
     for bi, (s, e) in enumerate(p.blocks):
-        p.rule.start_block(x[:, s:e] == mask_id, bi)
-        step = 0
-        while p.rule.more(cand := x[:, s:e] == mask_id, step):
-            at = Step(stats["nfe"], step, s, e, cand, x)
-            span = p.feed.span(at)                                       # 1. feed: what the cache policy asks
-            cols = cand.any(0).nonzero().squeeze(1)                      # LM head only where a token is open
-            logits = p.forward(x, at, span, cols)
-            row_nfe += cand.any(-1)
-            x0, transfer = p.rule.select(logits, cols, at, span)         # 2. propose and 3. select
-            x[:, s:e] = torch.where(transfer, x0, x[:, s:e])             # 4. commit
-            p.stop.step(x)                                               # 5. stop at the end of text
-            step += 1
+        p.rule.start_block(x, s, e)
+        i, open_cols, ended = 0, list(range(e - s)), False
+        while not ended:
+            at = p.at(x, stats["nfe"], i, s, e, open_cols)           # where this step stands; what it feeds
+            logits, bad = p.forward(x, at)                            # 1. feed
+            prop = p.propose(logits, at)                              # 2. propose
+            take = p.select(prop, at)                                 # 3. select
+            x[:, s:e] = torch.where(take, prop.x0, x[:, s:e])         # 4. commit
+            done = p.stop(x, at, prop)                                # 5. stop
+            row_nfe += at.cand.any(-1)
+            row_committed += take.sum(-1)
+            errors, (ended, committed, now, open_cols) = p.read(x, at, prop, take, done, bad, P)   # one sync
+            checks.check_step(*errors, at, p.rule, p.select)
             stats["nfe"] += 1
-            stats["fed"].append(span[1] - span[0])
-            stats["committed"].append(int(transfer.sum()))
-            stats["guide_calls"] = getattr(p.rule, "guide_calls", 0)
+            stats["fed"].append(at.span[1] - at.span[0])
+            stats["committed"].append(committed)
+            stats["filled"].append(left - now - committed)
+            stats["guide_calls"], left = getattr(p.rule, "guide_calls", 0), now
             on_step(x, stats)
-        if p.stop.block(x, e):                                           # every row's answer has ended
+            if not p.rule.more(bool(open_cols), at):
+                break
+            i += 1
+        if ended:                                                     # every row's answer has ended
             stats["calls_saved"] = (len(p.blocks) - bi - 1) * p.calls_per_block
             break
     if x.device.type == "cuda":
         torch.cuda.synchronize(x.device)
     stats["seconds"] = time.perf_counter() - t0
-    stats["row_nfe"] = row_nfe.tolist()
-    stats["answer_tokens"] = answer_tokens(x[:, prompt.shape[1]:], p.eos)
+    stats["row_nfe"], stats["row_committed"] = row_nfe.tolist(), row_committed.tolist()
+    stats["answer_tokens"] = answer_tokens(x[:, P:], p.eos)
     stats["tokens_per_s"] = stats["answer_tokens"] / max(stats["seconds"], 1e-9)
     return x, stats
 
@@ -281,7 +356,7 @@ def parse_args(argv=None):
     p.add_argument("--trace", action="store_true", help="print which tokens each step unmasked")
     p.add_argument("--guide", help="a causal LM sharing the model's tokenizer (Qwen2 format, repo id or folder): "
                    "FlashDLM's guided diffusion (default: off)")
-    p.add_argument("--accept", default="deterministic", choices=S.ACCEPT_RULES, metavar="RULE",
+    p.add_argument("--accept", default="deterministic", choices=ACCEPT_RULES, metavar="RULE",
                    help="guided: deterministic | topk | topk_relative | dynamic_threshold | aggressive "
                    "(default: %(default)s)")
     p.add_argument("--accept-k", type=checked(int, lambda k: k >= 1, "an integer >= 1"), default=5,

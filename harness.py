@@ -48,7 +48,8 @@ except ImportError as e:
 
 from chat import Chat
 from fastdllm import Settings, check_early, generate, pad_prompts, pick_device_dtype
-from model import check_guide, load_model, read_config, resolve_model_dir
+from guided import check_guide
+from model import load_model, read_config, resolve_model_dir
 
 log = logging.getLogger("lm_eval.fastdllm")   # under lm-eval's logger, so it prints with lm-eval's lines
 

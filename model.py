@@ -210,9 +210,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin, self.cfg.rope_fp32), apply_rope(k, cos, sin, self.cfg.rope_fp32)
         if kv is not None:
             # Keys are stored after RoPE: a position's rotation never changes, so this equals the official
-            # "store raw, rotate every call" bit for bit and saves the re-rotation. kv = (KVCache, layer).
-            cache, layer = kv
-            k, v = cache.update(layer, k, v, start)                  # (B, nkv, L, hd): the whole canvas
+            # "store raw, rotate every call" bit for bit and saves the re-rotation. kv = (KVCache, layer, slots).
+            cache, layer, slots = kv
+            k, v = cache.update(layer, k, v, slots)                  # (B, nkv, L, hd): the whole canvas
         if self.cfg.causal:
             # The guide: the chunk at [start, start+T) sees the cached text [0, start) and itself causally, and
             # nothing after it (cache rows past the chunk hold stale drafts from earlier verifications).
@@ -271,33 +271,38 @@ class Transformer(nn.Module):
     def forward(self, idx, pos=None, cache=None, start=0, mask=None, logits_range=None):
         """
         idx: (B, T) token ids that sit at canvas positions [start, start+T).
-        pos: (B, T) RoPE positions; default start..start+T-1 (Dream's padded batches pass their own).
-        cache: a cache.KVCache; the chunk's keys/values are written at [start, start+T) and the queries
-            attend over the whole cached canvas. None = attend over the chunk alone.
-        mask: optional bool (B, 1, T, keys) attention mask, True = attend (Dream's left padding).
+        pos: (B, T) RoPE positions; default start..start+T-1 (padded batches pass their own).
+        cache: a cache.KVCache; the chunk's keys/values are written at its canvas slots and the queries attend
+            over the whole cached canvas. None = attend over the chunk alone.
+        start: the chunk's first canvas position (an int), or its slots as a long tensor: (T,) for every row, or
+            (B, T) per row (a slot may be the cache's discard slot). Tensors keep the shapes of a call fixed
+            whatever the block, so one compiled graph serves every block (fastdllm.py, compile=True).
+        mask: optional bool (B, 1, T, keys) attention mask, True = attend (left padding).
         logits_range: (a, b), or a 1-D tensor of chunk positions, to return logits there only (the LM head
-            is the largest matmul of a cached step, and the decoder only needs the block's masked positions).
+            is the largest matmul of a cached step, and the decoder only needs the block's positions).
         Returns logits (B, T', vocab) where row i predicts the token *at* position i, for both diffusion
         families; for the causal guide row i predicts the token *after* position i (next-token logits).
         """
         B, T = idx.shape
+        slots = start if isinstance(start, torch.Tensor) else torch.arange(start, start + T, device=idx.device)
         if pos is None:
-            pos = torch.arange(start, start + T, device=idx.device).expand(B, T)
+            pos = slots.expand(B, T)
         cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta)
         x = self.embed(idx)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, None if cache is None else (cache, i), start, mask)
-        x = self.norm(x)
+            x = layer(x, cos, sin, None if cache is None else (cache, i, slots), start, mask)
+        if isinstance(logits_range, tuple):
+            logits_range = torch.arange(*logits_range, device=idx.device)
         if self.config.shift_logits:
             # Dream's logits shift, the one place it happens: the prediction for position i comes from hidden
             # state i-1; position 0 keeps its own (spec/dream.md section 4). Applied within the fed chunk, as
-            # Fast-dLLM does in its cached calls (the chunk's first position is never decoded there).
-            x = torch.cat((x[:, :1], x[:, :-1]), dim=1)
-        if isinstance(logits_range, torch.Tensor):       # chunk positions: only where a token is still open
-            x = x[:, logits_range]
+            # Fast-dLLM does in its cached calls: a chunk that starts at position a > 0 has no prediction for a
+            # (fastdllm.py's plan never commits one from it).
+            rows = torch.arange(T, device=idx.device) if logits_range is None else logits_range
+            x = x[:, (rows - 1).clamp(min=0)]
         elif logits_range is not None:
-            x = x[:, logits_range[0]:logits_range[1]]
-        return self.lm_head(x)
+            x = x[:, logits_range]
+        return self.lm_head(self.norm(x))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -504,56 +509,3 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None) -> Tra
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.eval()
-
-
-# ----------------------------------------------------------------------------------------------------------
-def check_guide(model_cfg: ModelConfig, guide_cfg: ModelConfig, model_tok=None, guide_tok=None):
-    """
-    Refuse a guide that does not share the diffusion model's token ids, in one line that says why. The
-    guide is fed the diffusion model's ids as they are and its verdicts are compared id for id, so the two
-    must mean the same token by the same id; re-tokenising through text (the official fallback) is not
-    one-to-one and is not done here.
-    Rules, on the configs (and, when given, the two `tokenizers.Tokenizer`s, which the real models need):
-    - the guide is a causal LM and the model a diffusion LM;
-    - the guide has a row for every id the diffusion model can write: all ids of its tokenizer (without
-      one, all its rows) except the mask, which is never written. Rows past the tokenizer are padding, never
-      text: Dream-7B has 152064 rows and Qwen2.5-1.5B 151936, but both tokenizers end below 151936;
-    - the end-of-text id means the same token to both (the loop ends on the diffusion model's eos, and the
-      guide must see that same token to agree with it). Without tokenizers it must be one of the guide's
-      special ids (bos or eos); with them the token behind the id must be the same (Qwen2.5-Instruct's eos is <|im_end|>,
-      Dream's <|endoftext|>, and both tokenizers put <|endoftext|> at 151643);
-    - with tokenizers, every id both tokenizers define is the same token, and an id only the diffusion
-      tokenizer defines is one of its special tokens (Dream adds <|beginoftext|> and <|mask|>).
-    """
-    if not guide_cfg.causal:
-        raise ValueError(f"the guide is a {guide_cfg.family} model, not a causal LM: pass a Qwen2-format "
-                         f"checkpoint (model_type 'qwen2') as the guide")
-    if model_cfg.causal:
-        raise ValueError("the model to decode is a causal LM (qwen2), not a diffusion LM: pass it as the guide "
-                         "and a LLaDA or Dream checkpoint as the model")
-    if model_tok is not None:
-        n = model_tok.get_vocab_size(with_added_tokens=True)
-        top = n - 2 if model_cfg.mask_id == n - 1 else n - 1      # the largest id the model can write
-    else:   # configs alone: text ids lie below the mask id (Dream 151666 of 152064 rows; the rest is padding)
-        top = min(model_cfg.vocab_size, model_cfg.mask_id) - 1
-    if guide_cfg.vocab_size <= top:
-        raise ValueError(f"the guide has {guide_cfg.vocab_size} token ids but the diffusion model can write ids up "
-                         f"to {top}: the guide must use the diffusion model's tokenizer (the same token ids)")
-    eos = model_cfg.eos_id
-    if model_tok is None or guide_tok is None:
-        # Configs alone: the diffusion model's end of text must be one of the guide's special ids. Dream-7B
-        # ends with 151643, which Qwen2.5-1.5B-Instruct's config names as its bos (its eos is <|im_end|>).
-        guide_ids = [*guide_cfg.eos_ids, guide_cfg.bos_id]
-        if eos not in guide_ids:
-            raise ValueError(f"the diffusion model's end-of-text id {eos} is none of the guide's special ids "
-                             f"{sorted(set(guide_ids) - {None})}: the guide must use the diffusion model's tokenizer")
-        return
-    if eos is not None and model_tok.id_to_token(eos) != guide_tok.id_to_token(eos):
-        raise ValueError(f"end-of-text id {eos} is {model_tok.id_to_token(eos)!r} to the diffusion model but "
-                         f"{guide_tok.id_to_token(eos)!r} to the guide: they must share a tokenizer")
-    specials = {i for i, t in model_tok.get_added_tokens_decoder().items() if t.special}
-    for token, i in model_tok.get_vocab(with_added_tokens=True).items():
-        theirs = guide_tok.id_to_token(i)
-        if theirs != token and (theirs is not None or i not in specials) and i != model_cfg.mask_id:
-            raise ValueError(f"token id {i} is {token!r} to the diffusion model but {theirs!r} to the guide: "
-                             f"the guide must use the diffusion model's tokenizer (the same token ids)")

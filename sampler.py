@@ -1,27 +1,22 @@
 """
-sampler.py: the decoding policies, logits -> which masked tokens to commit this step, and when an answer has
-ended. Randomness only through an explicit torch.Generator.
+sampler.py: the decoding policies, logits -> tokens: how each family proposes (step rules), which proposals a
+step commits (selection rules), and when an answer has ended (stop rules). Randomness only through an explicit
+torch.Generator. The KV cache and what each step feeds are cache.py's; guided diffusion is guided.py's.
 
-Shapes: logits (B, n, V) at the n open columns `cols` of the current block of N positions; boolean candidate
-masks `cand` (B, N); confidences (B, N) hold -inf at non-candidates so they can never be chosen.
+Shapes: a step works on the current block of N positions at a fixed width. logits (B, n, V) at the block
+columns `at.cols` (all N when compiled; the still-open ones in eager mode, see fastdllm.py), widened to a
+`Proposal` of (B, N) tensors, with `open` (B, N) the positions this step may commit; confidences are -inf
+elsewhere so they can never be chosen.
 
-- LLaDA (ML-GSAI/LLaDA, Fast-dLLM `v1/llada/generate.py`): Gumbel-max sampling in float64, confidence =
-  the un-tempered probability of the chosen token (`low_confidence`) or uniform noise (`random`), and a
-  per-step token budget from `num_transfer_tokens` (spec/llada.md section 3).
+- LLaDA (ML-GSAI/LLaDA, Fast-dLLM `v1/llada/generate.py`): Gumbel-max sampling, confidence = the un-tempered
+  probability of the chosen token (`low_confidence`) or uniform noise (`random`), and a per-step token budget
+  from `num_transfer_tokens` (spec/llada.md section 3).
 - Dream (`diffusion_generate`): top-p/top-k/temperature sampling, confidence = max prob (`maskgit_plus`),
   top1-top2 margin (`topk_margin`) or negative entropy (`entropy`), a linear schedule in float32
   (`dream_num_transfer`), or MaskGIT-style random unmasking (`origin`) (spec/dream.md section 5).
 - Fast-dLLM's parallel decoding (paper section 3.3): `select_threshold` (Theorem 1: unmask every token
   whose confidence clears tau, and always the most confident) and `select_factor`.
-- FlashDLM's guided diffusion (arXiv 2505.21467; spec/flashdlm.md 2): `accept_drafts`, the guide's verdict on the
-  diffusion model's drafts (five rules), and `guided_commit`, what a step then commits: the assisted variant's
-  accepted drafts, or the speculative variant's accepted drafts and the guide's own token (`guide_token`).
-- The parts generate() calls, each decided once per call: selection rules (`Schedule`, `Threshold`,
-  `Factor`: which proposals a step commits), step rules (`LLaDAStep`, `DreamStep` and its FreeCache and
-  whole-canvas clocks, `GuidedStep`: one family's propose-and-select with its state), and stop rules
-  (`StopAtBlockEnd`, `StopAtFrontier`: the end of text).
 """
-from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -30,17 +25,27 @@ import torch.nn.functional as F
 NEG_INF = float("-inf")
 
 
-# ---------------------------------------------------------------------------------------- LLaDA
+class Proposal(NamedTuple):
+    """One step's proposals over the block's N positions: what a step rule hands to the selection rule."""
+    x0: torch.Tensor       # (B, N) long: the proposed token at every position
+    conf: torch.Tensor     # (B, N) float: its confidence (the family's), -inf where not open
+    open: torch.Tensor     # (B, N) bool: the positions this step may commit (masked, and predicted by this call)
+    k: torch.Tensor        # (B,) long: the family's schedule, tokens to commit now (rules with their own count ignore it)
+    logits: torch.Tensor   # (B, n, V): the model's logits at the block columns at.cols
+
+
+# ---------------------------------------------------------------------------------------- sampling
 def add_gumbel_noise(logits, temperature: float, generator=None):
     """Scores whose argmax is a sample from softmax(l/T): the official argmax(exp(l) / (-log u)^T), taken in
-    log space as argmax(l - T log(-log u)) (== argmax(l/T + Gumbel)). The same choice wherever the official
-    formula is finite; at large T (from a few tens up, over a 126k vocabulary) that one overflows float64 and
-    then picks the lowest id, while this still samples (near-uniformly, as softmax(l/T) does). In float64 on
-    purpose: low-precision Gumbel noise hurts generation quality (arXiv 2409.02908). T == 0 draws nothing."""
+    log space as argmax(l - T log(-log u)) (== argmax(l/T + Gumbel)), so it never overflows. float32, not the
+    official float64: a (B, n, V) float64 tensor is ~1 GB per step at batch 16. The cost: float32 uniforms have
+    24 bits, so no Gumbel draw exceeds ~16.6 (float64: ~36.7); a token whose draw would have is sampled with
+    probability off by at most V * e^-16.6 (<1% at a 126k vocabulary, and only for near-flat distributions).
+    T == 0 draws nothing."""
     if temperature == 0:
         return logits
-    u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
-    return logits.double() - temperature * torch.log(-torch.log(u))
+    u = torch.rand(logits.shape, dtype=torch.float32, device=logits.device, generator=generator)
+    return logits.float() - temperature * torch.log(-torch.log(u))
 
 
 def num_transfer_tokens(mask_count: torch.Tensor, steps: int) -> torch.Tensor:
@@ -51,38 +56,17 @@ def num_transfer_tokens(mask_count: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 def argmax_except(scores, banned: int):
-    """argmax over the last axis, never returning the id `banned` (the mask token: a proposal that is the
-    mask itself would leave its position masked, and a loop that waits for the block to fill would never
-    end). The plain argmax everywhere else (the same tie-breaking as the official code), the runner-up only
-    where the mask wins."""
-    x = scores.argmax(-1)
-    hit = x == banned
-    if hit.any():
-        x = torch.where(hit, scores.topk(2, dim=-1).indices[..., 1], x)
-    return x
+    """argmax over the last axis, never returning the id `banned` (the mask token: a proposal that is the mask
+    itself would leave its position masked forever). The two halves around it are reduced as views (no copy,
+    no host sync); the lower half wins ties, which is the plain argmax's first-index tie-breaking."""
+    V = scores.shape[-1]
+    if banned >= V - 1 or banned <= 0:     # one half is empty
+        lo = scores[..., :banned] if banned > 0 else scores[..., 1:]
+        return lo.argmax(-1) + (0 if banned > 0 else 1)
+    lo, hi = scores[..., :banned].max(-1), scores[..., banned + 1:].max(-1)
+    return torch.where(hi.values > lo.values, hi.indices + banned + 1, lo.indices)
 
 
-def llada_predict(logits, temperature: float, remasking: str, generator=None, rand_span=None, mask_id=None):
-    """-> (x0, conf): the proposed token and its confidence at every position, float64.
-    rand_span=(offset, cols, width): `random` remasking draws its uniforms over the whole fed chunk (width), as
-    the official code does, so a seeded run draws the same numbers; we keep the given columns of it.
-    mask_id: never proposed (see argmax_except)."""
-    noised = add_gumbel_noise(logits, temperature, generator)
-    x0 = noised.argmax(-1) if mask_id is None else argmax_except(noised, mask_id)
-    if remasking == "low_confidence":
-        # The *un-tempered, noise-free* probability of the chosen token, even when sampling.
-        p = F.softmax(logits.double(), dim=-1)
-        conf = p.gather(-1, x0[..., None]).squeeze(-1)
-    elif remasking == "random":
-        B, N = x0.shape
-        offset, cols, width = rand_span or (0, torch.arange(N, device=x0.device), N)
-        conf = torch.rand((B, width), dtype=torch.float64, device=x0.device, generator=generator)[:, offset + cols]
-    else:
-        raise ValueError(f"unknown LLaDA remasking {remasking!r}: use 'low_confidence' or 'random'")
-    return x0, conf
-
-
-# ---------------------------------------------------------------------------------------- Dream
 def dream_sample(logits, temperature: float = 0.0, top_p=None, top_k=None, generator=None, mask_id=None):
     """Dream's `sample_tokens`: -> (conf, x0, probs). conf is the max prob, or at T > 0 the prob of the
     drawn token. Computed in float32 whatever the model dtype. mask_id is never proposed (argmax_except);
@@ -114,17 +98,16 @@ def dream_sample(logits, temperature: float = 0.0, top_p=None, top_k=None, gener
     return conf, x0, probs
 
 
-def dream_confidence(alg: str, conf, probs, cols=None):
-    """Rank score for Dream's confidence algorithms (higher = decode sooner). cols: each candidate's column
-    in its block, for FlashDLM's `position_weighted` (max prob x (1 - col / the row's last masked col), so
-    left positions go first). FlashDLM's own version crashes on its 2-D positions; this is what it meant."""
+def dream_confidence(alg: str, conf, probs, cols, open_):
+    """Rank score for Dream's confidence algorithms (higher = decode sooner), at the block columns `cols`
+    (n,) of the open mask open_ (B, n). FlashDLM's `position_weighted`: max prob x (1 - col / the row's last
+    open col), so left positions go first (FlashDLM's own version crashes on its 2-D positions; this is what
+    it meant)."""
     if alg == "maskgit_plus":
         return conf
     if alg == "position_weighted":
-        rows, col = cols
-        last = torch.zeros(int(rows.max()) + 1 if rows.numel() else 1, device=conf.device).scatter_reduce_(
-            0, rows, col.float(), "amax", include_self=False)                   # each row's last masked column
-        return conf * (1 - col.float() / last[rows].clamp(min=1))
+        last = torch.where(open_, cols, 0).amax(-1, keepdim=True).clamp(min=1)       # each row's last open col
+        return conf * (1 - cols / last)
     if alg == "topk_margin":
         top2 = probs.topk(2, dim=-1)[0]
         return top2[..., 0] - top2[..., 1]
@@ -144,62 +127,34 @@ def dream_num_transfer(num_mask: torch.Tensor, t: torch.Tensor, s: torch.Tensor,
     return (total.float() * (1 - s / t)).long()
 
 
-def dream_origin(logits, cand, p, temperature=0.0, top_p=None, top_k=None, generator=None, mask_id=None):
-    """Dream's `origin` (MaskGIT-style) rule: each masked position is decoded with probability p = 1 - s/t,
-    independently; one uniform per masked position, row-major over the batch. -> (x0, transfer)."""
-    rows, cols = cand.nonzero(as_tuple=True)
-    take = torch.rand(rows.numel(), device=cand.device, generator=generator) < p
-    transfer = torch.zeros_like(cand)
-    transfer[rows[take], cols[take]] = True
-    x0 = torch.zeros(cand.shape, dtype=torch.long, device=cand.device)
-    x0[transfer] = dream_sample(logits[rows[take], cols[take]], temperature, top_p, top_k, generator, mask_id)[1]
-    return x0, transfer
+def widen(values, cols, width: int, fill):
+    """(B, n) values at block columns `cols` -> (B, width), `fill` elsewhere."""
+    return torch.full((values.shape[0], width), fill, dtype=values.dtype, device=values.device).index_copy_(
+        1, cols, values)
 
 
 # ---------------------------------------------------------------------------------------- selection
-def select_topk(conf, cand, k: torch.Tensor):
-    """The k[b] most confident candidates of each row b. Vectorised: rank every position by confidence."""
+def select_topk(conf, open_, k: torch.Tensor):
+    """The k[b] most confident open positions of each row b. Vectorised: rank every position by confidence."""
     order = conf.argsort(-1, descending=True)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(conf.shape[-1], device=conf.device).expand_as(order))
-    return cand & (rank < k[:, None])
+    return open_ & (rank < k[:, None])
 
 
-def select_sampled(conf, cand, k: int, alg_temp: float, generator=None, pad=(0, 0)):
-    """Dream's `alg_temp` > 0: draw k positions without replacement from softmax(conf / alg_temp).
-    pad=(left, right): the official code draws over a wider tensor (Dream's sampler: the whole canvas;
-    Fast-dLLM's prefix mode: the fed chunk), the extra columns at -inf. Drawing over the same width makes
-    the same generator state pick the same positions."""
-    if k == 0:
-        return torch.zeros_like(cand)
-    scores = F.pad(conf / alg_temp, pad, value=NEG_INF).softmax(-1)
-    picked = torch.zeros(scores.shape, dtype=torch.bool, device=cand.device)
-    picked.scatter_(-1, torch.multinomial(scores, k, generator=generator), True)
-    return cand & picked[:, pad[0]:pad[0] + cand.shape[-1]]
-
-
-def select_threshold(conf, cand, threshold: float):
-    """Fast-dLLM threshold decoding (Theorem 1): every candidate with confidence >= tau, plus always the
+def select_threshold(conf, open_, threshold: float):
+    """Fast-dLLM threshold decoding (Theorem 1): every open position with confidence >= tau, plus always the
     single most confident one, so each step unmasks at least one token and decoding terminates.
     A tau above 1 can never be reached, which makes it plain one-token-per-step decoding."""
-    best = torch.zeros_like(cand).scatter_(-1, conf.argmax(-1, keepdim=True), True)
-    return cand & ((conf >= threshold) | best)
+    best = torch.zeros_like(open_).scatter_(-1, conf.argmax(-1, keepdim=True), True)
+    return open_ & ((conf >= threshold) | best)
 
 
-def select_quota_threshold(conf, cand, offer: torch.Tensor, threshold: float):
-    """Fast-dLLM's Dream `confidence_threshold` without blocks (spec/dream.md 7.2): offer the offer[b] most
-    confident candidates; the first is always taken, the others only if confidence >= tau. -> (transfer,
-    rejected count (B,)): what was offered and refused is offered again at the next step (the carry)."""
-    offered = select_topk(conf, cand, offer)
-    transfer = offered & select_threshold(conf, cand, threshold)
-    return transfer, (offered & ~transfer).sum(-1)
-
-
-def select_factor(conf, cand, factor: float):
-    """Fast-dLLM factor decoding: sort the N candidates by confidence c(1) >= ... >= c(N) and take the top
+def select_factor(conf, open_, factor: float):
+    """Fast-dLLM factor decoding: sort the N open positions by confidence c(1) >= ... >= c(N) and take the top
     n-1, where n is the first rank with c(n) < 1 - f/(n+1), i.e. (n+1)(1-c(n)) >= f (paper section 3.3);
     rank 1 always passes, and all N if none fails. Official quirk kept for parity: a first failure at the
-    very last candidate still takes all N."""
-    N = cand.sum(-1, keepdim=True)                                         # (B, 1)
+    very last candidate still takes all N. The bar is compared in float64, as the official code compares."""
+    N = open_.sum(-1, keepdim=True)                                         # (B, 1)
     sorted_conf, order = conf.sort(-1, descending=True)
     n = torch.arange(1, conf.shape[-1] + 1, device=conf.device)             # 1-based rank
     bar = (1 - factor / (n + 1)).to(torch.float64)
@@ -208,104 +163,19 @@ def select_factor(conf, cand, factor: float):
     first = torch.where(fail.any(-1, keepdim=True), fail.long().argmax(-1, keepdim=True), N)  # 0-based index
     count = torch.where(first == N - 1, N, first)
     rank = torch.empty_like(order).scatter_(-1, order, (n - 1).expand_as(order))
-    return cand & (rank < count)
+    return open_ & (rank < count)
 
 
-# ---------------------------------------------------------------------------------------- guided diffusion
-ACCEPT_RULES = ("deterministic", "topk", "topk_relative", "dynamic_threshold", "aggressive")
-
-
-def accept_drafts(logits, drafts, rule: str = "deterministic", k: int = 5, ratio: float = 0.95,
-                  threshold: float = 0.1):
-    """
-    FlashDLM's verification (arXiv 2505.21467; spec/flashdlm.md 2): does the causal guide agree with each draft?
-    logits (..., V): the guide's next-token logits at each draft's position; drafts (...) -> bool (...).
-    - deterministic: the draft is the guide's argmax (the token greedy decoding with the guide would write).
-    - topk: the draft is among the guide's k most likely tokens (the official default k = 5).
-    - topk_relative: among the top k *and* p(draft) >= ratio * p(top-1), so a flat top-k does not let an
-      unlikely token through (their evaluator: k = 5, ratio = 0.95).
-    - dynamic_threshold: p(draft) > threshold (the official `confidence_threshold`, default 0.1).
-    - aggressive: in the guide's top 5, or p(draft) > 0.05, or inside its top-p 0.95 set (ids sorted by p,
-      kept while their cumulative probability is <= 0.95); the official constants.
-    Decided on float32 probabilities, as the official code decides (softmax, then argmax / topk / sort), so
-    that ties and underflow to 0 fall the same way. The loop commits the accepted *run* from the first draft;
-    this function only gives the verdicts.
-    """
-    if rule not in ACCEPT_RULES:
-        raise ValueError(f"unknown acceptance rule {rule!r}: use one of {', '.join(ACCEPT_RULES)}")
-    p = logits.float().softmax(-1)                                            # (..., V)
-    p_draft = p.gather(-1, drafts[..., None]).squeeze(-1)                     # (...)
-    if rule == "deterministic":
-        return p.argmax(-1) == drafts
-    if rule == "dynamic_threshold":
-        return p_draft > threshold
-    if rule == "aggressive":
-        top5 = (p.topk(min(5, p.shape[-1]), dim=-1).indices == drafts[..., None]).any(-1)
-        sorted_p, order = p.sort(-1, descending=True)
-        nucleus = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, order, sorted_p.cumsum(-1) <= 0.95)
-        return top5 | (p_draft > 0.05) | nucleus.gather(-1, drafts[..., None]).squeeze(-1)
-    if not k >= 1:
-        raise ValueError(f"acceptance top-k must be >= 1 (got {k})")
-    top_p, top_ids = p.topk(min(k, p.shape[-1]), dim=-1)                      # (..., k)
-    ok = (top_ids == drafts[..., None]).any(-1)
-    if rule == "topk_relative":
-        ok &= p_draft >= ratio * top_p[..., 0]
-    return ok
-
-
-# ---------------------------------------------------------------------------------------- guided commit
-def guide_token(logits, mask_id: int):
-    """The guide's own choice where it rejected a draft: the argmax of its float32 probabilities (the token the
-    official code writes for deterministic, topk and topk_relative; for dynamic_threshold and aggressive it
-    samples one instead, which we do not replay). Never the diffusion model's mask id (the tiny test guide
-    has that row; a committed mask would leave its position open)."""
-    return argmax_except(logits.float().softmax(-1), mask_id)
-
-
-def guided_commit(drafts, cand, n, fix, speculative: bool, eos):
-    """
-    What a guided step commits, per row. drafts (B, N): the diffusion model's argmax at the open columns cand
-    (B, N), which run to the block's end (guided commits go left to right); n (B,): the accepted run from the
-    first draft (Guide.verify); fix (B,): the guide's own token at the first rejected draft (guide_token).
-    - assisted (FlashDLM's default): the accepted run, and at least the first draft (the diffusion model's
-      own token), so the output is the diffusion model's text wherever the guide agrees.
-    - speculative (speculative decoding with the diffusion model as the drafter): the accepted run, then the
-      guide's token in place of the rejected draft. Every committed token is one the rule lets the guide
-      write; with `deterministic` the answer is the guide's own greedy text.
-    Cut after the first end token (eos ids). -> (x0 (B, N), transfer (B, N), ended (B,)).
-    """
-    N = cand.shape[1]
-    col = torch.arange(N, device=cand.device)
-    rank = col - (N - cand.sum(-1, keepdim=True))           # 0 at each row's first open column
-    if speculative:
-        x0 = torch.where(rank == n[:, None], fix[:, None], drafts)
-        take = cand & (rank <= n[:, None])
-    else:
-        x0, take = drafts, cand & (rank < n.clamp(min=1)[:, None])
-    end = take & torch.isin(x0, eos)
-    cut = torch.where(end, col, N).min(-1, keepdim=True).values
-    return x0, take & (col <= cut), end.any(-1)
-
-
-# ---------------------------------------------------------------------------------------- selection rules
-# A selection rule answers "which of the proposed tokens does this step commit?": rule(proposal, cand, k) ->
-# (B, N) bool, k (B,) being the schedule's count for this step. A rule that decides the count itself
-# (`parallel`, the default for a rule without the attribute: Fast-dLLM 3.3) takes as many steps per block as
-# it needs. A fork's rule is one more small class like these, passed as generate(select=...).
-class Proposal(NamedTuple):
-    """One step's proposals over the block's N positions."""
-    x0: torch.Tensor       # (B, N) the proposed token at every position (0 where nothing is open)
-    conf: torch.Tensor     # (B, N) its confidence (the family's), -inf at positions that are not candidates
-    logits: torch.Tensor   # (B, len(cols), V) the model's logits at the open columns
-    cols: torch.Tensor     # the block columns the logits belong to
-
-
+# A selection rule answers "which of the proposed tokens does this step commit?": rule(p: Proposal, at) ->
+# (B, N) bool, inside p.open (fastdllm.py checks both at every step). `parallel` (default True for a rule
+# without the attribute): the rule decides the count itself (Fast-dLLM 3.3), so a block takes as many steps
+# as it needs; False: it follows the family's schedule p.k. A fork's rule is one more small class like these.
 class Schedule:
-    """The k[b] most confident candidates: LLaDA's and Dream's fixed step schedules."""
+    """The k[b] most confident open positions: LLaDA's and Dream's fixed step schedules."""
     parallel = False
 
-    def __call__(self, p: Proposal, cand, k):
-        return select_topk(p.conf, cand, k)
+    def __call__(self, p: Proposal, at):
+        return select_topk(p.conf, p.open, p.k)
 
 
 class Threshold:
@@ -315,8 +185,8 @@ class Threshold:
     def __init__(self, tau: float):
         self.tau = tau
 
-    def __call__(self, p: Proposal, cand, k):
-        return select_threshold(p.conf, cand, self.tau)
+    def __call__(self, p: Proposal, at):
+        return select_threshold(p.conf, p.open, self.tau)
 
 
 class Factor:
@@ -326,51 +196,102 @@ class Factor:
     def __init__(self, f: float):
         self.f = f
 
-    def __call__(self, p: Proposal, cand, k):
-        return select_factor(p.conf, cand, self.f)
+    def __call__(self, p: Proposal, at):
+        return select_factor(p.conf, p.open, self.f)
 
 
-def selection_rule(threshold=None, factor=None, select=None):
-    """The call's rule, decided once: a custom one, threshold, factor, or the fixed schedule."""
-    return select or (Threshold(threshold) if threshold is not None else Factor(factor) if factor is not None
-                      else Schedule())
+class QuotaThreshold(Threshold):
+    """Fast-dLLM's Dream `confidence_threshold` without blocks (spec/dream.md 7.2): offer the k[b] + carry[b]
+    most confident open positions; the first is always taken, the others only if confidence >= tau; what was
+    offered and refused is offered again at the next step (the carry). One instance per generate() call."""
+
+    def __call__(self, p: Proposal, at):
+        carry = getattr(self, "carry", 0) if at.n else 0
+        offered = select_topk(p.conf, p.open, p.k + carry)
+        take = offered & select_threshold(p.conf, p.open, self.tau)
+        self.carry = (offered & ~take).sum(-1)
+        return take
+
+
+class SampledPositions:
+    """Dream's `alg_temp` > 0: draw the schedule's k positions without replacement from softmax(conf / alg_temp).
+    pad(at) -> (left, right): the official code draws over a wider tensor (Dream's sampler: the whole canvas;
+    Fast-dLLM's prefix mode: the fed chunk), the extra columns at -inf; drawing over the same width makes the
+    same generator state pick the same positions. Reads k on the host (one sync: a drawn count is a shape)."""
+    parallel = False
+
+    def __init__(self, alg_temp: float, generator, pad):
+        self.alg_temp, self.generator, self.pad = alg_temp, generator, pad
+
+    def __call__(self, p: Proposal, at):
+        k = int(p.k.max())
+        if k == 0:
+            return torch.zeros_like(p.open)
+        left, right = self.pad(at)
+        scores = F.pad(p.conf / self.alg_temp, (left, right), value=NEG_INF).softmax(-1)
+        picked = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+        picked.scatter_(-1, torch.multinomial(scores, k, generator=self.generator), True)
+        return p.open & picked[:, left:left + p.open.shape[-1]]
+
+
+class FirstToken:
+    """Fast-dLLM's Dream block sampler (spec/dream.md 7.3) decodes a block's first position at the block's first
+    step, whatever its confidence, then lets `rule` choose."""
+
+    def __init__(self, rule):
+        self.rule, self.parallel = rule, getattr(rule, "parallel", True)
+
+    def __call__(self, p: Proposal, at):
+        if at.i == 0:
+            return p.open & (torch.arange(p.open.shape[1], device=p.open.device) == 0)
+        return self.rule(p, at)
 
 
 # ---------------------------------------------------------------------------------------- step rules
-# A step rule is one family's propose-and-select with its own state (the schedule, Dream's clock, the guide):
-# start_block(cand, block) at a block's start; more(cand, step): does the block need another step;
-# select(logits, cols, at, span) -> (x0, transfer), both (B, N), for the step `at` (cache.Step) that fed span.
-def block_open(cand, step: int, limit: int) -> bool:
-    """A block is decoded until no mask is left. Every step commits at least one token, so a block of N
-    positions never needs more than max(steps per block, N) steps: more would be a bug, not slowness."""
-    if step > limit:
-        raise RuntimeError("decoding made no progress: every step commits at least one token, so this is a bug")
-    return bool(cand.any())
+# A step rule is one family's way to propose, with its state (the schedule, Dream's clock):
+# start_block(x, s, e) at a block's start; propose(logits, at) -> Proposal for the step `at` (fastdllm.Step:
+# what this call fed); more(masks_left, at) -> does the block need another step (masks_left: does it still
+# hold masks, read once per step on the host).
+class StepRule:
+    def start_block(self, x, s: int, e: int):
+        pass
+
+    def more(self, masks_left: bool, at) -> bool:
+        """A block is decoded until no mask is left. Past its schedule (steps per block) every built-in rule commits
+        at least one token a step, so a block of N positions never needs more than spb + N steps: more is a bug,
+        not slowness."""
+        if at.i > getattr(self, "spb", 0) + at.cand.shape[1]:
+            raise RuntimeError(f"{type(self).__name__}: the block [{at.s}, {at.e}) made no progress in {at.i + 1} "
+                               f"steps: a step rule or selection rule that commits nothing never ends a block")
+        return masks_left
 
 
-class LLaDAStep:
-    """LLaDA (Fast-dLLM v1/llada/generate.py): Gumbel-max proposals at the open columns, confidence = the
-    chosen token's probability (or uniform noise for `random`); the schedule spreads each block's masks evenly
-    over its steps_per_block steps (num_transfer_tokens)."""
+class LLaDA(StepRule):
+    """LLaDA (Fast-dLLM v1/llada/generate.py): Gumbel-max proposals, confidence = the chosen token's
+    probability (or uniform noise for `random`); the schedule spreads each block's masks evenly over its
+    steps_per_block steps (num_transfer_tokens)."""
 
-    def __init__(self, rule, steps_per_block: int, temperature: float, remasking: str, generator, mask_id: int):
-        self.rule, self.spb, self.temperature, self.remasking = rule, steps_per_block, temperature, remasking
+    def __init__(self, steps_per_block: int, temperature: float, remasking: str, generator, mask_id: int):
+        self.spb, self.temperature, self.remasking = steps_per_block, temperature, remasking
         self.generator, self.mask_id = generator, mask_id
 
-    def start_block(self, cand, block: int):
-        self.budget = num_transfer_tokens(cand.sum(-1), self.spb)     # (B, spb)
+    def start_block(self, x, s: int, e: int):
+        self.budget = num_transfer_tokens((x[:, s:e] == self.mask_id).sum(-1), self.spb)     # (B, spb)
 
-    def more(self, cand, step: int) -> bool:
-        return block_open(cand, step, max(self.spb, cand.shape[1]))
-
-    def select(self, logits, cols, at, span):
-        a, b = span           # `random` draws its uniforms over the whole fed chunk, as the official code
-        x0, conf = llada_predict(logits, self.temperature, self.remasking, self.generator, (at.s - a, cols, b - a),
-                                 self.mask_id)
+    def propose(self, logits, at) -> Proposal:
+        x0 = argmax_except(add_gumbel_noise(logits, self.temperature, self.generator), self.mask_id)
+        if self.remasking == "low_confidence":
+            # The *un-tempered, noise-free* probability of the chosen token, even when sampling. float32 over the
+            # vocabulary (the official float64 softmax is a (B, n, V) float64 tensor); the golden ids are equal.
+            conf = F.log_softmax(logits.float(), -1).gather(-1, x0[..., None]).squeeze(-1).exp()
+        else:   # `random`: uniforms over the whole fed chunk, as the official code draws them (same seeded stream)
+            a, b = at.span
+            conf = torch.rand((x0.shape[0], b - a), dtype=torch.float64, device=x0.device,
+                              generator=self.generator)[:, at.s - a + at.cols]
         N = at.cand.shape[1]
-        x0, conf = widen(x0, cols, N, 0), widen(conf, cols, N, NEG_INF).masked_fill(~at.cand, NEG_INF)
-        k = self.budget[:, min(at.step, self.spb - 1)]   # parallel steps past the schedule never read it
-        return x0, self.rule(Proposal(x0, conf, logits, cols), at.cand, k)
+        conf = widen(conf, at.cols, N, NEG_INF).masked_fill(~at.cand, NEG_INF)
+        k = self.budget[:, min(at.i, self.spb - 1)]   # parallel steps past the schedule never read it
+        return Proposal(widen(x0, at.cols, N, 0), conf, at.cand, k, logits)
 
 
 class DreamClock(NamedTuple):
@@ -379,140 +300,131 @@ class DreamClock(NamedTuple):
     t_next: torch.Tensor
     last: bool                # the block's (or canvas's) last scheduled step takes every mask left
     later: int                # masks of later blocks counted into the schedule (FreeCache)
-    pad: tuple                # alg_temp draws over the official width (fed chunk, canvas or block)
 
 
-class DreamStep:
+class Dream(StepRule):
     """Dream, Fast-dLLM's block sampler (spec/dream.md 7.3): Dream's sampler proposes (top-p/top-k/temperature,
-    float32), the block's first token is decoded at the block's first (refresh) step whatever its confidence,
-    then tokens are ranked by `alg` (entropy) and counted by Dream's schedule over the block's steps, or chosen
-    by a parallel rule on the max probability. The clock is the one thing the subclasses change."""
-    refresh_token = True
+    float32); tokens are ranked by `alg` (entropy) and counted by Dream's schedule over the block's steps, or
+    chosen by a parallel rule on the max probability (the block's first token at its first step: FirstToken).
+    The clock is the one thing the subclasses change."""
+    first_token = True
 
-    def __init__(self, rule, steps: int, n_blocks: int, block_length: int, temperature, remasking, top_p, top_k,
-                 alg_temp, eps, generator, mask_id: int, device):
-        self.rule, self.steps, self.spb = rule, steps, steps // n_blocks
-        self.n_blocks, self.block_length = n_blocks, block_length
-        self.remasking, self.alg_temp, self.generator = remasking, alg_temp, generator
+    def __init__(self, steps: int, n_blocks: int, block_length: int, temperature, remasking, top_p, top_k,
+                 eps, generator, mask_id: int, device, parallel: bool):
+        self.steps, self.spb, self.n_blocks, self.block_length = steps, steps // n_blocks, n_blocks, block_length
+        self.temperature, self.generator, self.mask_id = temperature, generator, mask_id
         self.opts = dict(temperature=temperature, top_p=top_p, top_k=top_k, generator=generator, mask_id=mask_id)
-        self.sample = partial(dream_sample, **self.opts)
-        self.parallel = getattr(rule, "parallel", True)   # a rule that decides its own count
-        self.origin = remasking == "origin" and not self.parallel
+        self.alg = "maskgit_plus" if parallel or remasking == "origin" else remasking   # origin ranks nothing
         self.timesteps = torch.linspace(1, eps, self.grid_steps() + 1, device=device)
 
     def grid_steps(self) -> int:
         return self.spb                         # the time grid runs over one block's steps
 
-    def clock(self, at, span) -> DreamClock:
-        i = min(at.step, self.spb - 1)          # parallel steps past the schedule never read the clock
-        return DreamClock(self.timesteps[i], self.timesteps[i + 1], at.step == self.spb - 1, 0, (0, span[1] - at.e))
+    def clock(self, at) -> DreamClock:
+        i = min(at.i, self.spb - 1)             # parallel steps past the schedule never read the clock
+        return DreamClock(self.timesteps[i], self.timesteps[i + 1], at.i == self.spb - 1, 0)
 
-    def start_block(self, cand, block: int):
-        self.block = block
+    def start_block(self, x, s: int, e: int):
+        self.block = (s - (x.shape[1] - self.n_blocks * self.block_length)) // self.block_length
 
-    def more(self, cand, step: int) -> bool:
-        return block_open(cand, step, max(self.spb, cand.shape[1]))
-
-    def select(self, logits, cols, at, span):
-        cand, N = at.cand, at.cand.shape[1]
-        if self.refresh_token and at.step == 0:   # the shifted logits of later, cached chunks never serve it
-            x0 = widen(self.sample(logits[:, :1])[1], cols[:1], N, 0)
-            return x0, cand & (torch.arange(N, device=cand.device) == 0)
-        c = self.clock(at, span)
-        if self.origin:                         # MaskGIT-style: each mask decoded with probability 1 - s/t
-            x0, transfer = dream_origin(logits, cand[:, cols], 1 if c.last else 1 - c.t_next / c.t, **self.opts)
-            return widen(x0, cols, N, 0), widen(transfer, cols, N, False)
-        conf, x0, probs = self.sample(logits[cand[:, cols]])
-        score = dream_confidence("maskgit_plus" if self.parallel else self.remasking, conf, probs,
-                                 cand.nonzero(as_tuple=True))
-        x0 = torch.zeros(cand.shape, dtype=torch.long, device=cand.device).masked_scatter_(cand, x0)
-        score = torch.full(cand.shape, NEG_INF, device=cand.device).masked_scatter_(cand, score)
-        return x0, self.choose(Proposal(x0, score, logits, cols), cand, c)
-
-    def choose(self, p: Proposal, cand, c: DreamClock):
-        n = cand.sum(-1)
+    def propose(self, logits, at, open_=None) -> Proposal:
+        open_ = at.cand if open_ is None else open_                     # (B, N) the positions this step may commit
+        N, narrow = open_.shape[1], open_[:, at.cols]                   # (B, n) at the logits' columns
+        if self.temperature > 0:
+            # Sampling draws one token per open position in the official row-major order (the block's first
+            # position alone at its first step), so a seeded run draws the same numbers; the gather reads
+            # the count on the host (one sync: only when sampling).
+            if self.first_token and at.i == 0:
+                narrow = narrow & (at.cols == 0)
+            conf, x0, probs = dream_sample(logits[narrow], **self.opts)
+            conf, x0 = (torch.zeros(narrow.shape, dtype=v.dtype, device=v.device).masked_scatter_(narrow, v)
+                        for v in (conf, x0))
+            probs = torch.zeros(*narrow.shape, probs.shape[-1], device=probs.device).masked_scatter_(
+                narrow[..., None], probs) if self.alg in ("topk_margin", "entropy") else None
+        else:
+            conf, x0, probs = dream_sample(logits, **self.opts)
+        score = widen(dream_confidence(self.alg, conf, probs, at.cols, narrow), at.cols, N, NEG_INF)
+        c = self.clock(at)
+        n = at.cand.sum(-1)
         k = dream_num_transfer(n, c.t, c.t_next, c.last, n + c.later)
-        if self.alg_temp and not self.parallel:
-            return select_sampled(p.conf, cand, k, self.alg_temp, self.generator, c.pad)
-        return self.rule(p, cand, k)
+        return Proposal(widen(x0, at.cols, N, 0), score.masked_fill(~open_, NEG_INF), open_, k, logits)
 
 
-class DreamFreeStep(DreamStep):
+class DreamFree(Dream):
     """FlashDLM's FreeCache sampler for Dream (spec/flashdlm.md 1): no first-token rule; the time grid spans
     all steps and is indexed by the global step; the count is taken of the block's masks *and every later
     block's*."""
-    refresh_token = False
+    first_token = False
 
     def grid_steps(self) -> int:
         return self.steps
 
-    def clock(self, at, span) -> DreamClock:
-        i = min(self.block * self.spb + at.step, self.steps - 1)
+    def clock(self, at) -> DreamClock:
+        i = min(self.block * self.spb + at.i, self.steps - 1)
         later = (self.n_blocks - self.block - 1) * self.block_length
-        return DreamClock(self.timesteps[i], self.timesteps[i + 1], at.step == self.spb - 1, later, (0, 0))
+        return DreamClock(self.timesteps[i], self.timesteps[i + 1], at.i == self.spb - 1, later)
 
 
-class DreamCanvasStep(DreamStep):
+class DreamCanvas(Dream):
     """Dream's own `diffusion_generate` (spec/dream.md 5): one block over the whole answer, exactly `steps`
-    calls on a grid over all of them; with a threshold, Fast-dLLM's variant (spec/dream.md 7.2): offer gen/steps
-    tokens a step, take the first always and the others at confidence >= tau, offer the refused ones again."""
-    refresh_token = False
+    calls on a grid over all of them (k = the schedule's count; with QuotaThreshold, Fast-dLLM's variant,
+    spec/dream.md 7.2: gen/steps tokens offered a step until no mask is left). `origin` (MaskGIT-style):
+    each open position may be committed with probability 1 - s/t, one uniform per masked position drawn
+    row-major before any token, as the official code draws them."""
+    first_token = False
 
-    def __init__(self, rule, *args):
-        super().__init__(rule, *args)
-        self.quota = isinstance(rule, Threshold)
-
-    def start_block(self, cand, block: int):
-        self.block = block
-        self.carry = torch.zeros(cand.shape[0], dtype=torch.long, device=cand.device)   # offered, refused
+    def __init__(self, *args, until_done: bool = False, origin: bool = False):
+        super().__init__(*args)
+        self.until_done, self.origin = until_done, origin
 
     def grid_steps(self) -> int:
         return self.steps
 
-    def more(self, cand, step: int) -> bool:
-        return bool(cand.any()) if self.quota else step < self.steps
+    def clock(self, at) -> DreamClock:
+        i = min(at.i, self.steps - 1)
+        return DreamClock(self.timesteps[i], self.timesteps[i + 1], at.i == self.steps - 1, 0)
 
-    def clock(self, at, span) -> DreamClock:
-        i = min(at.step, self.steps - 1)
-        self.offer = (self.block_length // self.steps if at.step < self.steps else 0) + self.carry
-        return DreamClock(self.timesteps[i], self.timesteps[i + 1], at.step == self.steps - 1, 0, (at.s, 0))
+    def more(self, masks_left: bool, at) -> bool:
+        return super().more(masks_left, at) if self.until_done else at.i + 1 < self.steps
 
-    def choose(self, p: Proposal, cand, c: DreamClock):
-        if not self.quota:
-            return super().choose(p, cand, c)
-        transfer, self.carry = select_quota_threshold(p.conf, cand, self.offer, self.rule.tau)
-        return transfer
+    def propose(self, logits, at) -> Proposal:
+        if self.origin:      # draw the positions first (one host sync: one uniform per masked position)
+            c = self.clock(at)
+            rows, cols = at.cand.nonzero(as_tuple=True)
+            take = torch.rand(rows.numel(), device=rows.device, generator=self.generator) < (
+                1 if c.last else 1 - c.t_next / c.t)
+            drawn = torch.zeros_like(at.cand)
+            drawn[rows[take], cols[take]] = True
+            return super().propose(logits, at, drawn)._replace(k=drawn.sum(-1))   # every drawn one is committed
+        p = super().propose(logits, at)
+        if self.until_done:                             # gen/steps offered a step (QuotaThreshold adds the carry)
+            return p._replace(k=torch.full_like(p.k, self.block_length // self.steps if at.i < self.steps else 0))
+        return p
 
 
-# ---------------------------------------------------------------------------------------- guided step
-class GuidedStep:
-    """FlashDLM guided diffusion (spec/flashdlm.md 2), the whole batch: the drafts are the argmax at every open
-    position; the guide verifies each row's drafts (one guide forward per verification chunk for the whole
-    batch, cache.Guide); guided_commit picks what to commit. Drafts are limited to the ids the guide has
-    (Dream-7B's 152064 rows vs Qwen2.5's 151936: the rows past the tokenizer are padding, never text). A
-    committed end token ends its row's answer (the stop rule); a finished row leaves the guide's batch."""
-
-    def __init__(self, verifier, accept, chunk: int, eos, mask_id: int, speculative: bool, prompt):
-        self.verifier, self.accept, self.chunk, self.eos, self.mask_id = verifier, accept, chunk, eos, mask_id
-        self.speculative = speculative
-        self.guide_calls = verifier.prefill(prompt)
-
-    def start_block(self, cand, block: int):
-        pass
-
-    def more(self, cand, step: int) -> bool:
-        return block_open(cand, step, cand.shape[1])
-
-    def select(self, logits, cols, at, span):
-        cand, N = at.cand, at.cand.shape[1]
-        drafts = widen(argmax_except(logits[..., :self.verifier.model.config.vocab_size], self.mask_id), cols, N, 0)
-        drafted = torch.cat([at.x[:, :at.s], torch.where(cand, drafts, at.x[:, at.s:])], 1)   # every mask drafted
-        n, rejected, calls = self.verifier.verify(drafted, self.accept, self.chunk)
-        x0, transfer, ended = guided_commit(drafts, cand, n, guide_token(rejected, self.mask_id), self.speculative,
-                                            self.eos)
-        self.verifier.commit(transfer.sum(-1), ended | ~(cand & ~transfer).any(-1))   # finished rows leave
-        self.guide_calls += calls
-        return x0, transfer
+def family_rules(cfg, st, whole_canvas: bool, n_blocks: int, generator, device):
+    """The family's step rule and the call's selection rule, decided once (fastdllm.make_plan): a fork's own
+    propose= / select=, or LLaDA's and Dream's samplers with the schedule, threshold or factor."""
+    select = st.select or (Threshold(st.threshold) if st.threshold is not None else
+                           Factor(st.factor) if st.factor is not None else Schedule())
+    parallel = getattr(select, "parallel", True)
+    if st.propose is not None:
+        return st.propose, select
+    if cfg.family == "llada":
+        return LLaDA(st.steps // n_blocks, st.temperature, st.remasking, generator, cfg.mask_id), select
+    args = (st.steps, n_blocks, st.block_length, st.temperature, st.remasking, st.top_p, st.top_k, st.eps,
+            generator, cfg.mask_id, device, parallel)
+    origin = st.remasking == "origin" and not parallel
+    if whole_canvas:
+        rule = DreamCanvas(*args, until_done=st.threshold is not None, origin=origin)
+        select = QuotaThreshold(st.threshold) if st.threshold is not None else select
+    else:
+        rule = (DreamFree if st.cache == "free" else Dream)(*args)
+    if st.alg_temp and not parallel and not origin:    # the official widths: the canvas, the fed chunk, the block
+        pad = ((lambda at: (at.s, 0)) if whole_canvas else (lambda at: (0, 0)) if st.cache == "free"
+               else (lambda at: (0, at.span[1] - at.e)))
+        select = SampledPositions(st.alg_temp, generator, pad)
+    return rule, FirstToken(select) if rule.first_token else select
 
 
 # ---------------------------------------------------------------------------------------- end of text
@@ -533,46 +445,28 @@ def eos_reached(x, P: int, e: int, eos: torch.Tensor, mask_id: int, run: int | b
     return (r >= 0) & (r + 1 >= run) & no_gap & tail
 
 
-class StopRule:
-    """When an answer has ended: its rows' remaining masks become end tokens, without more model calls.
-    step(x) after every step; block(x, e) -> True when every row has ended (the loop stops)."""
+# A stop rule decides after every step which rows' answers have ended: rule(x, at, p) -> (B,) bool; it may
+# fill masks of x in place (the filled tokens are counted in stats["filled"], not "committed"). When every
+# row has ended, generation stops (stats["calls_saved"]).
+class NoStop:
+    """Decode every block."""
 
-    def __init__(self, prompt_length: int, eos, mask_id: int, run: int | bool = False):
+    def __call__(self, x, at, p):
+        return torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+
+
+class EndOfText:
+    """A row whose answer has ended gets its remaining masks filled with the first end token. run=True
+    (stop_at_eos=True): once its finished answer up to the current block's end holds an end token. run=k
+    (FlashDLM's rule, and guided diffusion's committed end token with k = 1): k end tokens in a row at the
+    decoding frontier, after any step."""
+
+    def __init__(self, prompt_length: int, eos, mask_id: int, run: int | bool):
         self.P, self.eos, self.mask_id, self.run = prompt_length, eos, mask_id, run
 
-    def fill(self, x, e: int, run):
-        done = eos_reached(x, self.P, e, self.eos, self.mask_id, run)
-        x[done] = x[done].masked_fill(x[done] == self.mask_id, self.eos[0])
+    def __call__(self, x, at, p):
+        if self.run is True and at.e == x.shape[1]:    # the last block: nothing left to save (and Dream's own
+            return torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)   # sampler keeps its `steps` calls)
+        done = eos_reached(x, self.P, at.e if self.run is True else x.shape[1], self.eos, self.mask_id, self.run)
+        x.masked_fill_(done[:, None] & (x == self.mask_id), self.eos[0])
         return done
-
-    def step(self, x):
-        pass
-
-    def block(self, x, e: int) -> bool:
-        return False
-
-
-class StopAtBlockEnd(StopRule):
-    """stop_at_eos=True: once a block is complete and the answer so far holds an end token."""
-
-    def block(self, x, e: int) -> bool:
-        return e < x.shape[1] and bool(self.fill(x, e, True).all())
-
-
-class StopAtFrontier(StopRule):
-    """stop_at_eos=k (FlashDLM's rule), and guided diffusion's committed end token (k = 1): after any step."""
-
-    def step(self, x):
-        self.fill(x, x.shape[1], self.run)
-
-
-def stop_rule(stop_at_eos, prompt_length: int, eos, mask_id: int) -> StopRule:
-    cls = StopAtBlockEnd if stop_at_eos is True else StopAtFrontier if stop_at_eos else StopRule
-    return cls(prompt_length, eos, mask_id, stop_at_eos)
-
-
-def widen(values, cols, width: int, fill):
-    """(B, n) values at block columns `cols` -> (B, width), `fill` elsewhere."""
-    out = torch.full((values.shape[0], width), fill, dtype=values.dtype, device=values.device)
-    out[:, cols] = values
-    return out

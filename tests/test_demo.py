@@ -19,9 +19,8 @@ sys.path.insert(0, DEMO)
 import eval as demo_eval   # demo/eval.py
 import train as demo_train  # demo/train.py
 from fastdllm import generate
-from cache import Guide
-from model import check_guide, load_model
-from sampler import accept_drafts
+from guided import Guide, accept_drafts, check_guide
+from model import load_model
 
 SHIPPED = os.path.join(DEMO, "llada-arith")
 GUIDE = os.path.join(DEMO, "qwen2-arith")

@@ -1,13 +1,15 @@
-"""The fork test: a new cache policy and a new selection rule, defined here and nowhere else, run through
-generate()'s public extension points (cache=a cache.Feed, select=a rule) on both families, without editing a
-project file. What a fork of this project writes to add its method."""
+"""The fork test: one part of each of generate()'s four hooks (cache=, select=, stop=, propose=), defined here and
+nowhere else, on both families, without editing a project file: what a fork of this project writes to add its
+method. Each is checked by value against a reference written here, and the hooks' contracts are checked at the
+boundary (a part that breaks one fails in one line naming the hook)."""
 import pytest
 import torch
+import torch.nn.functional as F
 
-from cache import Feed
-from fastdllm import generate
+from cache import Feed, KVCache
+from fastdllm import generate, pad_prompts
 from reference import reference_decode
-from sampler import NEG_INF, select_threshold, widen
+from sampler import NEG_INF, Proposal, StepRule, argmax_except, select_threshold, widen
 
 PROMPTS = {"llada": torch.tensor([[815, 723, 294, 53, 204, 372, 664, 1017, 655, 689, 279, 233]]),
            "dream": torch.tensor([[775, 171, 806, 365, 316, 564, 432, 625, 575, 529]])}
@@ -15,7 +17,8 @@ KW = dict(gen_length=32, block_length=8, steps=32)
 
 
 class RefreshEvery(Feed):
-    """(a) Refresh the whole canvas every k steps; in between, feed the block alone (DualCache-like)."""
+    """(a) Cache policy: refresh the whole canvas every k calls; in between, feed the block alone (DualCache-like).
+    For Dream (shifted logits) the plan widens a block's first span by one, to the position it is predicted from."""
 
     def __init__(self, k: int):
         self.k = k
@@ -25,16 +28,45 @@ class RefreshEvery(Feed):
 
 
 class Margin:
-    """(b) Commit every masked position whose top-1 minus top-2 probability is at least m, and at least the
-    position with the largest margin (so every step commits one token and decoding terminates)."""
+    """(b) Selection rule: commit every open position whose top-1 minus top-2 probability is at least m, and at
+    least the position with the largest margin (so every step commits one token and decoding terminates)."""
 
     def __init__(self, m: float):
         self.m = m
 
-    def __call__(self, p, cand, k):
-        top2 = p.logits.float().softmax(-1).topk(2, dim=-1).values                 # (B, n_open, 2)
-        margin = widen(top2[..., 0] - top2[..., 1], p.cols, cand.shape[1], NEG_INF).masked_fill(~cand, NEG_INF)
-        return select_threshold(margin, cand, self.m)
+    def __call__(self, p, at):
+        top2 = p.logits.float().softmax(-1).topk(2, dim=-1).values                 # (B, n, 2) at at.cols
+        margin = widen(top2[..., 0] - top2[..., 1], at.cols, p.open.shape[1], NEG_INF).masked_fill(~p.open, NEG_INF)
+        return select_threshold(margin, p.open, self.m)
+
+
+class ConfidentBlock:
+    """(c) Stop rule: once the mean confidence of a row's open positions reaches x, its block ends: the block's
+    remaining masks take this step's proposals (the model's current guesses), so the next step starts the next
+    block. It ends no answer (all False); an answer still ends when no mask is left."""
+
+    def __init__(self, x: float, mask_id: int):
+        self.x, self.mask_id = x, mask_id
+
+    def __call__(self, canvas, at, p):
+        mean = p.conf.masked_fill(~p.open, 0).sum(-1) / p.open.sum(-1).clamp(min=1)
+        block = canvas[:, at.s:at.e]
+        canvas[:, at.s:at.e] = torch.where((block == self.mask_id) & (mean >= self.x)[:, None], p.x0, block)
+        return torch.zeros(canvas.shape[0], dtype=torch.bool, device=canvas.device)
+
+
+class LeftToRight(StepRule):
+    """(d) Step rule: propose only the leftmost masked position, with the family's argmax there: autoregressive
+    decoding on a diffusion model. It exercises the protocol: the open positions are the rule's own choice (a
+    subset of at.cand), the logits come at at.cols, k = 1; any selection rule then commits exactly that token."""
+
+    def __init__(self, mask_id: int):
+        self.mask_id = mask_id
+
+    def propose(self, logits, at):
+        x0 = widen(argmax_except(logits, self.mask_id), at.cols, at.cand.shape[1], 0)
+        first = at.cand & (at.cand.cumsum(-1) == 1)                          # (B, N) each row's leftmost mask
+        return Proposal(x0, torch.zeros(first.shape).masked_fill(~first, NEG_INF), first, first.sum(-1), logits)
 
 
 @pytest.fixture
@@ -42,7 +74,15 @@ def model(request, llada, dream):
     return {"llada": llada, "dream": dream}[request.param]
 
 
-@pytest.mark.parametrize("model,family", [("llada", "llada"), ("dream", "dream")], indirect=["model"])
+FAMILIES = pytest.mark.parametrize("model,family", [("llada", "llada"), ("dream", "dream")], indirect=["model"])
+
+
+@torch.inference_mode()
+def masked(model, prompt):
+    return F.pad(prompt, (0, KW["gen_length"]), value=model.config.mask_id)
+
+
+@FAMILIES
 def test_refresh_every_step_is_the_uncached_decode(model, family):
     prompt, tau = PROMPTS[family], (None if family == "llada" else 0.9)
     ours, st = generate(model, prompt, cache=RefreshEvery(1), threshold=tau, **KW)
@@ -52,15 +92,45 @@ def test_refresh_every_step_is_the_uncached_decode(model, family):
     assert st["fed"] == [ours.shape[1]] * st["nfe"]
 
 
-@pytest.mark.parametrize("model,family", [("llada", "llada"), ("dream", "dream")], indirect=["model"])
+@FAMILIES
 def test_refresh_every_k_steps_feeds_what_it_says(model, family):
-    out, st = generate(model, PROMPTS[family], cache=RefreshEvery(4), threshold=0.9, **KW)
-    L = out.shape[1]
+    """Refresh calls feed the canvas, the others the block; for Dream a block's first step one more position."""
+    canvases = []
+    out, st = generate(model, PROMPTS[family], cache=RefreshEvery(4), threshold=0.9, on_step=lambda x, s: canvases.append(x.clone()), **KW)
+    L, shift = out.shape[1], int(family == "dream")
+    before = [masked(model, PROMPTS[family])] + canvases[:-1]
+    first = [bool((x[0, P:P + 8] == model.config.mask_id).all()) for x in before
+             for P in [next(p for p in range(12 if family == "llada" else 10, L, 8) if (x[0, p:p + 8] == model.config.mask_id).any())]]
     assert not (out == model.config.mask_id).any()
-    assert st["fed"] == [L if n % 4 == 0 else 8 for n in range(st["nfe"])]
+    assert st["fed"] == [L if n % 4 == 0 else 8 + shift * first[n] for n in range(st["nfe"])]
 
 
-@pytest.mark.parametrize("model,family", [("llada", "llada"), ("dream", "dream")], indirect=["model"])
+@torch.inference_mode()
+def test_dream_block_start_reads_the_hidden_state_before_it(dream):
+    """The trap RefreshEvery(2) fell into on Dream: a block's first step that is not a refresh fed [s, e), and
+    Dream's first token of the block (predicted from hidden state s - 1) was read from hidden state s. Written
+    here: each block's first token is the argmax of the call that fed [s - 1, e) against the cache of the
+    refresh before it (or of the full forward, when the block starts on a refresh)."""
+    prompt, mask_id, canvases = PROMPTS["dream"], dream.config.mask_id, []
+    kw = dict(KW, steps=20)                   # 5 steps a block: blocks 2 and 4 start on a cached (odd) call
+    generate(dream, prompt, cache=RefreshEvery(2), on_step=lambda x, s: canvases.append(x.clone()), **kw)
+    before, L, checked = [masked(dream, prompt)] + canvases[:-1], prompt.shape[1] + 32, 0
+    for n, x in enumerate(before):
+        s = next(p for p in range(prompt.shape[1], L, 8) if (x[0, p:p + 8] == mask_id).any())
+        if not (x[0, s:s + 8] == mask_id).all():
+            continue                                                   # not a block's first step
+        if n % 2 == 0:
+            logits = dream(x)[0, s]
+        else:
+            kv = KVCache.for_model(dream, 1, L)
+            dream(before[n - 1], cache=kv, start=0)                    # the refresh of call n - 1
+            logits = dream(x[:, s - 1:s + 8], cache=kv, start=s - 1)[0, 1]
+        assert canvases[n][0, s] == argmax_except(logits, mask_id), (n, s)
+        checked += n % 2
+    assert checked == 2                                                # blocks did start on cached calls
+
+
+@FAMILIES
 def test_margin_rule_terminates_and_above_one_commits_one_per_step(model, family):
     out, st = generate(model, PROMPTS[family], select=Margin(0.05), **KW)
     assert not (out == model.config.mask_id).any() and sum(st["committed"]) == 32
@@ -70,8 +140,88 @@ def test_margin_rule_terminates_and_above_one_commits_one_per_step(model, family
     assert st["nfe"] < st1["nfe"]                  # a reachable margin commits several tokens in some steps
 
 
-def test_margin_rule_with_a_cache_policy_and_a_batch(llada):
-    """Both extension points at once, on a batch: every row ends with no mask left."""
-    prompt = torch.cat([PROMPTS["llada"], PROMPTS["llada"].flip(1)])
-    out, _ = generate(llada, prompt, cache=RefreshEvery(2), select=Margin(0.2), **KW)
-    assert not (out == llada.config.mask_id).any()
+@FAMILIES
+def test_stop_rule_ends_blocks_with_their_proposals(model, family):
+    """x above any confidence changes nothing; x = 0 ends every block after its first step, the block holding
+    that step's argmax proposals (written here from a plain forward of the canvas the block started from)."""
+    prompt, mask_id = PROMPTS[family], model.config.mask_id
+    same, _ = generate(model, prompt, stop=ConfidentBlock(2.0, mask_id), threshold=0.9, **KW)
+    assert torch.equal(same, generate(model, prompt, threshold=0.9, **KW)[0])
+    out, st = generate(model, prompt, stop=ConfidentBlock(0.0, mask_id), threshold=0.9, **KW)
+    assert st["nfe"] == 4 and sum(st["committed"]) + sum(st["filled"]) == 32 and min(st["filled"]) > 0
+    x = masked(model, prompt)
+    for s in range(prompt.shape[1], x.shape[1], 8):
+        with torch.inference_mode():
+            x[:, s:s + 8] = argmax_except(model(x)[:, s:s + 8], mask_id)
+    assert torch.equal(out, x)
+
+
+@FAMILIES
+def test_step_rule_left_to_right_is_autoregressive_decoding(model, family):
+    prompt, mask_id = PROMPTS[family], model.config.mask_id
+    out, st = generate(model, prompt, propose=LeftToRight(mask_id), **KW)
+    x = masked(model, prompt)
+    for p in range(prompt.shape[1], x.shape[1]):                      # the reference: one position at a time
+        with torch.inference_mode():
+            x[0, p] = argmax_except(model(x)[0, p], mask_id)
+    assert torch.equal(out, x) and st["committed"] == [1] * 32
+    cached, _ = generate(model, prompt, propose=LeftToRight(mask_id), cache="dual", select=Margin(0.5), **KW)
+    assert not (cached == mask_id).any()
+
+
+@FAMILIES
+def test_all_four_hooks_on_a_padded_batch_equal_each_row_alone(model, family):
+    rows = [PROMPTS[family][0].tolist(), PROMPTS[family][0, 3:].flip(0).tolist()]
+    ids, am = pad_prompts(rows, model.config.pad_id or 0)
+    kw = dict(cache=RefreshEvery(3), select=Margin(0.2), stop=ConfidentBlock(0.6, model.config.mask_id),
+              propose=LeftToRight(model.config.mask_id) if family == "llada" else None, **KW)
+    batch, _ = generate(model, ids, attention_mask=am, **kw)
+    for i, row in enumerate(rows):
+        alone, _ = generate(model, torch.tensor([row]), **kw)
+        assert torch.equal(batch[i, -alone.shape[1]:], alone[0])
+
+
+# ---------------------------------------------------------------------------------------- contracts
+class Wrong(Feed):
+    def __init__(self, span):
+        self.fixed = span
+
+    def span(self, at):
+        return self.fixed(at)
+
+
+class HasSpan:                        # has span() but is not a Feed: it must not silently run as another policy
+    def span(self, at):
+        return 0, at.x.shape[1]
+
+
+BAD_HOOKS = {
+    "select returns None": (dict(select=lambda p, at: None), TypeError, r"select= <lambda> returned None: .*\(2, 8\) bool"),
+    "select returns floats": (dict(select=lambda p, at: p.conf), TypeError, r"select= .* returned a \(2, 8\) torch.float32 tensor"),
+    "select returns one row for two": (dict(select=lambda p, at: p.open[:1]), TypeError, r"returned a \(1, 8\) torch.bool tensor: .*one row per batch row"),
+    "select a committed position": (dict(select=lambda p, at: torch.ones_like(p.open) if at.i else Margin(2.0)(p, at)), ValueError,
+                                    r"select= <lambda> chose positions outside the proposal's open positions .*overwritten"),
+    "cache with span, not a Feed": (dict(cache=HasSpan()), TypeError, r"cache must be a mode name .* or a cache.Feed policy"),
+    "span outside the canvas": (dict(cache=Wrong(lambda at: (0, 99) if at.n else (0, at.x.shape[1]))), ValueError,
+                                r"cache= Wrong.span\(\) returned \(0, 99\) at step \d of block .* inside the canvas \[0, 44\)"),
+    "span not covering the block": (dict(cache=Wrong(lambda at: (at.s + 2, at.e) if at.n else (0, at.x.shape[1]))),
+                                    ValueError, r"must cover the open positions"),
+    "first call not full": (dict(cache=Wrong(lambda at: (at.s, at.e))), ValueError, r"at the first call: it must feed the whole canvas"),
+    "span not a pair": (dict(cache=Wrong(lambda at: 3)), TypeError, r"span\(\) returned 3: a span is a pair of ints"),
+    "propose an object": (dict(propose=object()), TypeError, r"propose must be a step rule with .propose"),
+    "propose opens committed": (dict(propose=type("Open", (LeftToRight,), {"propose": lambda self, logits, at: LeftToRight.propose(self, logits, at)._replace(open=torch.ones_like(at.cand))})(1000)),
+                                ValueError, r"propose= Open.propose\(\) opened positions that are not masks"),
+    "propose wrong shape": (dict(propose=type("Short", (LeftToRight,), {"propose": lambda self, logits, at: LeftToRight.propose(self, logits, at)._replace(k=torch.ones(1))})(1000)),
+                            TypeError, r"propose= Short.propose\(\) returned k = a \(1,\) torch.float32 tensor: .*shape \(2,\)"),
+    "stop returns a bool": (dict(stop=lambda x, at, p: False), TypeError, r"stop= <lambda> returned False: a stop rule returns a \(2,\) bool"),
+    "stop and stop_at_eos": (dict(stop=lambda x, at, p: None, stop_at_eos=True), ValueError, r"pass stop or stop_at_eos, not both"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_HOOKS)
+def test_a_broken_hook_fails_in_one_line_naming_it(llada, case):
+    kw, error, pattern = BAD_HOOKS[case]
+    prompt = torch.cat([PROMPTS["llada"]] * 2)
+    with pytest.raises(error, match=pattern) as e:
+        generate(llada, prompt, **{**KW, **kw})
+    assert "\n" not in str(e.value)

@@ -64,7 +64,8 @@ class Uncached(torch.nn.Module):
         self.inner, self.config, self.lm_head = model, model.config, model.lm_head
 
     def forward(self, idx, pos=None, cache=None, start=0, mask=None, logits_range=None):
-        assert start == 0, "a step that feeds less than the canvas cannot run without a cache"
+        first = start if isinstance(start, int) else int(start.reshape(-1)[0])   # an int or the chunk's slots
+        assert first == 0, "a step that feeds less than the canvas cannot run without a cache"
         return self.inner(idx, pos, None, 0, mask, logits_range)
 
 
@@ -106,7 +107,8 @@ class Recorder(torch.nn.Module):
 
     def forward(self, idx, pos=None, cache=None, start=0, mask=None, logits_range=None):
         out = self.inner(idx, pos, cache, start, mask, logits_range)
-        self.calls.append((start + logits_range, out))
+        where = start[logits_range] if isinstance(start, torch.Tensor) else start + logits_range   # canvas positions
+        self.calls.append((where, out))
         return out
 
 
@@ -156,9 +158,9 @@ def test_position_weighted_is_what_flashdlm_meant():
     """FlashDLM's `position_weighted` (max prob x (1 - position / last masked position)) crashes in the
     official block sampler; ours weights each row by its own masked columns."""
     import sampler as S
-    conf = torch.tensor([0.9, 0.9, 0.9, 0.5, 0.8])
-    rows, cols = torch.tensor([0, 0, 0, 1, 1]), torch.tensor([0, 2, 4, 1, 3])
-    score = S.dream_confidence("position_weighted", conf, None, (rows, cols))
+    conf = torch.tensor([[0.9, 0.7, 0.9, 0.7, 0.9], [0.7, 0.5, 0.7, 0.8, 0.7]])
+    open_ = torch.tensor([[True, False, True, False, True], [False, True, False, True, False]])
+    score = S.dream_confidence("position_weighted", conf, None, torch.arange(5), open_)[open_]
     assert torch.allclose(score, torch.tensor([0.9, 0.45, 0.0, 0.5 * (1 - 1 / 3), 0.0]))
 
 

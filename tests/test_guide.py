@@ -1,7 +1,7 @@
 """
 The guide of FlashDLM's guided diffusion (arXiv 2505.21467, section 4): the causal Qwen2 family in model.py,
-its state (cache.Guide), the acceptance rules (sampler.accept_drafts) and the shared-vocabulary check
-(model.check_guide). Golden numbers are the official code's (tests/golden/flashdlm-golden.json).
+its state (guided.Guide), the acceptance rules (guided.accept_drafts) and the shared-vocabulary check
+(guided.check_guide). Golden numbers are the official code's (tests/golden/flashdlm-golden.json).
 """
 import functools
 import json
@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models
 
 from conftest import GOLDEN, copy_checkpoint
-from cache import Guide, KVCache
-from model import ModelConfig, check_guide, load_model
-from sampler import accept_drafts
+from cache import KVCache
+from guided import Guide, accept_drafts, check_guide
+from model import ModelConfig, load_model
 
 ATOL = 1e-4   # spec: the guide's logits within 1e-4 of the official float32 run
 
@@ -185,7 +185,6 @@ def test_batched_verification_equals_each_row_alone(qwen):
     """Three rows, left-padded prompts of different lengths, committing different amounts: one forward per
     chunk serves them all, and every row's verdicts and logits are the ones it gets alone (the same canvas
     slots, its own RoPE positions from its first real token, pads never attended). A finished row leaves."""
-    from sampler import accept_drafts
     accept = functools.partial(accept_drafts, rule="topk", k=512)
     g = torch.Generator().manual_seed(1)
     lens, P, G = [9, 4, 6], 9, 24
@@ -218,7 +217,7 @@ def test_batched_verification_equals_each_row_alone(qwen):
             for i in served:
                 alone[i].commit(commit[i:i + 1], torch.tensor([False]))
             batch.commit(commit, last == L - 1)
-            assert batch.cache.k.shape[1] == len(batch.rows)       # a finished row has left the guide's batch
+            assert batch.cache.k[0].shape[0] == len(batch.rows)       # a finished row has left the guide's batch
             sizes.append(len(batch.rows))
     assert calls < solo_calls and len(set(sizes) - {3}) >= 2        # rows finished at different steps
 

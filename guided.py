@@ -1,0 +1,354 @@
+"""
+guided.py: FlashDLM's guided diffusion (arXiv 2505.21467; spec/flashdlm.md 2), all of it: the diffusion model
+drafts every masked position, a small causal LM (the guide, Qwen2.5-1.5B-Instruct for Dream-7B) verifies the
+drafts left to right, and a step commits the accepted run.
+
+- `Guide`: the guide model and its KV cache of the committed text, for a whole batch;
+- `accept_drafts`: the five acceptance rules; `guide_token`, `guided_commit`: what a step commits, in the
+  assisted variant (the diffusion model's drafts) or the speculative one (the guide's own token at the first
+  rejection);
+- `Guided`: the step rule (sampler.StepRule) that does it, and `GuidedFreeCache`: FlashDLM's aggressive
+  caching as a cache policy (cache.Feed);
+- `check_guide`, `check_guided`: a guide that shares the model's token ids, and the guided settings.
+A guided generate() is the one decoding loop of fastdllm.py with these parts in its plan: one block over the
+answer, the guide's verdicts as the proposal's open positions, and a committed end token ends the answer.
+"""
+import numbers
+
+import torch
+
+from cache import FreeCache, KVCache
+from model import ModelConfig
+from sampler import NEG_INF, Proposal, StepRule, argmax_except, widen
+
+ACCEPT_RULES = ("deterministic", "topk", "topk_relative", "dynamic_threshold", "aggressive")
+
+
+class Guide:
+    """
+    A causal guide model and its KV cache of the committed text, for a batch of rows verified together: one
+    guide forward per verification chunk serves every row, although rows commit different numbers of tokens.
+
+    Slots are canvas positions: slot i of row b holds the keys/values of the token at canvas position i, so
+    each row's committed text sits where the canvas has it, whatever its length so far or its left padding.
+    RoPE positions are per row (real tokens count from 0, `pos`) and pads are never attended (`real`), so each
+    row's numbers are the ones it would get alone.
+
+    Invariant: row b's slots [0, length[b]) hold its committed text *except its last token*, at slot
+    length[b] (the last committed position, just before the first mask). A verification teacher-forces the
+    drafted canvas from there: the slot of the last committed token predicts the first draft, the slot of
+    draft i predicts draft i+1, so one forward scores a whole run of drafts at once (as in speculative
+    decoding). The slots a step then commits were computed on committed text, so keeping them is moving
+    `length` forward; a slot whose draft was replaced (speculative) lies past the new length and is fed again.
+    Rows that have finished are dropped from the guide's batch (`rows` maps the guide's rows to the batch's).
+    """
+
+    def __init__(self, model, batch: int, max_len: int, pos=None, real=None):
+        if not model.config.causal:
+            raise ValueError(f"the guide must be a causal LM (model_type 'qwen2'), not a {model.config.family} "
+                             f"diffusion model: pass a Qwen2-format checkpoint as the guide")
+        if max_len > model.config.max_seq_len:
+            raise ValueError(f"the text ({max_len} tokens) is longer than the guide's {model.config.max_seq_len} "
+                             f"positions: shorten the prompt or gen_length, or use a guide with a longer context")
+        self.model = model
+        self.cache = KVCache.for_model(model, batch, max_len)   # max_len: the canvas, prompt + answer
+        device = self.cache.k[0].device
+        self.rows = torch.arange(batch, device=device)           # the batch rows the guide still serves
+        self.length = torch.zeros(batch, dtype=torch.long, device=device)
+        self.pos, self.real = pos, real                          # (B, L) RoPE positions, real-token mask; or None
+        self.bad = torch.zeros((), dtype=torch.bool, device=device)   # NaN/inf seen, read with the next decision
+
+    def forward(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """ids (R, T) of the served rows at slots [start, start+T) -> next-token logits (R, T, V)."""
+        end = start + ids.shape[1]
+        pos = None if self.pos is None else self.pos[:, start:end]
+        mask = None if self.real is None else self.real[:, None, None, :end]    # keys: never a pad
+        logits = self.model(ids, pos, self.cache, start, mask)
+        self.bad |= ~torch.isfinite(logits.sum(-1, dtype=torch.float32)).all()  # the diffusion model's check
+        return logits
+
+    def check(self, *values):
+        """One host read: the guide's NaN/inf flag and the given device scalars -> their Python values."""
+        bad, *values = torch.stack([self.bad.long(), *(torch.as_tensor(v).long() for v in values)]).tolist()
+        if bad:
+            raise ValueError("the guide produced NaN/inf logits: its weights hold NaN/inf, or its activations "
+                             "overflowed (try --dtype float32)")
+        return values
+
+    def prefill(self, prompt: torch.Tensor) -> int:
+        """Start new texts: push the prompts (B, P) except their last token, in one forward (the last token is
+        fed by the first verification, where its slot predicts the first draft). -> guide calls."""
+        P = prompt.shape[1]
+        self.length.fill_(P - 1)
+        if P < 2:
+            return 0
+        self.forward(prompt[self.rows, :-1], 0)
+        return 1
+
+    def verify(self, drafted: torch.Tensor, accept, chunk: int = 32):
+        """
+        Score each row's drafts: drafted (B, L) is the canvas with every open position drafted, row b's drafts
+        at [length[b] + 1, L). accept(logits (R, T, V), tokens (R, T)) -> bool (R, T) is the acceptance rule
+        (accept_drafts). A row's fed text [last, d0, ..., d_{N-2}] goes in chunks of `chunk` tokens, each
+        verifying `chunk` drafts (the official verify_batch_size, 32), up to its first chunk with a rejection:
+        a run of n < N accepted drafts takes n // chunk + 1 chunks, a fully accepted one ceil(N / chunk); the
+        last draft is never fed (no draft follows it). Batched, forward k feeds the span covering every
+        undecided row's chunk k (the guide is causal: re-feeding a row's already verified slots recomputes the
+        same keys/values), so a step costs the largest of the rows' chunk counts, and one host read per chunk.
+        -> (n (B,), at (B, V), calls): n = the accepted run from the first draft, at = the guide's logits at
+        the first rejected draft (zeros elsewhere), calls = guide forwards. Leaves `length` alone: `commit`.
+        """
+        y = drafted[self.rows]                                      # (R, L)
+        R, L = y.shape
+        start = self.length                                         # (R,) slot of the last committed token
+        n = torch.full((R,), -1, dtype=torch.long, device=y.device)  # -1: not decided yet
+        at = torch.zeros(R, self.model.config.vocab_size, dtype=self.cache.k[0].dtype, device=y.device)
+        calls = 0                                                   # = the chunk index k
+        while True:
+            undecided = n < 0
+            lo, hi = start + calls * chunk, (start + (calls + 1) * chunk).clamp(max=L - 1)   # each row's chunk k
+            more, a, b = self.check(undecided.any(), torch.where(undecided, lo, L).min(),
+                                    torch.where(undecided, hi, 0).max())
+            if not more:
+                break
+            logits = self.forward(y[:, a:b], a)                     # (R, b - a, V): slot i judges token i + 1
+            calls += 1
+            slot = torch.arange(a, b, device=y.device)
+            mine = undecided[:, None] & (slot >= lo[:, None]) & (slot < hi[:, None])
+            bad = mine & ~accept(logits, y[:, a + 1:b + 1])
+            first = torch.where(bad, slot, L).min(-1).values        # the first rejection's slot, L if none
+            hit = first < L
+            row = (first - a).clamp(0, b - a - 1)[:, None, None].expand(R, 1, logits.shape[-1])
+            at = torch.where(hit[:, None], logits.gather(1, row).squeeze(1), at)
+            n = torch.where(hit, first - start, n)
+            n = torch.where(undecided & ~hit & (hi >= L - 1), L - 1 - start, n)      # every draft accepted
+        B = drafted.shape[0]
+        n_all = torch.zeros(B, dtype=torch.long, device=y.device).index_copy_(0, self.rows, n)
+        at_all = at.new_zeros(B, at.shape[-1]).index_copy_(0, self.rows, at)
+        return n_all, at_all, calls
+
+    def commit(self, n: torch.Tensor, done: torch.Tensor):
+        """Row b committed n[b] tokens this step (the accepted run, d0 when the guide rejected it, the guide's
+        token in place of a rejected draft, or a run cut at an end token): keep the slots of `last` and the
+        first n - 1 of them, i.e. the committed text minus its (new) last token again. Slots past `length`
+        hold stale drafts; the next verification overwrites them and the causal mask never reads past the
+        chunk. done (B,): rows whose answer is complete leave the guide's batch, so they cost no more guide
+        work (one copy of the cache, when a row finishes; one host read a step)."""
+        self.length += n[self.rows]
+        keep = ~done[self.rows]
+        if not self.check(keep.all())[0]:
+            self.rows, self.length = self.rows[keep], self.length[keep]
+            self.cache.keep_rows(keep)
+            self.pos = None if self.pos is None else self.pos[keep]
+            self.real = None if self.real is None else self.real[keep]
+
+
+def accept_drafts(logits, drafts, rule: str = "deterministic", k: int = 5, ratio: float = 0.95,
+                  threshold: float = 0.1):
+    """
+    FlashDLM's verification: does the causal guide agree with each draft? logits (..., V): the guide's
+    next-token logits at each draft's position; drafts (...) -> bool (...).
+    - deterministic: the draft is the guide's argmax (the token greedy decoding with the guide would write).
+    - topk: the draft is among the guide's k most likely tokens (the official default k = 5).
+    - topk_relative: among the top k *and* p(draft) >= ratio * p(top-1), so a flat top-k does not let an
+      unlikely token through (their evaluator: k = 5, ratio = 0.95).
+    - dynamic_threshold: p(draft) > threshold (the official `confidence_threshold`, default 0.1).
+    - aggressive: in the guide's top 5, or p(draft) > 0.05, or inside its top-p 0.95 set (ids sorted by p,
+      kept while their cumulative probability is <= 0.95); the official constants.
+    Decided on float32 probabilities, as the official code decides (softmax, then argmax / topk / sort), so
+    that ties and underflow to 0 fall the same way. The step commits the accepted *run* from the first draft;
+    this function only gives the verdicts.
+    """
+    if rule not in ACCEPT_RULES:
+        raise ValueError(f"unknown acceptance rule {rule!r}: use one of {', '.join(ACCEPT_RULES)}")
+    p = logits.float().softmax(-1)                                            # (..., V)
+    p_draft = p.gather(-1, drafts[..., None]).squeeze(-1)                     # (...)
+    if rule == "deterministic":
+        return p.argmax(-1) == drafts
+    if rule == "dynamic_threshold":
+        return p_draft > threshold
+    if rule == "aggressive":
+        top5 = (p.topk(min(5, p.shape[-1]), dim=-1).indices == drafts[..., None]).any(-1)
+        sorted_p, order = p.sort(-1, descending=True)
+        nucleus = torch.zeros_like(p, dtype=torch.bool).scatter_(-1, order, sorted_p.cumsum(-1) <= 0.95)
+        return top5 | (p_draft > 0.05) | nucleus.gather(-1, drafts[..., None]).squeeze(-1)
+    top_p, top_ids = p.topk(min(k, p.shape[-1]), dim=-1)                      # (..., k)
+    ok = (top_ids == drafts[..., None]).any(-1)
+    if rule == "topk_relative":
+        ok &= p_draft >= ratio * top_p[..., 0]
+    return ok
+
+
+def guide_token(logits, mask_id: int):
+    """The guide's own choice where it rejected a draft: the argmax of its float32 probabilities (the token the
+    official code writes for deterministic, topk and topk_relative; for dynamic_threshold and aggressive it
+    samples one instead, which we do not replay). Never the diffusion model's mask id (the tiny test guide
+    has that row; a committed mask would leave its position open)."""
+    return argmax_except(logits.float().softmax(-1), mask_id)
+
+
+def guided_commit(drafts, cand, n, fix, speculative: bool, eos):
+    """
+    What a guided step commits, per row. drafts (B, N): the diffusion model's argmax at the open columns cand
+    (B, N), which run to the block's end (guided commits go left to right); n (B,): the accepted run from the
+    first draft (Guide.verify); fix (B,): the guide's own token at the first rejected draft (guide_token).
+    - assisted (FlashDLM's default): the accepted run, and at least the first draft (the diffusion model's
+      own token), so the output is the diffusion model's text wherever the guide agrees.
+    - speculative (speculative decoding with the diffusion model as the drafter): the accepted run, then the
+      guide's token in place of the rejected draft. Every committed token is one the rule lets the guide
+      write; with `deterministic` the answer is the guide's own greedy text.
+    Cut after the first end token (eos ids). -> (x0 (B, N), take (B, N), ended (B,)).
+    """
+    N = cand.shape[1]
+    col = torch.arange(N, device=cand.device)
+    rank = col - (N - cand.sum(-1, keepdim=True))           # 0 at each row's first open column
+    if speculative:
+        x0 = torch.where(rank == n[:, None], fix[:, None], drafts)
+        take = cand & (rank <= n[:, None])
+    else:
+        x0, take = drafts, cand & (rank < n.clamp(min=1)[:, None])
+    end = take & torch.isin(x0, eos)
+    cut = torch.where(end, col, N).min(-1, keepdim=True).values
+    return x0, take & (col <= cut), end.any(-1)
+
+
+class Guided(StepRule):
+    """The guided step rule, for the whole batch: the drafts are the argmax at every open position; the guide
+    verifies each row's drafts (one guide forward per verification chunk for the whole batch); guided_commit
+    decides what to commit, which this proposal's `open` holds (k = all of it: the plan's selection is the
+    schedule). Drafts are limited to the ids the guide has (Dream-7B's 152064 rows vs Qwen2.5's 151936: the
+    rows past the tokenizer are padding, never text). A finished row leaves the guide's batch."""
+
+    def __init__(self, guide: Guide, accept, chunk: int, eos, mask_id: int, speculative: bool, prompt):
+        self.guide, self.accept, self.chunk, self.eos, self.mask_id = guide, accept, chunk, eos, mask_id
+        self.speculative = speculative
+        self.guide_calls = guide.prefill(prompt)
+
+    def propose(self, logits, at) -> Proposal:
+        N = at.cand.shape[1]
+        drafts = widen(argmax_except(logits[..., :self.guide.model.config.vocab_size], self.mask_id), at.cols, N, 0)
+        drafted = torch.cat([at.x[:, :at.s], torch.where(at.cand, drafts, at.x[:, at.s:])], 1)   # every mask drafted
+        n, rejected, calls = self.guide.verify(drafted, self.accept, self.chunk)
+        x0, take, ended = guided_commit(drafts, at.cand, n, guide_token(rejected, self.mask_id), self.speculative,
+                                        self.eos)
+        count = take.sum(-1)
+        self.guide.commit(count, ended | (count == at.cand.sum(-1)))         # finished rows leave
+        self.guide_calls += calls
+        return Proposal(x0, torch.zeros(take.shape, device=take.device).masked_fill(~take, NEG_INF), take, count,
+                        logits)
+
+
+class GuidedFreeCache(FreeCache):
+    """Guided FreeCache (FlashDLM's aggressive caching): each row's feed starts at its last committed token, for
+    both families: each committed token is frozen with keys computed while it held its token, not while it
+    was a mask. A batch feeds from the leftmost row's last committed token (one host read a step), and every
+    other row keeps its own frozen prefix: its positions before its last committed token, and all of a
+    finished row, go to the discard slot."""
+
+    def last(self, at):
+        """(B,) each row's last committed position; L for a row with nothing left to decode."""
+        return torch.where(at.cand.any(-1), at.s + at.cand.long().argmax(-1) - 1, at.x.shape[1])
+
+    def span(self, at) -> tuple[int, int]:
+        L = at.x.shape[1]
+        return (0, L) if at.n == 0 else (int(self.last(at).min()), L)
+
+    def slots(self, at, a: int, b: int):
+        if at.n == 0 or at.x.shape[0] == 1:      # the first call writes everything; one row feeds from its own
+            return None
+        slots = torch.arange(a, b, device=at.x.device)
+        return torch.where(slots < self.last(at)[:, None], at.x.shape[1], slots)
+
+
+def check_guided(model, st, defaults):
+    """Guided diffusion's own settings: the guide decides how many drafts to commit, so no other parallel rule
+    applies, and drafts are the argmax (no sampling); a setting that the chosen acceptance rule never reads is
+    refused unless it is at its default (`defaults`: fastdllm.Settings)."""
+    guide = st.guide
+    if isinstance(guide, str):
+        raise ValueError(f"guide must be a loaded causal model, not the path {guide!r}: load it with "
+                         f"model.load_model(path)")
+    if not isinstance(guide, torch.nn.Module) or not getattr(getattr(guide, "config", None), "causal", False):
+        raise ValueError(f"guide must be a causal LM loaded with model.load_model (a Qwen2-format checkpoint, e.g. "
+                         f"Qwen/Qwen2.5-1.5B-Instruct for Dream), not {type(guide).__name__}")
+    check_guide(model.config, guide.config)
+    for name, given in (("threshold/factor", st.threshold is not None or st.factor is not None),
+                        ("a select rule", st.select is not None), ("a propose rule", st.propose is not None)):
+        if given:
+            raise ValueError(f"pass a guide or {name}, not both: with a guide the guide decides how many drafts "
+                             f"each step commits")
+    if st.temperature:
+        raise ValueError(f"guided drafts are the diffusion model's argmax: temperature must be 0 (got {st.temperature})")
+    if st.accept not in ACCEPT_RULES:
+        raise ValueError(f"unknown accept rule {st.accept!r}: use one of {', '.join(ACCEPT_RULES)}")
+    if type(st.accept_k) is not int or st.accept_k < 1:
+        raise ValueError(f"accept_k must be an integer >= 1 (got {st.accept_k!r})")
+    ratio = st.accept_ratio
+    if not isinstance(ratio, numbers.Real) or isinstance(ratio, bool) or not 0 < ratio <= 1:
+        raise ValueError(f"accept_ratio must be in (0, 1] (got {st.accept_ratio!r})")
+    if type(st.verify_chunk) is not int or st.verify_chunk < 1:
+        raise ValueError(f"verify_chunk must be an integer >= 1 (got {st.verify_chunk!r})")
+    if type(st.speculative) is not bool:
+        raise ValueError(f"speculative must be True or False (got {st.speculative!r})")
+    t = st.accept_threshold
+    if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 <= t < 1:
+        raise ValueError(f"accept_threshold must be a number in [0, 1) (got {t!r}): the guide accepts a draft "
+                         f"whose probability exceeds it")
+    reads = {"accept_k": ("topk", "topk_relative"), "accept_ratio": ("topk_relative",),
+             "accept_threshold": ("dynamic_threshold",)}
+    for key, rules in reads.items():
+        if st.accept not in rules and getattr(st, key) != getattr(defaults, key):
+            raise ValueError(f"{key} only applies to accept={' or '.join(rules)}, not accept={st.accept!r}: "
+                             f"drop it, or pick that rule")
+
+
+def check_guide(model_cfg: ModelConfig, guide_cfg: ModelConfig, model_tok=None, guide_tok=None):
+    """
+    Refuse a guide that does not share the diffusion model's token ids, in one line that says why. The
+    guide is fed the diffusion model's ids as they are and its verdicts are compared id for id, so the two
+    must mean the same token by the same id; re-tokenising through text (the official fallback) is not
+    one-to-one and is not done here.
+    Rules, on the configs (and, when given, the two `tokenizers.Tokenizer`s, which the real models need):
+    - the guide is a causal LM and the model a diffusion LM;
+    - the guide has a row for every id the diffusion model can write: all ids of its tokenizer (without
+      one, all its rows) except the mask, which is never written. Rows past the tokenizer are padding, never
+      text: Dream-7B has 152064 rows and Qwen2.5-1.5B 151936, but both tokenizers end below 151936;
+    - the end-of-text id means the same token to both (the loop ends on the diffusion model's eos, and the
+      guide must see that same token to agree with it). Without tokenizers it must be one of the guide's
+      special ids (bos or eos); with them the token behind the id must be the same (Qwen2.5-Instruct's eos is <|im_end|>,
+      Dream's <|endoftext|>, and both tokenizers put <|endoftext|> at 151643);
+    - with tokenizers, every id both tokenizers define is the same token, and an id only the diffusion
+      tokenizer defines is one of its special tokens (Dream adds <|beginoftext|> and <|mask|>).
+    """
+    if not guide_cfg.causal:
+        raise ValueError(f"the guide is a {guide_cfg.family} model, not a causal LM: pass a Qwen2-format "
+                         f"checkpoint (model_type 'qwen2') as the guide")
+    if model_cfg.causal:
+        raise ValueError("the model to decode is a causal LM (qwen2), not a diffusion LM: pass it as the guide "
+                         "and a LLaDA or Dream checkpoint as the model")
+    if model_tok is not None:
+        n = model_tok.get_vocab_size(with_added_tokens=True)
+        top = n - 2 if model_cfg.mask_id == n - 1 else n - 1      # the largest id the model can write
+    else:   # configs alone: text ids lie below the mask id (Dream 151666 of 152064 rows; the rest is padding)
+        top = min(model_cfg.vocab_size, model_cfg.mask_id) - 1
+    if guide_cfg.vocab_size <= top:
+        raise ValueError(f"the guide has {guide_cfg.vocab_size} token ids but the diffusion model can write ids up "
+                         f"to {top}: the guide must use the diffusion model's tokenizer (the same token ids)")
+    eos = model_cfg.eos_id
+    if model_tok is None or guide_tok is None:
+        # Configs alone: the diffusion model's end of text must be one of the guide's special ids. Dream-7B
+        # ends with 151643, which Qwen2.5-1.5B-Instruct's config names as its bos (its eos is <|im_end|>).
+        guide_ids = [*guide_cfg.eos_ids, guide_cfg.bos_id]
+        if eos not in guide_ids:
+            raise ValueError(f"the diffusion model's end-of-text id {eos} is none of the guide's special ids "
+                             f"{sorted(set(guide_ids) - {None})}: the guide must use the diffusion model's tokenizer")
+        return
+    if eos is not None and model_tok.id_to_token(eos) != guide_tok.id_to_token(eos):
+        raise ValueError(f"end-of-text id {eos} is {model_tok.id_to_token(eos)!r} to the diffusion model but "
+                         f"{guide_tok.id_to_token(eos)!r} to the guide: they must share a tokenizer")
+    specials = {i for i, t in model_tok.get_added_tokens_decoder().items() if t.special}
+    for token, i in model_tok.get_vocab(with_added_tokens=True).items():
+        theirs = guide_tok.id_to_token(i)
+        if theirs != token and (theirs is not None or i not in specials) and i != model_cfg.mask_id:
+            raise ValueError(f"token id {i} is {token!r} to the diffusion model but {theirs!r} to the guide: "
+                             f"the guide must use the diffusion model's tokenizer (the same token ids)")
