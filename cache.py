@@ -54,9 +54,9 @@ class KVCache:
         return K[:, :, :self.length], V[:, :, :self.length]
 
     def keep_rows(self, keep: torch.Tensor):
-        """Drop the batch rows where keep (B,) is False (one copy; the guide's finished rows)."""
-        self.k, self.v = [k[keep] for k in self.k], [v[keep] for v in self.v]
-        self.rows = self.rows[:len(self.k[0])] if self.k else self.rows
+        """Keep the batch rows whose indices `keep` lists (one copy; the guide's finished rows leave)."""
+        self.k, self.v = [k.index_select(0, keep) for k in self.k], [v.index_select(0, keep) for v in self.v]
+        self.rows = self.rows[:len(keep)]
 
 
 # ---------------------------------------------------------------------------------------- cache policies

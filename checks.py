@@ -20,7 +20,7 @@ LLADA_REMASKING = ("low_confidence", "random")
 DREAM_REMASKING = ("origin", "maskgit_plus", "topk_margin", "entropy", "position_weighted")
 # Guided diffusion's own settings (their defaults: fastdllm.Settings).
 GUIDED_ONLY = ("speculative", "accept", "accept_k", "accept_ratio", "accept_threshold", "verify_chunk")
-BOOLEANS = ("refresh_every_step", "compile", "speculative")
+BOOLEANS = ("refresh_every_step", "speculative")
 
 
 def bad(msg):
@@ -180,6 +180,8 @@ def check_hooks(st):
     for name in BOOLEANS:
         if type(getattr(st, name)) is not bool:
             bad(f"{name} must be True or False (got {getattr(st, name)!r})")
+    if type(st.compile) is not bool and type(st.compile).__name__ != "Compiled":
+        bad(f"compile must be True, False or a fastdllm.Compiled (got {st.compile!r})")
 
 
 def check_call(model, prompt, st, attention_mask, generator, whole_canvas, defaults):

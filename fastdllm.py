@@ -60,7 +60,8 @@ class Settings:
     refresh_every_step: bool = False   # feed the whole canvas every step (checks the cache plumbing)
     stop_at_eos: bool | int = False    # True: stop after a finished block holding an end token; k: FlashDLM's rule
     eos_ids: list | None = None        # the end tokens (default the config's)
-    compile: bool = False              # torch.compile the model call (CUDA: CUDA graphs), one graph per feed shape
+    compile: bool | object = False     # torch.compile the model call (CUDA: CUDA graphs), one graph per feed
+                                       #   shape; a Compiled instance keeps its graphs' cache across calls
     guide: torch.nn.Module | None = None   # FlashDLM guided diffusion: a causal LM with the same token ids
     speculative: bool = False          # guided: commit the guide's token at the first rejection
     accept: str = "deterministic"      # guided: "deterministic" | "topk" | "topk_relative" | "dynamic_threshold" |
@@ -118,21 +119,37 @@ def logits_at(model, ids, pos, kv, slots, mask, rows):
     return logits, ~torch.isfinite(logits.sum(-1, dtype=torch.float32)).all()
 
 
-def compiled(device):
-    """logits_at through torch.compile: one graph per feed shape (fullgraph, static shapes; the slots and rows
-    are tensors, so the same graph serves every block). On CUDA with CUDA graphs ("reduce-overhead": one
-    launch per call instead of ~1,500). emulate_precision_casts rounds low-precision intermediates where eager
-    does, so bf16 ids equal eager's (tests/test_compile.py). The prefix and free caches feed one width per
-    block: the recompile limit is raised for this function's calls only."""
-    options = {"emulate_precision_casts": True} | ({"triton.cudagraphs": True} if device.type == "cuda" else {})
-    fn = torch.compile(logits_at, fullgraph=True, dynamic=False, options=options)
+class Compiled:
+    """compile=True: logits_at through torch.compile, one graph per feed shape (fullgraph, static shapes: the
+    slots and rows are tensors, so one graph serves every block; the prefix and free caches feed one width per
+    block, so the recompile limit is raised for this function's calls only). On CUDA with CUDA graphs
+    ("reduce-overhead"): one launch per call instead of ~1,500. CUDA graphs write the KV cache in place at fixed
+    addresses, so this object keeps the last call's cache for the next call of the same shape: pass one instance
+    as compile= to every call (the CLI, serve.py and harness.py do) and each graph is captured once.
+    emulate_precision_casts rounds low-precision intermediates where eager does, so bf16 ids equal eager's on
+    the CPU (tests/test_compile.py)."""
 
-    def call(*args):
-        if device.type == "cuda":
+    def __init__(self):
+        self.fn, self.kv, self.key = None, None, None
+
+    def cache(self, model, B: int, L: int, spare: int) -> KVCache:
+        """A KV cache for this call: the previous call's when the shape is the same (every generation's first
+        call feeds the whole canvas, so nothing stale is ever read)."""
+        if self.key != (id(model), B, L, spare):
+            self.kv, self.key = KVCache.for_model(model, B, L, spare), (id(model), B, L, spare)
+            for t in self.kv.k + self.kv.v if self.kv.k[0].is_cuda else ():
+                torch._dynamo.mark_static_address(t, guard=False)     # written in place by the CUDA graphs
+        return self.kv
+
+    def __call__(self, model, *args):
+        cuda = model.lm_head.weight.is_cuda
+        if self.fn is None:
+            options = {"emulate_precision_casts": True} | ({"triton.cudagraphs": True} if cuda else {})
+            self.fn = torch.compile(logits_at, fullgraph=True, dynamic=False, options=options)
+        if cuda:
             torch.compiler.cudagraph_mark_step_begin()   # the previous step's logits are no longer read
         with torch._dynamo.config.patch(recompile_limit=256):
-            return fn(*args)
-    return call
+            return self.fn(model, *args)
 
 
 @dataclass
@@ -231,15 +248,14 @@ def make_plan(model, prompt, st: Settings, attention_mask, generator) -> Plan:
         stop_run = st.stop_at_eos
     feed = Refresh(feed) if st.refresh_every_step else feed
     stop = st.stop or (S.EndOfText(P, eos, cfg.mask_id, stop_run) if stop_run else S.NoStop())
-    kv = KVCache.for_model(model, B, L, feed.spare) if feed.keeps_cache else None
-    if st.compile and kv is not None and device.type == "cuda":
-        for t in kv.k + kv.v:         # CUDA graphs: the cache is written in place, at an address kept per call
-            torch._dynamo.mark_static_address(t, guard=False)
+    call = st.compile if isinstance(st.compile, Compiled) else Compiled() if st.compile else logits_at
+    cache = call.cache if st.compile else KVCache.for_model
+    kv = cache(model, B, L, feed.spare) if feed.keeps_cache else None
     calls_per_block = 1 if getattr(select, "parallel", True) or guided else st.steps // n_blocks
     return Plan([(s, s + st.block_length) for s in range(P, L, st.block_length)], feed, rule,
                 *checks.checked_hooks(rule, select, stop, B, st.block_length), model,
-                compiled(device) if st.compile else logits_at, kv, ar.expand(B, L) if pos is None else pos, mask,
-                int(cfg.shift_logits), cfg.mask_id, st.compile, calls_per_block, eos, ar)
+                call, kv, ar.expand(B, L) if pos is None else pos, mask, int(cfg.shift_logits), cfg.mask_id,
+                bool(st.compile), calls_per_block, eos, ar)
 
 
 @torch.inference_mode()

@@ -137,6 +137,7 @@ class Guide:
         self.length += n[self.rows]
         keep = ~done[self.rows]
         if not self.check(keep.all())[0]:
+            keep = keep.nonzero().squeeze(1)                        # one more read, then indices: no sync per layer
             self.rows, self.length = self.rows[keep], self.length[keep]
             self.cache.keep_rows(keep)
             self.pos = None if self.pos is None else self.pos[keep]
