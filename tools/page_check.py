@@ -1,16 +1,19 @@
 """
 tools/page_check.py: the browser check of serve.py's live page (a documented script, not a CI test).
 
-    python tools/page_check.py                    # -> docs/page.png
+    python tools/page_check.py                        # every check, then docs/page.png (about 40 s)
+    python tools/page_check.py --only cut,ctrl-enter  # some checks, no screenshot
     python tools/page_check.py --out /tmp/p.png --query "threshold=0.5&step=2"
 
-It starts `python serve.py` on the demo model on a free port, opens the page in a real headless Chromium
-(`apt-get install chromium`), lets its JavaScript run the decode through POST /v1/denoise/stream, waits until
-the page shows the stream's NFE and answer, checks them against POST /v1/chat/completions for the same
-settings, and saves a screenshot. Chromium is driven over its DevTools protocol on a pipe
-(--remote-debugging-pipe: JSON messages ending in a NUL byte), so it waits for the page in real time:
-a plain `--screenshot` fires on Chromium's virtual clock, before a streamed response has arrived.
-Standard library only; every wait has a timeout.
+It starts `python serve.py` on the demo model on a free port and opens the page in a real headless Chromium
+(`apt-get install chromium`), driven over its DevTools protocol on a pipe (--remote-debugging-pipe: JSON
+messages ending in a NUL byte), so it waits for the page in real time: a plain `--screenshot` fires on
+Chromium's virtual clock, before a streamed response has arrived. The checks press Denoise (a real mouse click
+or Ctrl+Enter), wait for the page to settle and compare what it shows with the server's own answer for the same
+settings. Failures the demo server cannot produce on demand (a 500, a stream cut mid-way, a 2048-token answer)
+come from a stand-in for `fetch` installed in the page (FAULTS below): it passes every other request through,
+and cuts or replaces only the next one it is told to. Then it saves the screenshot. Each check prints PASS or
+FAIL with what it saw; the exit status is 1 if any failed. Standard library only; every wait has a timeout.
 """
 import argparse
 import base64
@@ -30,6 +33,64 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync", "--hide-scrollbars",
          "--remote-debugging-pipe"]
+PROMPT = "Tom has 23 apples and buys 45 more. How many apples does he have?"
+
+# Installed in the page before its own script. pageCheck.fault = {url, kind, ...} makes the next request to a
+# URL containing `url` fail as `kind` says: "refuse" (no server), "status" (an HTTP error with `body`),
+# "close" / "break" (the real stream's first `keep` events, then `tail`, then a clean end or a network error),
+# "stream" (the events given). pageCheck.texts records every text drawn on a canvas and where it lies.
+FAULTS = r"""
+(() => {
+  const realFetch = window.fetch.bind(window), enc = new TextEncoder();
+  window.pageCheck = {fault: location.hash === "#no-info" ? {url: "/v1/denoise/info", kind: "refuse"} : null,
+                      texts: []};
+  window.fetch = async (url, opts) => {
+    const f = window.pageCheck.fault;
+    if (!f || !String(url).includes(f.url)) return realFetch(url, opts);
+    window.pageCheck.fault = null;
+    if (f.kind === "refuse") throw new TypeError("Failed to fetch");
+    if (f.kind === "status")
+      return new Response(f.body, {status: f.status, statusText: f.statusText, headers: {"Content-Type": f.type}});
+    const events = f.kind === "stream" ? f.events :
+      (await (await realFetch(url, opts)).text()).split("\n\n").filter(Boolean).slice(0, f.keep).map(e => e + "\n\n");
+    return new Response(new ReadableStream({start(c) {
+      events.forEach(e => c.enqueue(enc.encode(e)));
+      if (f.tail) c.enqueue(enc.encode(f.tail));
+      if (f.kind === "break") c.error(new TypeError("network error")); else c.close();
+    }}), {status: 200, headers: {"Content-Type": "text/event-stream"}});
+  };
+  const fillText = CanvasRenderingContext2D.prototype.fillText;
+  CanvasRenderingContext2D.prototype.fillText = function (text, x, y, ...rest) {
+    const w = this.measureText(text).width, a = this.textAlign;
+    const left = a === "right" || a === "end" ? x - w : a === "center" ? x - w / 2 : x;
+    window.pageCheck.texts.push({text: String(text), left, right: left + w, width: this.canvas.width});
+    return fillText.call(this, text, x, y, ...rest);
+  };
+})();
+"""
+STATE = """({
+  error: $("error").textContent, step: $("step").textContent, answer: $("answer").textContent,
+  nfe: $("nfe").textContent, note: $("time-note").textContent, badge: $("model").textContent,
+  busy: $("go").disabled, replaying: typeof run !== "undefined" && !!run && !!run.timer,
+  tokens: document.querySelectorAll("#canvas .tok").length, trace: $("trace").height,
+  scrub: Number($("scrub").value), frames: Number($("scrub").max),
+  overflow: document.documentElement.scrollWidth - document.documentElement.clientWidth})"""
+INK = """(() => {     // how far down the trace canvas anything is drawn, in pixels
+  const c = $("trace");
+  if (!c.width || !c.height) return 0;
+  const d = c.getContext("2d").getImageData(0, 0, c.width, c.height).data;
+  for (let y = c.height - 1; y >= 0; y--)
+    for (let x = 0; x < c.width; x++) if (d[(y * c.width + x) * 4 + 3]) return y + 1;
+  return 0;
+})()"""
+WALK = """(() => {     // drag the slider over every frame and read the step line of each
+  const s = $("scrub"), out = [];
+  for (let k = 1; k <= Number(s.max); k++) {
+    s.value = k; s.dispatchEvent(new Event("input"));
+    out.push($("step").textContent.split(" \\u00b7 ")[0]);
+  }
+  return out;
+})()"""
 
 
 class Browser:
@@ -52,6 +113,7 @@ class Browser:
         os.close(to_chrome)
         os.close(from_chrome)
         self.buf, self.next_id, self.session = b"", 0, None
+        self.exceptions = []          # the page's uncaught JavaScript errors, as Chromium reports them
 
     def call(self, method: str, timeout: float = 30, **params):
         self.next_id += 1
@@ -60,7 +122,7 @@ class Browser:
             msg["sessionId"] = self.session
         os.write(self.cmd, json.dumps(msg).encode() + b"\0")
         deadline = time.monotonic() + timeout
-        while True:       # skip events until our answer comes
+        while True:       # keep the events we want until our answer comes
             while b"\0" not in self.buf:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"chromium did not answer {method}")
@@ -70,16 +132,21 @@ class Browser:
                 self.buf += chunk
             raw, self.buf = self.buf.split(b"\0", 1)
             reply = json.loads(raw)
+            if reply.get("method") == "Runtime.exceptionThrown":
+                d = reply["params"]["exceptionDetails"]
+                self.exceptions.append(d.get("exception", {}).get("description") or d.get("text"))
             if reply.get("id") == self.next_id:
                 if "error" in reply:
                     raise RuntimeError(f"{method}: {reply['error']}")
                 return reply.get("result", {})
 
-    def open(self, url: str, width: int, height: int):
+    def open(self, width: int, height: int):
         target = self.call("Target.createTarget", url="about:blank")["targetId"]
         self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
         self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
-        self.call("Page.navigate", url=url)
+        self.call("Runtime.enable")
+        self.call("Page.enable")          # else Chromium ignores the script below
+        self.call("Page.addScriptToEvaluateOnNewDocument", source=FAULTS)
 
     def js(self, expression: str):
         return self.call("Runtime.evaluate", expression=expression, returnByValue=True)["result"].get("value")
@@ -96,68 +163,392 @@ class Browser:
             self.proc.kill()
 
 
+class Page:
+    """The page as a user meets it: load it, fill the form, press Denoise, read what it shows."""
+
+    def __init__(self, browser: Browser, base: str):
+        self.browser, self.base, self.loads = browser, base, 0
+
+    def load(self, query: str = "", hash_: str = ""):
+        """A fresh page (`load` counts the loads: a URL that differs only in its #hash would not reload)."""
+        self.loads += 1
+        self.browser.call("Page.navigate", url=f"{self.base}?{query}&load={self.loads}{hash_}")
+        self.wait("document.readyState === 'complete' && $('model').textContent !== 'connecting...'", 20)
+
+    def js(self, expression: str):
+        return self.browser.js(expression)
+
+    def wait(self, expression: str, timeout: float):
+        """Poll until `expression` is truthy; its last value either way."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = self.js(f"(() => {{ try {{ const $ = id => document.getElementById(id); return {expression}; }}"
+                            f" catch (e) {{ return null; }} }})()")
+            if value or time.monotonic() > deadline:
+                return value
+            time.sleep(0.05)
+
+    def set(self, **fields):
+        for name, value in fields.items():
+            self.js(f"(() => {{ const e = $({json.dumps(name)}); e.value = {json.dumps(str(value))}; "
+                    f"e.dispatchEvent(new Event('change')); }})()")
+
+    def fault(self, **spec):
+        self.js(f"pageCheck.fault = {json.dumps(spec)}")
+
+    def click(self):                 # a real mouse click in the middle of the Denoise button
+        x, y = self.js("(() => { const r = $('go').getBoundingClientRect(); "
+                       "return [r.x + r.width / 2, r.y + r.height / 2]; })()")
+        for kind in ("mousePressed", "mouseReleased"):
+            self.browser.call("Input.dispatchMouseEvent", type=kind, x=x, y=y, button="left", clickCount=1)
+
+    def ctrl_enter(self):            # a real Ctrl+Enter in the prompt
+        self.js("$('prompt').focus()")
+        for kind in ("rawKeyDown", "keyUp"):
+            self.browser.call("Input.dispatchKeyEvent", type=kind, modifiers=2, key="Enter", code="Enter",
+                              windowsVirtualKeyCode=13)
+
+    def state(self) -> dict:
+        return self.js(STATE)
+
+    def settle(self, timeout: float = 20) -> dict:
+        """Wait until no decode is open and the replay has stopped; the page's state then."""
+        self.wait("!$('go').disabled && !(typeof run !== 'undefined' && run && run.timer)", timeout)
+        time.sleep(0.2)               # a last replay tick or the re-enabled button's own work
+        self.wait("!$('go').disabled && !(typeof run !== 'undefined' && run && run.timer)", timeout)
+        return self.state()
+
+
 def post(url: str, body: dict) -> dict:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.load(r)
 
 
+def truth(base: str, prompt: str, **settings) -> dict:
+    """What the page must show for this prompt and these settings, from the server's own stream: the answer,
+    the NFE, and the step line of every frame (each step, then the fill if the early stop filled any)."""
+    body = {"messages": [{"role": "user", "content": prompt}], **settings}
+    req = urllib.request.Request(base + "v1/denoise/stream", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.read().decode().split("\n")
+                  if line.startswith("data: {")]
+    done = events[-1]
+    n = done["fastdllm"]["nfe"]
+    labels = [f"step {e['step']} of {n}" for e in events if e["type"] == "step"]
+    labels += [f"after step {n}: the rest filled with end of text"] if done["filled"] else []
+    return {"answer": done["text"], "nfe": str(n), "labels": labels}
+
+
+def long_answer(gen: int = 2048, steps: int = 1024) -> list:
+    """A made-up stream of a 2048-position answer, one token per step for 1024 steps and then the fill: tokens
+    of every kind (non-ASCII, a newline, a 300-character one), and an answer text with no space to wrap at."""
+    pieces = ["12", "+", "日本語", "\n", "🙂", "x" * 300, "é", "=", "42"]
+    cells = [{"pos": p, "id": 7, "text": pieces[p % len(pieces)], "end": False} for p in range(steps)]
+    fill = [{"pos": p, "id": 0, "text": "<|endoftext|>", "end": True} for p in range(steps, gen)]
+    text = "".join(c["text"] for c in cells).replace("\n", "")
+    settings = {"cache": "dual", "threshold": None}
+    events = [{"type": "start", "id": "x", "model": "m", "prompt": "p", "prompt_tokens": 1, "gen_length": gen,
+               "max_tokens": gen, "block_length": 64, "mask": "<|mdm_mask|>", "settings": settings}]
+    events += [{"type": "step", "step": k + 1, "committed": [c], "masks_left": gen - k - 1}
+               for k, c in enumerate(cells)]
+    events.append({"type": "done", "text": text, "finish_reason": "stop", "filled": fill,
+                   "usage": {"prompt_tokens": 1, "completion_tokens": steps, "total_tokens": steps + 1},
+                   "fastdllm": {"nfe": steps, "tokens_per_call": 1.0, "gen_length": gen, "batch_size": 1,
+                                "seconds": 10.0, "tokens_per_s": 102.4, "settings": settings}})
+    return ["data: " + json.dumps(e, ensure_ascii=False) + "\n\n" for e in events] + ["data: [DONE]\n\n"]
+
+
+# -- the checks: each takes the page and the server's address, and returns a list of problems (empty: PASS) --
+CHECKS = {}
+
+
+def check(name):
+    def register(fn):
+        CHECKS[name] = fn
+        return fn
+    return register
+
+
+def problems_after_failure(s: dict, expect: str) -> list:
+    """A failed decode: a clear message, an empty canvas and stats, and a page ready for the next try."""
+    out = []
+    if expect.lower() not in s["error"].lower():
+        out.append(f"the message should say {expect!r}: {s['error']!r}")
+    if s["busy"] or s["replaying"]:
+        out.append("the page is still busy")
+    if s["tokens"] or s["trace"] or s["nfe"] != "-" or s["step"].startswith(("step", "after", "all")):
+        out.append(f"a canvas, trace or stats are left over: {s['tokens']} tokens, trace {s['trace']} px, "
+                   f"NFE {s['nfe']}, {s['step']!r}")
+    if s["answer"] in ("decoding...", "") or s["answer"].startswith("decoded"):
+        out.append(f"the answer box says {s['answer']!r}")
+    return out
+
+
+def same_run(page: Page, want: dict) -> list:
+    s, out = page.state(), []
+    if s["error"]:
+        out.append(f"an error: {s['error']!r}")
+    if (s["answer"], s["nfe"]) != (want["answer"], want["nfe"]):
+        out.append(f"answer {s['answer']!r} NFE {s['nfe']}, the server's {want['answer']!r} NFE {want['nfe']}")
+    labels = page.js(WALK)
+    if labels != want["labels"]:
+        out.append(f"the frames are {labels}, the server's {want['labels']}")
+    return out
+
+
+@check("ctrl-enter")
+def ctrl_enter(page, base):
+    """Ctrl+Enter while a decode streams. It used to start a second stream past the disabled button, and both
+    wrote into one run: the trace read steps 3..16, fill, 1..16, fill."""
+    want = truth(base, PROMPT, threshold=None)
+    page.load("threshold=off&speed=0")
+    page.ctrl_enter()
+    page.ctrl_enter()                 # the server waits --batch-window 300 ms: the first stream is still open
+    page.settle()
+    return same_run(page, want)
+
+
+@check("clicks")
+def clicks(page, base):
+    """Three quick clicks on Denoise: one decode, shown once."""
+    want = truth(base, PROMPT, threshold=0.9)
+    page.load("speed=0")
+    for _ in range(3):
+        page.click()
+    page.settle()
+    return same_run(page, want)
+
+
+@check("labels")
+def labels(page, base):
+    """The trace's step labels from "step 10" up were cut at the canvas's left edge ("tep 10")."""
+    page.load("threshold=off&speed=0")
+    page.click()
+    page.settle()
+    texts = page.js("pageCheck.texts")
+    out = sorted({f"{t['text']!r} spans x {t['left']:.1f}..{t['right']:.1f} of a {t['width']} px canvas"
+                  for t in texts if t["left"] < 0 or t["right"] > t["width"]})
+    if not any(t["text"] == "step 16" for t in texts):
+        out.append(f"no label 'step 16' was drawn: {sorted({t['text'] for t in texts})}")
+    return out
+
+
+@check("error-clears")
+def error_clears(page, base):
+    """An error after a good decode left that decode's canvas (and step line) on show, as if it were this
+    request's."""
+    page.load("speed=0")
+    page.click()
+    first = page.settle()
+    page.set(prompt="")
+    page.click()
+    out = problems_after_failure(page.settle(), "the prompt is empty")
+    if first["answer"] in page.state()["answer"]:
+        out.append("the previous answer is still shown")
+    page.set(prompt=PROMPT)          # and the page still works
+    page.click()
+    page.settle()
+    return out + same_run(page, truth(base, PROMPT, threshold=0.9))
+
+
+@check("reveal")
+def reveal(page, base):
+    """The answer and its stats showed as soon as the stream ended, while the replay was still at step 1 (and
+    the trace showed every step). Switching the replay to live mid-run finishes it at once."""
+    want = truth(base, PROMPT, threshold=0.9)
+    page.load("speed=1200")
+    page.click()
+    page.wait("!$('go').disabled", 10)                       # the stream has ended
+    s, ink = page.state(), page.js(INK)
+    out = []
+    if s["scrub"] >= s["frames"] or s["step"].startswith("after"):
+        out.append(f"the replay should still be short of its end: {s['step']!r}")
+    if s["nfe"] != "-" or want["answer"] in s["answer"]:
+        out.append(f"the answer or the stats show at {s['step']!r}: NFE {s['nfe']}, {s['answer']!r}")
+    page.set(speed=0)
+    if page.wait("$('nfe').textContent !== '-'", 3) is not True:
+        out.append("after switching to live the stats did not show within 3 s")
+    page.settle()
+    full = page.js(INK)                                      # the trace of every step, once the replay ended
+    if ink > full * (s["scrub"] + 0.5) / s["frames"]:
+        out.append(f"at {s['step']!r} the trace is drawn {ink} px down of its {full}: steps not yet replayed")
+    return out + same_run(page, want)
+
+
+@check("settings-mid-run")
+def settings_mid_run(page, base):
+    """Settings changed during a decode apply to the next one; this one keeps the settings it started with."""
+    page.load("speed=250")
+    page.click()
+    page.set(threshold="0.5", cache="none", block_length=4)
+    s = page.settle()
+    out = [] if s["note"] == "dual cache · threshold 0.9" else [f"this run shows {s['note']!r}"]
+    out += same_run(page, truth(base, PROMPT, threshold=0.9))
+    page.set(speed=0)
+    page.click()
+    page.settle()
+    return out + same_run(page, truth(base, PROMPT, threshold=0.5, cache="none", block_length=4))
+
+
+@check("non-ascii")
+def non_ascii(page, base):
+    """A prompt outside the demo tokenizer's alphabet decodes like the API's answer."""
+    prompt = "Ça coûte 12 € + 30 €, combien? 日本 🙂"
+    page.load("speed=0")
+    page.set(prompt=prompt)
+    page.click()
+    page.settle()
+    return same_run(page, truth(base, prompt, threshold=0.9))
+
+
+# Failures: name -> (URL query, how the next POST /v1/denoise/stream fails or None, what the message must say).
+# Each must end in that message, an empty canvas and stats, and a page ready for the next try. Before, a cut
+# stream sat on "decoding..." with no message, and an error event left the canvas up.
+ERROR_EVENT = {"type": "error", "error": {"message": "decoding failed: RuntimeError: out of memory"}}
+FAILURES = {
+    "http-400": ("max_tokens=1000", None, "exceed the model's 64 positions"),       # the real server's 400
+    "http-500": ("", {"kind": "status", "status": 500, "statusText": "Internal Server Error", "type":
+                      "application/json", "body": json.dumps({"error": {"message": "decoding failed: boom"}})},
+                 "the server answered 500 Internal Server Error: decoding failed: boom"),
+    "http-502-html": ("", {"kind": "status", "status": 502, "statusText": "Bad Gateway", "type": "text/html",
+                           "body": "<html><body>Bad Gateway</body></html>"},       # a proxy's error page
+                      "the server answered 502 Bad Gateway"),
+    "cut": ("", {"kind": "close", "keep": 3},                                  # start, two steps, a clean end
+            "the stream ended before the answer was done"),
+    "broken": ("", {"kind": "break", "keep": 3}, "the connection to the server broke"),
+    "error-event": ("", {"kind": "close", "keep": 2, "tail": f"data: {json.dumps(ERROR_EVENT)}\n\ndata: [DONE]\n\n"},
+                    "the server stopped the decode: decoding failed: RuntimeError: out of memory"),
+    "garbled": ("", {"kind": "close", "keep": 2, "tail": 'data: {"type": "step", \n\n'}, "unreadable event"),
+}
+
+
+def failure(query, fault, expect):
+    def run_check(page, base):
+        page.load("speed=0&" + query)
+        if fault:
+            page.fault(url="/v1/denoise/stream", **fault)
+        page.click()
+        return problems_after_failure(page.settle(), expect)
+    return run_check
+
+
+for name, spec in FAILURES.items():
+    CHECKS[name] = failure(*spec)
+
+
+@check("long")
+def long(page, base):
+    """A 2048-position answer in 1024 steps, with a 300-character token and unbroken text: shown in full
+    within a generous minute, without widening the page. The page used to redraw the whole trace per step."""
+    events = long_answer()
+    page.load("speed=0")
+    page.fault(url="/v1/denoise/stream", kind="stream", events=events)
+    t0 = time.monotonic()
+    page.click()
+    s = page.settle(timeout=60)
+    print(f"    long: settled in {time.monotonic() - t0:.1f} s")
+    out = [] if not s["busy"] and not s["replaying"] else ["still busy after 60 s"]
+    if s["frames"] != 1025 or s["nfe"] != "1024" or s["answer"] != json.loads(events[-2][6:])["text"]:
+        out.append(f"{s['frames']} frames, NFE {s['nfe']}, an answer of {len(s['answer'])} characters")
+    if s["overflow"] > 0:
+        out.append(f"the page is {s['overflow']} px wider than the window")
+    return out
+
+
+@check("no-info")
+def no_info(page, base):
+    """The server could not be reached when the page loaded: say so, and let Denoise try again."""
+    page.load(hash_="#no-info")
+    s = page.state()
+    out = [] if "cannot reach the server" in s["error"] else [f"the message is {s['error']!r}"]
+    page.click()
+    page.settle()
+    return out + same_run(page, truth(base, PROMPT, threshold=0.9))
+
+
+def server_down(page: Page, server: subprocess.Popen) -> list:
+    """The server stopped after the page loaded: pressing Denoise says so."""
+    page.load("speed=0")
+    server.terminate()
+    server.wait(20)
+    page.click()
+    return problems_after_failure(page.settle(), "cannot reach the server")
+
+
+def screenshot(page: Page, base: str, args) -> list:
+    """The page at --query's settings, its NFE and answer checked against /v1/chat/completions -> args.out."""
+    query = urllib.parse.parse_qs(args.query)
+    settings = {"threshold": float(query.get("threshold", ["0.9"])[0])}
+    want = post(base + "v1/chat/completions", {"messages": [{"role": "user", "content": args.prompt}], **settings})
+    want = want["choices"][0]
+    query = urllib.parse.urlencode({"prompt": args.prompt}) + "&speed=0&" + args.query
+    page.load(query)
+    time.sleep(1.0)                   # let the browser settle, so that it does not slow the decode it times
+    page.click()
+    s = page.settle()
+    print(f"page: {s}")
+    out = [f"the page shows an error: {s['error']!r}"] if s["error"] else []
+    if (s["nfe"], s["answer"]) != (str(want["fastdllm"]["nfe"]), want["message"]["content"]):
+        out.append(f"NFE {s['nfe']} answer {s['answer']!r} on the page, the API's {want['fastdllm']['nfe']} "
+                   f"{want['message']['content']!r}")
+    time.sleep(0.6)                   # the highlight's pop animation
+    png = base64.b64decode(page.browser.call("Page.captureScreenshot", format="png")["data"])
+    with open(args.out, "wb") as f:
+        f.write(png)
+    print(f"wrote {args.out} ({len(png)} bytes) from {page.base}?{query}")
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "page.png"), help="the screenshot (PNG)")
-    p.add_argument("--query", default="threshold=0.9&step=4", help="page URL parameters: the form's fields, and "
-                   "step=N to stop the replay at step N (speed=0 is added)")
-    p.add_argument("--prompt", default="Tom has 23 apples and buys 45 more. How many apples does he have?")
+    p.add_argument("--only", help=f"comma-separated checks to run, no screenshot: {','.join(CHECKS)},server-down")
+    p.add_argument("--query", default="threshold=0.9&step=4", help="page URL parameters of the screenshot: the "
+                   "form's fields, and step=N to stop the replay at step N (speed=0 is added)")
+    p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--size", default="1100x860", help="window size WxH")
     args = p.parse_args()
+    names = args.only.split(",") if args.only else [*CHECKS, "screenshot", "server-down"]
+    unknown = set(names) - {*CHECKS, "screenshot", "server-down"}
+    if unknown:
+        sys.exit(f"no such check: {', '.join(sorted(unknown))} (choose from {', '.join(CHECKS)}, server-down)")
     exe = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
     if exe is None:
         sys.exit("no chromium found: apt-get install chromium")
     width, height = map(int, args.size.split("x"))
     tmp = tempfile.mkdtemp()
+    # A batch window of 300 ms keeps each stream open long enough for a second press to land during it.
     server = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), "--model", "demo/llada-arith",
-                               "--gen-length", "32", "--block-length", "8", "--port", "0", "--quiet"], cwd=ROOT,
-                              stdout=subprocess.PIPE, text=True, env=os.environ | {"OMP_NUM_THREADS": "1"})
-    browser = None
+                               "--gen-length", "32", "--block-length", "8", "--port", "0", "--quiet",
+                               "--batch-window", "300"], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env=os.environ | {"OMP_NUM_THREADS": "1"})
+    browser, failed = None, []
     try:
         base = re.search(r"http://[0-9.]+:\d+/", server.stdout.readline())[0]
-        query = urllib.parse.parse_qs(args.query)
-        settings = {"threshold": float(query.get("threshold", ["0.9"])[0])}
-        want = post(base + "v1/chat/completions", {"messages": [{"role": "user", "content": args.prompt}], **settings})
-        want = want["choices"][0]                                # also the server's warm-up decode
-        url = base + "?" + urllib.parse.urlencode({"prompt": args.prompt}) + "&speed=0&" + args.query
         browser = Browser(exe, os.path.join(tmp, "profile"))
-        browser.open(url, width, height)
-        deadline = time.monotonic() + 30
-        while browser.js("info === null") is not False and time.monotonic() < deadline:
-            time.sleep(0.1)               # the form filled from GET /v1/denoise/info
-        time.sleep(1.0)                   # let the browser settle, so that it does not slow the decode it times
-        browser.js("go()")                # as pressing Denoise
-        state = None
-        while time.monotonic() < deadline:
-            state = browser.js("({nfe: document.getElementById('nfe').textContent, "
-                               "answer: document.getElementById('answer').textContent, "
-                               "step: document.getElementById('step').textContent, "
-                               "error: document.getElementById('error').textContent, "
-                               "replayed: !!run && run.done && run.timer === null})")
-            if state and (state["replayed"] or state["error"]):
-                break
-            time.sleep(0.1)
-        print(f"page: {state}")
-        assert state and not state["error"], f"the page shows an error: {state}"
-        assert state["nfe"] == str(want["fastdllm"]["nfe"]), f"NFE on the page {state['nfe']}, API {want['fastdllm']}"
-        assert state["answer"] == want["message"]["content"], f"answer on the page {state['answer']!r}"
-        time.sleep(0.6)                                          # the highlight's pop animation
-        png = base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"])
-        with open(args.out, "wb") as f:
-            f.write(png)
-        print(f"wrote {args.out} ({len(png)} bytes) from {url}")
+        browser.open(width, height)
+        page = Page(browser, base)
+        for name in names:
+            seen = len(browser.exceptions)
+            if name == "screenshot":
+                problems = screenshot(page, base, args)
+            elif name == "server-down":
+                problems = server_down(page, server)
+            else:
+                problems = CHECKS[name](page, base)
+            problems += [f"uncaught JavaScript error: {e}" for e in browser.exceptions[seen:]]
+            print(f"{'FAIL' if problems else 'PASS'} {name}" + "".join(f"\n    {x}" for x in problems), flush=True)
+            failed += [name] if problems else []
     finally:
         if browser:
             browser.close()
         server.terminate()
         server.wait(20)
         shutil.rmtree(tmp, ignore_errors=True)
+    print(f"{len(names) - len(failed)} of {len(names)} passed" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":
