@@ -111,14 +111,14 @@ class FastDLLM(LM):
         check_without_model(s, guided=guide is not None)
         self._rank, self._world_size, device = distributed(device)
         self._device, self.dtype = pick_device_dtype(device, dtype)
-        if guide is not None:   # the guide first, as the CLI does
-            check_local(guide, "guide")
-        check_local(model, "model")
+        guide_local = check_local(guide, "guide") if guide is not None else False   # the guide first, as the CLI
+        model_local = check_local(model, "model")
         self.model_name, self.guide_name, self.batch_size, self.seed = model, guide, int(batch_size), seed
         self.chat_applied = False          # set once lm-eval asks for the chat template
         self._chat, self._net, self._guide = None, None, None
         self.said = set()                  # log lines said once
         self.throughput = {}               # task -> counts (see count())
+        self._guide_dir = self.checked_guide() if guide_local and model_local else None   # else on first use
         RUNS.append(self)
 
     @classmethod
@@ -147,20 +147,25 @@ class FastDLLM(LM):
             self._chat.stop_ids |= set(self.cfg.eos_ids)     # config.json may list several end ids
         return self._chat
 
+    def checked_guide(self) -> str:
+        """The guide's folder, looked up before the model's (as in the CLI), after checking on the small files
+        (configs, tokenizers) that it shares the model's token ids."""
+        guide_dir = resolve_model_dir(self.guide_name, role="guide")
+        chat = self.chat
+        guide_cfg = read_config(guide_dir)
+        try:
+            guide_tok = Chat(guide_dir, guide_cfg).tok
+        except FileNotFoundError:
+            guide_tok = None
+        check_guide(self.cfg, guide_cfg, chat.tok, guide_tok)
+        return guide_dir
+
     def net(self):
         if self._net is None:
-            # the guide is looked up first, as in the CLI; it must share the model's ids: checked on the small
-            # files before either model's weights are read
-            guide_dir = resolve_model_dir(self.guide_name, role="guide") if self.guide_name else None
-            chat = self.chat
-            if guide_dir:
-                guide_cfg = read_config(guide_dir)
-                try:
-                    guide_tok = Chat(guide_dir, guide_cfg).tok
-                except FileNotFoundError:
-                    guide_tok = None
-                check_guide(self.cfg, guide_cfg, chat.tok, guide_tok)
-                self._guide = load_model(guide_dir, device=self._device, dtype=self.dtype)
+            if self.guide_name:
+                self._guide_dir = self._guide_dir or self.checked_guide()
+                self._guide = load_model(self._guide_dir, device=self._device, dtype=self.dtype)
+            self.chat           # looks the model up: self.model_dir, self.cfg
             self._net = load_model(self.model_dir, device=self._device, dtype=self.dtype)
         return self._net
 
@@ -317,12 +322,29 @@ def check_without_model(s: dict, guided: bool):
 
 def check_local(name, role: str):
     """A local folder is checked now, config.json included (missing, a file, not a model folder: one line that
-    names the model or the guide); a Hugging Face repo id is fetched on first use, so that a refused task
-    downloads nothing. (The repo-id test is resolve_model_dir's: owner/name, not an existing path.)"""
+    names the model or the guide) -> True; a Hugging Face repo id (-> False) is fetched on first use, so that
+    a refused task downloads nothing. (The repo-id test is resolve_model_dir's: owner/name, not a path.)"""
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"the {role} must be a folder path or a Hugging Face repo id, not {name!r}")
     if os.path.exists(os.path.expanduser(name)) or name.startswith((".", "/", "~")) or name.count("/") != 1:
         read_config(resolve_model_dir(name, role=role))
+        return True
+    return False
+
+
+def check_output_path(output_path: str | None):
+    """lm-eval writes its results under --output_path (a folder, or NAME.json's folder), and where it cannot it
+    only warns, after the whole run: checked before it starts."""
+    if output_path is None:
+        return
+    path = Path(output_path).expanduser().absolute()
+    folder = path.parent if path.suffix == ".json" else path
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--output_path {output_path}: {existing} is a file, not a folder: pass a folder (or a "
+                         f"NAME.json in one) that can be created")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--output_path {output_path}: the folder {existing} is not writable")
 
 
 def distributed(device: str | None):
@@ -438,6 +460,7 @@ def main() -> int:
     known = p.parse_known_args()[0]
     since, runs = time.time(), len(RUNS)
     try:
+        check_output_path(known.output_path)
         DEFAULTED.update(k for k in LM_EVAL_FLAGS if getattr(known, k) is None)
         cli_evaluate()
         if len(RUNS) > runs:

@@ -256,6 +256,9 @@ DEMO_MODEL = os.path.join(ROOT, "demo", "llada-arith")
     (dict(model=None), "the model must be a folder path or a Hugging Face repo id, not None"),
     (dict(model=""), "the model must be a folder path or a Hugging Face repo id, not ''"),
     (dict(model=DEMO_MODEL, guide=7), "the guide must be a folder path or a Hugging Face repo id, not 7"),
+    (dict(model=DEMO_MODEL, guide=DEMO_MODEL), "the guide is a llada model, not a causal LM"),
+    (dict(model=DEMO_MODEL, guide=os.path.join(ROOT, "tests", "golden", "qwen2-tiny")),
+     "the diffusion model's end-of-text id 0 is none of the guide's special ids"),
 ])
 def test_bad_model_args_fail_in_one_line_before_loading(monkeypatch, kw, error):
     def no_weights(*a, **k):
@@ -278,6 +281,16 @@ def test_folders_are_checked_when_the_model_is_made_and_the_guide_is_named(tmp_p
         harness.FastDLLM(model=DEMO_MODEL, guide=str(tmp_path / "file"), device="cpu")
     with pytest.raises(FileNotFoundError, match="config.json is missing"):
         harness.FastDLLM(model=str(tmp_path / "empty"), device="cpu")
+
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(monkeypatch, tmp_path, capsys):
+    """The bug: lm-eval only warns ("Could not save results aggregated") when --output_path cannot be created,
+    after the whole run: the results were lost, exit status 0."""
+    (tmp_path / "out").write_text("a file where the results folder would be")
+    rc, *_ = lm_eval_run(monkeypatch, tmp_path, "model=demo/llada-arith,block_length=8", "--limit", "2")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith(f"error: --output_path {tmp_path / 'out'}: ") and "is a file" in err[-1]
+    assert (tmp_path / "out").read_text() == "a file where the results folder would be"
 
 
 def test_none_from_lm_eval_is_the_no_cache_baseline():
