@@ -9,13 +9,15 @@ cost in quality (agreement with the exact decode), in one table.
 
 (tools/checkpoint.py writes the random checkpoints; tools/gpu_check.py is the prepared GPU check.)
 
-A row: model calls (NFE), tokens committed and canvas positions fed per call (per row of the batch); the
-wall time of the whole generate() call after a warm-up; tokens/s counting answer tokens (each row up to its
-first end token) and all generated tokens (batch x gen_length, end-of-text filler included, as most published
-numbers count); peak memory (CUDA: max_memory_allocated; CPU: the RSS high-water mark VmHWM, reset per row);
-and agreement: the share of answer tokens equal to the *exact* decode (no cache, one token per step, the same
-steps), and the first position where they differ, so an approximation's cost in quality sits next to its
-speed. Speed is only reported, never asserted; tests/test_bench.py checks that the numbers are computed right.
+A row: model calls (NFE: forward passes of the batch; and per problem, generate()'s row_nfe averaged over the
+rows, the papers' NFE, the same at any batch size), tokens committed and canvas positions fed per call of a
+row; the wall time of the whole generate() call after a warm-up; tokens/s counting answer tokens (each row up
+to its first end token: the project's one definition of tokens/s) and, labelled apart, all generated tokens
+(batch x gen_length, end-of-text filler included, as most published numbers count); peak memory (CUDA:
+max_memory_allocated; CPU: the RSS high-water mark VmHWM, reset per row); and agreement: the share of answer
+tokens equal to the *exact* decode (no cache, one token per step, the same steps), and the first position
+where they differ, so an approximation's cost in quality sits next to its speed. Speed is only reported,
+never asserted; tests/test_bench.py checks that the numbers are computed right.
 """
 import hashlib
 import json
@@ -118,11 +120,12 @@ def run_row(model, prompt, mode: dict, kw: dict, guide=None, eos_ids=None, repea
     B, G = prompt.shape[0], kw["gen_length"]
     out = ids[:, prompt.shape[1]:]
     answer = answer_lengths(out, eos_ids).sum().item()
-    # Older generate() versions (the before/after LM-head measurement runs one) lack "committed": without
-    # early stop every generated token was committed by some call.
+    # Older generate() versions (the before/after LM-head measurement runs one) lack "committed" and "row_nfe":
+    # without early stop every generated token was committed by some call, and at batch 1 a call serves the row.
     committed = sum(st["committed"]) if "committed" in st else B * G
+    row_calls = sum(st["row_nfe"]) if "row_nfe" in st else B * st["nfe"]
     row = dict(cache=mode["cache"], rule=rule_name(mode, kw), stop=stop_name(mode["stop"]), batch=B,
-               gen_length=G, nfe=st["nfe"], tokens_per_call=committed / st["nfe"],
+               gen_length=G, nfe=st["nfe"], calls_per_problem=row_calls / B, tokens_per_call=committed / row_calls,
                fed_per_call=sum(st["fed"]) / st["nfe"], seconds=seconds, answer_tokens=answer,
                answer_tokens_per_s=answer / seconds, all_tokens_per_s=B * G / seconds,
                peak_mib=peak / MiB, calls_saved=st.get("calls_saved", 0), guide_calls=st.get("guide_calls", 0),
@@ -209,7 +212,8 @@ def table(rows, columns) -> str:
 
 MODE_COLUMNS = [
     ("cache", lambda r: r["cache"]), ("rule", lambda r: r["rule"]), ("early stop", lambda r: r["stop"]),
-    ("NFE", lambda r: str(r["nfe"])), ("tokens/call", lambda r: f"{r['tokens_per_call']:.2f}"),
+    ("NFE", lambda r: str(r["nfe"])), ("NFE/problem", lambda r: f"{r['calls_per_problem']:.2f}"),
+    ("tokens/call", lambda r: f"{r['tokens_per_call']:.2f}"),
     ("fed/call", lambda r: f"{r['fed_per_call']:.0f}"), ("wall s", lambda r: f"{r['seconds']:.3f}"),
     ("answer tok/s", lambda r: f"{r['answer_tokens_per_s']:.1f}"),
     ("all tok/s", lambda r: f"{r['all_tokens_per_s']:.1f}"), ("speed-up", lambda r: f"{r['speedup']:.2f}x"),

@@ -84,6 +84,23 @@ def test_modes_rows_count_calls_tokens_and_agreement(llada):
     assert dual["fed_per_call"] == pytest.approx((4 * (P + G) + 4 * 7 * 8) / 32)   # one refresh + 7 blocks-only per block
 
 
+def test_calls_and_tokens_per_problem_do_not_depend_on_the_batch(llada):
+    """NFE counts forward passes of the batch; NFE/problem (generate()'s row_nfe, the papers' figure) and
+    tokens/call are per problem, so two rows of different prompts give each row's own figures (tokens/call
+    counted the whole batch's tokens per call: 2.00 for one token per step at batch 2)."""
+    kw, mode_list = dict(gen_length=32, block_length=8, steps=32), bench.modes(["dual"], [0.9], [], [False, True])
+    prompts = [PROMPT_LLADA, PROMPT_LLADA.flip(1)]
+    alone = [bench.run_modes(llada, p, mode_list, kw, warmup=False)[0] for p in prompts]
+    both = bench.run_modes(llada, torch.cat(prompts), mode_list, kw, warmup=False)[0]
+    for one, other, pair in zip(*alone, both):
+        assert one["nfe"] == one["calls_per_problem"] and other["nfe"] == other["calls_per_problem"]
+        assert pair["calls_per_problem"] == (one["nfe"] + other["nfe"]) / 2
+        assert max(one["nfe"], other["nfe"]) <= pair["nfe"] < one["nfe"] + other["nfe"]   # blocks run to the slowest
+        committed = one["tokens_per_call"] * one["nfe"] + other["tokens_per_call"] * other["nfe"]
+        assert pair["tokens_per_call"] == pytest.approx(committed / (one["nfe"] + other["nfe"]))
+    assert {r["tokens_per_call"] for r in both if r["rule"] == "1 tok/step" and r["stop"] == "-"} == {1.0}
+
+
 def test_a_mode_the_settings_forbid_is_a_row_not_a_crash(dream):
     """Dream's whole-canvas sampler has no cache: those rows say why, the others run."""
     rows, _ = bench.run_modes(dream, PROMPT_DREAM, bench.modes(["dual"]), dict(gen_length=16, block_length=None, steps=16),
