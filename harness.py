@@ -118,6 +118,8 @@ class FastDLLM(LM):
         self._chat, self._net, self._guide = None, None, None
         self.said = set()                  # log lines said once
         self.throughput = {}               # task -> counts (see count())
+        if model_local:      # its tokenizer too (no weights): a broken one fails now, not after lm-eval's tasks
+            self.chat
         self._guide_dir = self.checked_guide() if guide_local and model_local else None   # else on first use
         RUNS.append(self)
 

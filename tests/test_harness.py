@@ -281,6 +281,10 @@ def test_folders_are_checked_when_the_model_is_made_and_the_guide_is_named(tmp_p
         harness.FastDLLM(model=DEMO_MODEL, guide=str(tmp_path / "file"), device="cpu")
     with pytest.raises(FileNotFoundError, match="config.json is missing"):
         harness.FastDLLM(model=str(tmp_path / "empty"), device="cpu")
+    broken = shutil.copytree(DEMO_MODEL, tmp_path / "broken")
+    (broken / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer.json is not a readable tokenizer.json"):
+        harness.FastDLLM(model=str(broken), device="cpu")
 
 
 def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(monkeypatch, tmp_path, capsys):
