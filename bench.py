@@ -35,7 +35,7 @@ import fastdllm as F
 from checks import GUIDED_ONLY, check_settings
 from fastdllm import generate
 from model import ModelConfig, check_guide, load_model, read_config, resolve_model_dir
-from tools.checkpoint import load_random, random_prompts, reusable, shape_config
+from tools.checkpoint import check_fits, load_random, random_prompts, reusable, shape_config
 from tools.flags import Parser, integer, listing, nonempty, random_arguments, rows_arguments, run_arguments
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -384,7 +384,8 @@ def random_table(args):
     if sweeping and len(args.thresholds) > 1:
         raise ValueError("--thresholds: a sweep measures one rule, so pass at most one value")
     device, dtype = F.pick_device_dtype(args.device, args.dtype)
-    reusable(args, hf)      # --dir: refused now if it holds anything but this tool's checkpoint
+    if not reusable(args, hf):      # --dir: refused now if it holds anything but this tool's checkpoint
+        check_fits(hf, args.dir or tempfile.gettempdir(), device, dtype)
     guide = None
     if getattr(args, "guide", None):   # a causal LM sharing the random model's ids, checked on its small files
         guide_dir = resolve_model_dir(args.guide, role="guide")

@@ -347,6 +347,18 @@ def test_checkpoint_tool_writes_only_into_a_new_or_empty_folder(tmp_path):
         checkpoint.main([str(tmp_path / "empty"), *flags])
 
 
+def test_a_shape_too_large_for_the_machine_is_one_line(tmp_path):
+    """A huge --vocab or --d-model was a failed allocation deep in torch (or a full disk halfway through the
+    write); now one line before anything is written."""
+    from tools import checkpoint
+    huge = ["--d-model", "512", "--layers", "1", "--vocab", "2000000000"]
+    with pytest.raises(ValueError, match="the shape flags describe a 4096.0 GB checkpoint, more than the"):
+        bench.main(["modes", *huge, "--dir", str(tmp_path / "d")])
+    with pytest.raises(ValueError, match="GB checkpoint, more than the"):
+        checkpoint.main([str(tmp_path / "c"), *huge])
+    assert os.listdir(tmp_path) == []
+
+
 def test_json_output_overwrites_only_an_earlier_result(tmp_path, capsys):
     """--json may replace an earlier result (a rerun), never another file; and its temporary file is a new
     one (it was `<path>.tmp`, overwriting and then removing a file of that name)."""

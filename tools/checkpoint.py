@@ -198,6 +198,26 @@ def shape_config(args) -> dict:
     return hf
 
 
+def check_fits(hf: dict, folder: str, device, dtype):
+    """A shape too large for this machine is one line now, not a full disk halfway through the write or a
+    process killed for memory: the bf16 files must fit the free disk, and on a CPU the loaded weights in RAM."""
+    with torch.device("meta"):
+        n = sum(p.numel() for p in Transformer(ModelConfig.from_hf(hf)).parameters())
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    free = shutil.disk_usage(existing).free
+    if 2 * n > free:
+        raise ValueError(f"the shape flags describe a {2 * n / 1e9:.1f} GB checkpoint, more than the "
+                         f"{free / 1e9:.1f} GB free at {existing}: pick smaller --d-model, --layers or --vocab")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    need = n * dtype.itemsize
+    if device.type == "cpu" and ram and need > ram:
+        raise ValueError(f"the shape flags describe {n / 1e9:.1f}B parameters, {need / 1e9:.1f} GB in {dtype} "
+                         f"(more than this machine's {ram / 1e9:.1f} GB of memory): pick smaller --d-model, "
+                         f"--layers or --vocab")
+
+
 def write(folder: str, args) -> int:
     """make_checkpoint with the shape flags."""
     return make_checkpoint(folder, args.family, args.d_model, args.layers, args.vocab, args.heads, args.kv_heads,
@@ -235,7 +255,9 @@ def main(argv=None):
     p.add_argument("out", type=nonempty, help="the folder to write (new or empty)")
     shape_arguments(p)
     args = p.parse_args(argv)
-    shape_config(args)
+    hf = shape_config(args)
+    held_checkpoint(args.out, args.out)
+    check_fits(hf, args.out, torch.device("cpu"), torch.bfloat16)    # the shards are made in bf16 in memory
     size = write(args.out, args)
     print(f"{args.out}: {size / 1e9:.3f} GB")
 
