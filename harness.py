@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -345,8 +346,10 @@ def check_output_path(output_path: str | None):
     if not existing.is_dir():
         raise ValueError(f"--output_path {output_path}: {existing} is a file, not a folder: pass a folder (or a "
                          f"NAME.json in one) that can be created")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"--output_path {output_path}: the folder {existing} is not writable")
+    try:      # by trying: os.access says yes to root on a read-only disk
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise ValueError(f"--output_path {output_path}: cannot write in {existing} ({e.strerror})") from None
 
 
 def distributed(device: str | None):

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from model import ModelConfig, Transformer, checkpoint_names, load_model  # noqa: E402
-from tools.flags import Parser, nonempty, shape_arguments  # noqa: E402
+from tools.flags import Parser, nonempty, shape_arguments, writable  # noqa: E402
 
 GOLDEN = os.path.join(ROOT, "tests", "golden")
 MARKER = "random_checkpoint.json"   # written last: a folder holding it is a whole checkpoint this tool wrote
@@ -164,7 +164,7 @@ def held_checkpoint(folder: str, what: str) -> dict | None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         raise ValueError(f"cannot write {what}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if not writable(parent):
         raise ValueError(f"cannot write {what}: the folder {parent} is not writable")
     return None
 

@@ -7,6 +7,7 @@ import argparse
 import json
 import math
 import os
+import tempfile
 
 
 class Parser(argparse.ArgumentParser):
@@ -63,11 +64,20 @@ def stop(text: str):
     return t == "on" if t in ("off", "on") else int(t)
 
 
+def writable(folder: str) -> bool:
+    """Whether a file can be created in `folder`, by trying (os.access says yes to root on a read-only disk)."""
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+        return True
+    except OSError:
+        return False
+
+
 def out_file(path: str) -> str:
     """A file we may write, checked now, not after the whole run: in an existing, writable folder, and new,
     empty or an earlier result of these tools (a JSON object with "rows"). Any other file is never overwritten."""
     folder = os.path.dirname(os.path.abspath(path)) if path.strip() else ""
-    if not folder or os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+    if not folder or os.path.isdir(path) or not os.path.isdir(folder) or not writable(folder):
         raise argparse.ArgumentTypeError(f"cannot write {path!r}: name a file in an existing, writable folder")
     if os.path.exists(path) and not (os.path.isfile(path) and os.access(path, os.W_OK) and is_result(path)):
         raise argparse.ArgumentTypeError(f"{path!r} exists and is not an earlier result of these tools (a JSON "
