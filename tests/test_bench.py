@@ -380,6 +380,9 @@ def test_json_output_overwrites_only_an_earlier_result(tmp_path, capsys):
     (["bench.py", "modes", *SHAPE, "--guide", "{missing}"], "guide folder '{missing}' not found"),
     (["bench.py", "modes", *SHAPE, "--guide", "demo/llada-arith"], "the guide is a llada model, not a causal LM"),
     (["tools/checkpoint.py", "{file}", "--d-model", "64"], "is a file, not a folder"),
+    # a folder nothing can be written in, even by root (os.access said yes: the write failed after the run)
+    (["bench.py", "modes", *SHAPE, "--json", "/proc/fastdllm.json"], "cannot write '/proc/fastdllm.json'"),
+    (["bench.py", "modes", *SHAPE, "--dir", "/proc/fastdllm"], "cannot write --dir /proc/fastdllm"),
     (["tools/loop_time.py", "--model", "{missing}"], "model folder '{missing}' not found"),
     (["tools/loop_time.py", "--model", "demo/llada-arith", "--root", "{missing}"], "holds no fastdllm.py"),
     (["tools/loop_time.py", "--model", "demo/llada-arith", "--gen-length", "0"], "expected an integer >= 1"),

@@ -295,6 +295,11 @@ def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(monkeyp
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].startswith(f"error: --output_path {tmp_path / 'out'}: ") and "is a file" in err[-1]
     assert (tmp_path / "out").read_text() == "a file where the results folder would be"
+    monkeypatch.setattr(sys, "argv", ["harness.py", "--model", "fastdllm", "--model_args", "model=demo/llada-arith",
+                                      "--tasks", "demo_arith", "--output_path", "/proc/fastdllm_out"])
+    assert harness.main() == 2           # a folder nothing can be written in, even by root
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --output_path /proc/fastdllm_out: "
+                                                                       "cannot write in /proc")
 
 
 def test_none_from_lm_eval_is_the_no_cache_baseline():
