@@ -34,7 +34,8 @@ import torch
 import fastdllm as F
 from checks import GUIDED_ONLY, check_settings
 from fastdllm import generate
-from model import ModelConfig, check_guide, load_model, read_config, resolve_model_dir
+from guided import check_guide
+from model import ModelConfig, load_model, read_config, resolve_model_dir
 from tools.checkpoint import check_fits, load_random, random_prompts, reusable, shape_config
 from tools.flags import Parser, integer, listing, nonempty, random_arguments, rows_arguments, run_arguments
 

@@ -51,17 +51,16 @@ except ImportError as e:
     raise ImportError(f"harness.py needs lm-eval ({e}): pip install -r requirements-eval.txt") from None
 
 from chat import Chat
-from checks import DREAM_REMASKING, GUIDED_DEFAULTS, LLADA_REMASKING, check_stop
+from checks import BOOLEANS, DREAM_REMASKING, GUIDED_ONLY, LLADA_REMASKING, check_stop
 from fastdllm import Settings, check_early, generate, pad_prompts, pick_device_dtype
-from guided import check_guide
+from guided import ACCEPT_RULES, check_guide
 from model import load_model, read_config, resolve_model_dir
-from sampler import ACCEPT_RULES
 
 log = logging.getLogger("lm_eval.fastdllm")   # under lm-eval's logger, so it prints with lm-eval's lines
 
 # generate()'s settings, from fastdllm.Settings; the harness itself supplies the guide and the end ids, and a
-# custom selection rule (an object) cannot come from the command line.
-SUPPLIED = {"guide", "eos_ids", "select"}
+# fork's own rule (select, propose, stop: objects) cannot come from the command line.
+SUPPLIED = {"guide", "eos_ids", "select", "propose", "stop"}
 SETTINGS = {f.name: f.default for f in dataclasses.fields(Settings) if f.name not in SUPPLIED}
 DEFAULTS = SETTINGS | dict(gen_length=256, block_length=32, cache="dual", threshold=0.9, stop_at_eos=True)  # the CLI's
 REFUSAL = ("the fastdllm model only generates (generate_until tasks such as gsm8k or humaneval): a masked-"
@@ -108,8 +107,11 @@ class FastDLLM(LM):
         self.settings = DEFAULTS | settings
         self.settings["block_length"] = self.settings["block_length"] or None
         s = self.settings     # what needs no model is checked now, not after reading gigabytes of weights
-        check_early(s)
-        check_without_model(s, guided=guide is not None)
+        try:
+            check_early(s)
+            check_without_model(s, guided=guide is not None)
+        except TypeError as e:      # checks.py's line for a value of the wrong type (cache=3): one line here too
+            raise ValueError(str(e)) from None
         self._rank, self._world_size, device = distributed(device)
         self._device, self.dtype = pick_device_dtype(device, dtype)
         guide_local = check_local(guide, "guide") if guide is not None else False   # the guide first, as the CLI
@@ -305,12 +307,15 @@ def check_without_model(s: dict, guided: bool):
     """generate()'s checks that need no model, beyond check_early's: a wrong value fails before any download
     or weight is read, not after (generate() checks them all again)."""
     check_stop(None, s["stop_at_eos"], None)     # the config is needed only for eos_ids, which are ours
+    for k in BOOLEANS:
+        if k in s and type(s[k]) is not bool:
+            raise ValueError(f"{k} must be True or False (got {s[k]!r})")
     names = LLADA_REMASKING + DREAM_REMASKING
     if s["remasking"] is not None and s["remasking"] not in names:
         raise ValueError(f"unknown remasking {s['remasking']!r}: use one of {', '.join(names)} (LLaDA: the first "
                          f"{len(LLADA_REMASKING)}, Dream: the others)")
     if not guided:
-        given = [k for k, v in GUIDED_DEFAULTS.items() if s[k] is not None and s[k] != v]
+        given = [k for k in GUIDED_ONLY if s[k] != SETTINGS[k]]
         if given:
             raise ValueError(f"{', '.join(given)} only apply to guided diffusion: pass guide= too, or leave them out")
     elif s["threshold"] is not None or s["factor"] is not None:
