@@ -9,13 +9,15 @@ cost in quality (agreement with the exact decode), in one table.
 
 (tools/checkpoint.py writes the random checkpoints; tools/gpu_check.py is the prepared GPU check.)
 
-A row: model calls (NFE), tokens committed and canvas positions fed per call (per row of the batch); the
-wall time of the whole generate() call after a warm-up; tokens/s counting answer tokens (each row up to its
-first end token) and all generated tokens (batch x gen_length, end-of-text filler included, as most published
-numbers count); peak memory (CUDA: max_memory_allocated; CPU: the RSS high-water mark VmHWM, reset per row);
-and agreement: the share of answer tokens equal to the *exact* decode (no cache, one token per step, the same
-steps), and the first position where they differ, so an approximation's cost in quality sits next to its
-speed. Speed is only reported, never asserted; tests/test_bench.py checks that the numbers are computed right.
+A row: model calls (NFE: forward passes of the batch; and per problem, generate()'s row_nfe averaged over the
+rows, the papers' NFE, the same at any batch size), tokens committed and canvas positions fed per call of a
+row; the wall time of the whole generate() call after a warm-up; tokens/s counting answer tokens (each row up
+to its first end token: the project's one definition of tokens/s) and, labelled apart, all generated tokens
+(batch x gen_length, end-of-text filler included, as most published numbers count); peak memory (CUDA:
+max_memory_allocated; CPU: the RSS high-water mark VmHWM, reset per row); and agreement: the share of answer
+tokens equal to the *exact* decode (no cache, one token per step, the same steps), and the first position
+where they differ, so an approximation's cost in quality sits next to its speed. Speed is only reported,
+never asserted; tests/test_bench.py checks that the numbers are computed right.
 """
 import hashlib
 import json
@@ -24,6 +26,7 @@ import platform
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -31,8 +34,9 @@ import torch
 import fastdllm as F
 from checks import GUIDED_ONLY, check_settings
 from fastdllm import generate
-from model import ModelConfig, load_model
-from tools.checkpoint import load_random, random_prompts, shape_config
+from guided import check_guide
+from model import ModelConfig, load_model, read_config, resolve_model_dir
+from tools.checkpoint import check_fits, load_random, random_prompts, reusable, shape_config
 from tools.flags import Parser, integer, listing, nonempty, random_arguments, rows_arguments, run_arguments
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -117,11 +121,12 @@ def run_row(model, prompt, mode: dict, kw: dict, guide=None, eos_ids=None, repea
     B, G = prompt.shape[0], kw["gen_length"]
     out = ids[:, prompt.shape[1]:]
     answer = answer_lengths(out, eos_ids).sum().item()
-    # Older generate() versions (the before/after LM-head measurement runs one) lack "committed": without
-    # early stop every generated token was committed by some call.
+    # Older generate() versions (the before/after LM-head measurement runs one) lack "committed" and "row_nfe":
+    # without early stop every generated token was committed by some call, and at batch 1 a call serves the row.
     committed = sum(st["committed"]) if "committed" in st else B * G
+    row_calls = sum(st["row_nfe"]) if "row_nfe" in st else B * st["nfe"]
     row = dict(cache=mode["cache"], rule=rule_name(mode, kw), stop=stop_name(mode["stop"]), batch=B,
-               gen_length=G, nfe=st["nfe"], tokens_per_call=committed / st["nfe"],
+               gen_length=G, nfe=st["nfe"], calls_per_problem=row_calls / B, tokens_per_call=committed / row_calls,
                fed_per_call=sum(st["fed"]) / st["nfe"], seconds=seconds, answer_tokens=answer,
                answer_tokens_per_s=answer / seconds, all_tokens_per_s=B * G / seconds,
                peak_mib=peak / MiB, calls_saved=st.get("calls_saved", 0), guide_calls=st.get("guide_calls", 0),
@@ -208,7 +213,8 @@ def table(rows, columns) -> str:
 
 MODE_COLUMNS = [
     ("cache", lambda r: r["cache"]), ("rule", lambda r: r["rule"]), ("early stop", lambda r: r["stop"]),
-    ("NFE", lambda r: str(r["nfe"])), ("tokens/call", lambda r: f"{r['tokens_per_call']:.2f}"),
+    ("NFE", lambda r: str(r["nfe"])), ("NFE/problem", lambda r: f"{r['calls_per_problem']:.2f}"),
+    ("tokens/call", lambda r: f"{r['tokens_per_call']:.2f}"),
     ("fed/call", lambda r: f"{r['fed_per_call']:.0f}"), ("wall s", lambda r: f"{r['seconds']:.3f}"),
     ("answer tok/s", lambda r: f"{r['answer_tokens_per_s']:.1f}"),
     ("all tok/s", lambda r: f"{r['all_tokens_per_s']:.1f}"), ("speed-up", lambda r: f"{r['speedup']:.2f}x"),
@@ -236,11 +242,19 @@ def environment(device, dtype) -> dict:
 
 
 def write_json(path: str, **parts):
-    """Written to a temporary file and renamed, so an interrupted run leaves the last complete state."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(parts, f, indent=1)
-    os.replace(tmp, path)
+    """Written to a new temporary file beside it and renamed, so an interrupted run leaves the last complete
+    state and no other file is touched."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path) or ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(parts, f, indent=1)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)     # as open() would have made it (mkstemp's is 0600)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -274,20 +288,48 @@ SWEEP_COLUMNS = [
 ]
 
 
+MEASURED = {"batch": int, "cache": str, "rule": str, "stop": str, "nfe": int, "seconds": (int, float), "ids_sha1": str}
+
+
+def measured_rows(path: str) -> list[dict]:
+    """A --json result's measured rows (those not n/a); anything else is one line naming the file."""
+    what = f"{path} is not a bench.py --json file"
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{path} not found: pass a file written by bench.py --json") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a folder: pass a file written by bench.py --json") from None
+    except PermissionError:
+        raise ValueError(f"cannot read {path}: permission denied") from None
+    except ValueError as e:      # not UTF-8, not JSON
+        raise ValueError(f"{what} (not JSON: {e})") from None
+    rows = data.get("rows") if isinstance(data, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{what}: it has no list of rows")
+    measured = [r for r in rows if "error" not in r]
+    if not measured:
+        raise ValueError(f"{path} has no measured rows ({f'all {len(rows)} are n/a' if rows else 'it has none'}): "
+                         f"nothing to compare")
+    for i, r in enumerate(measured):
+        for k, kind in MEASURED.items():
+            if not isinstance(r.get(k), kind) or isinstance(r.get(k), bool) or k == "seconds" and not r[k] > 0:
+                raise ValueError(f"{what}: row {i + 1} has {k}={r.get(k)!r}")
+    return measured
+
+
 def compare(a_path: str, b_path: str) -> str:
     """Two --json results of the same modes (e.g. two commits, two machines) row by row."""
-    runs = []
-    for path in (a_path, b_path):
-        try:
-            with open(path) as f:
-                runs.append([r for r in json.load(f)["rows"] if "error" not in r])
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path} is not a bench.py --json file ({type(e).__name__}: {e})") from None
+    runs = [measured_rows(a_path), measured_rows(b_path)]
 
     def key(r):
         return r.get("family"), r.get("variant"), r["batch"], r["cache"], r["rule"], r["stop"]
     old = {key(r): r for r in runs[0]}
     rows = [dict(r, before=old[key(r)]) for r in runs[1] if key(r) in old]
+    if not rows:
+        raise ValueError(f"no row of {b_path} has the mode of a row of {a_path} (cache, rule, early stop, batch): "
+                         f"compare results of the same modes")
     return table(rows, [
         ("cache", lambda r: r["cache"]), ("rule", lambda r: r["rule"]), ("early stop", lambda r: r["stop"]),
         ("NFE before", lambda r: str(r["before"]["nfe"])), ("NFE after", lambda r: str(r["nfe"])),
@@ -302,7 +344,6 @@ def compare(a_path: str, b_path: str) -> str:
 def run(args, rest):
     """bench.py run: the modes table on a real checkpoint and prompt, with fastdllm.py's decoding flags."""
     from chat import Chat
-    from model import read_config, resolve_model_dir
     a = F.parse_args(["--prompt", PROMPT if args.prompt is None else args.prompt] + rest)
     kw = F.settings(a, cache="none", threshold=None)    # every row sets its own cache and rule
     F.check_early(kw)
@@ -344,10 +385,16 @@ def random_table(args):
     if sweeping and len(args.thresholds) > 1:
         raise ValueError("--thresholds: a sweep measures one rule, so pass at most one value")
     device, dtype = F.pick_device_dtype(args.device, args.dtype)
-    try:
-        guide = load_model(args.guide, device=device, dtype=dtype) if getattr(args, "guide", None) else None
-    except (ValueError, OSError) as e:
-        raise ValueError(f"--guide {args.guide}: {e}") from None
+    if not reusable(args, hf):      # --dir: refused now if it holds anything but this tool's checkpoint
+        check_fits(hf, args.dir or tempfile.gettempdir(), device, dtype)
+    guide = None
+    if getattr(args, "guide", None):   # a causal LM sharing the random model's ids, checked on its small files
+        guide_dir = resolve_model_dir(args.guide, role="guide")
+        try:
+            check_guide(ModelConfig.from_hf(hf), read_config(guide_dir))
+        except ValueError as e:
+            raise ValueError(f"--guide {args.guide}: {e}") from None
+        guide = load_model(guide_dir, device=device, dtype=dtype)
     model = load_random(args, hf, device, dtype)
     prompt = random_prompts(model.config, args.batch, args.prompt_length).to(device)
     env = environment(device, dtype)

@@ -23,10 +23,12 @@ headline setting (dual cache, threshold 0.9, block 32). docs/eval.md has the det
 - Left-padded batches of batch_size: every row decodes exactly as it would alone, so each answer is the
   same at any batch size and order (tests/test_harness.py checks it through lm-eval's --log_samples).
 - Throughput per task, in the log, after the results table and in throughput_<date>.json next to lm-eval's
-  results JSON: model calls (NFE), generated tokens up to the first end token (prompt excluded), tokens per
-  call, and wall-clock tokens/s.
-- Under `accelerate launch` or `torchrun` each process takes its share of the requests (rank, world_size)
-  and lm-eval gathers the results, as its HF model does.
+  results JSON: model calls per problem (the papers' NFE: the same at any batch size), batched calls (what
+  the time is spent on), answer tokens (each answer's tokens before its first end token), tokens per call, and
+  answer tokens per second (generate()'s stats["tokens_per_s"], the project's one definition of tokens/s).
+- Under `torchrun` (CPUs or GPUs) or `accelerate launch` (GPUs) each process takes its share of the requests
+  (rank, world_size) and lm-eval gathers the results, as its HF model does. A launcher that asked for several
+  processes but started one (`accelerate launch --cpu --num_processes 2`) is refused in one line.
 """
 import argparse
 import dataclasses
@@ -34,6 +36,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,24 +46,30 @@ try:
     from lm_eval.__main__ import cli_evaluate
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
+    from lm_eval.utils import simple_parse_args_string
 except ImportError as e:
     raise ImportError(f"harness.py needs lm-eval ({e}): pip install -r requirements-eval.txt") from None
 
 from chat import Chat
+from checks import BOOLEANS, DREAM_REMASKING, GUIDED_ONLY, LLADA_REMASKING, check_stop
 from fastdllm import Settings, check_early, generate, pad_prompts, pick_device_dtype
-from guided import check_guide
+from guided import ACCEPT_RULES, check_guide
 from model import load_model, read_config, resolve_model_dir
 
 log = logging.getLogger("lm_eval.fastdllm")   # under lm-eval's logger, so it prints with lm-eval's lines
 
 # generate()'s settings, from fastdllm.Settings; the harness itself supplies the guide and the end ids, and a
-# custom selection rule (an object) cannot come from the command line.
-SUPPLIED = {"guide", "eos_ids", "select"}
+# fork's own rule (select, propose, stop: objects) cannot come from the command line.
+SUPPLIED = {"guide", "eos_ids", "select", "propose", "stop"}
 SETTINGS = {f.name: f.default for f in dataclasses.fields(Settings) if f.name not in SUPPLIED}
 DEFAULTS = SETTINGS | dict(gen_length=256, block_length=32, cache="dual", threshold=0.9, stop_at_eos=True)  # the CLI's
 REFUSAL = ("the fastdllm model only generates (generate_until tasks such as gsm8k or humaneval): a masked-"
            "diffusion model's likelihood needs a Monte Carlo estimate, which this harness does not do")
 RUNS = []    # every FastDLLM made in this process, for main() to report its throughput after lm-eval's table
+# lm-eval's run flags that also reach the model: main() notes those not on the command line, whose values are
+# lm-eval's defaults (batch_size 1, device "cuda:0"), so that a --model_args value is not refused as a clash.
+LM_EVAL_FLAGS = {"batch_size": ("--batch_size", "-b"), "device": ("--device",), "max_batch_size": ("--max_batch_size",)}
+DEFAULTED = set()
 
 
 @register_model("fastdllm")
@@ -70,33 +79,68 @@ class FastDLLM(LM):
         super().__init__()
         unknown = sorted(set(settings) - set(SETTINGS))
         if unknown:
-            raise ValueError(f"unknown --model_args key {unknown[0]!r}: fastdllm takes model, guide, dtype, device, "
-                             f"batch_size, seed and generate()'s settings: {', '.join(SETTINGS)}")
+            hint = " (fastdllm's is model=)" if unknown[0] == "pretrained" else ""
+            raise ValueError(f"unknown --model_args key {unknown[0]!r}{hint}: fastdllm takes model, guide, dtype, "
+                             f"device, batch_size, seed and generate()'s settings: {', '.join(SETTINGS)}")
         if not str(batch_size).isdigit() or int(batch_size) < 1:
             raise ValueError(f"batch_size must be a positive integer, not {batch_size!r} (no 'auto': every "
                              f"answer is the same at any batch size, only the speed changes)")
-        # "none" as the CLI takes it (lm-eval passes it on as a string); --factor or --guide replaces the
-        # default threshold, as in the CLI; block_length 0 = one block
-        settings = {k: None if isinstance(v, str) and v.lower() in ("none", "off") and not isinstance(DEFAULTS[k], str)
-                    else v for k, v in settings.items()}       # (cache="none" stays the string)
-        guide = None if isinstance(guide, str) and guide.lower() in ("none", "") else guide
+        if max_batch_size is not None:
+            raise ValueError(f"max_batch_size ({max_batch_size}) only bounds lm-eval's --batch_size auto, which "
+                             f"fastdllm does not take: pass a fixed --batch_size N")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
+            raise ValueError(f"seed must be an integer in [0, 2**64), not {seed!r}")
+        for name, value in (("dtype", dtype), ("device", device)):
+            if value is not None and not isinstance(value, str):
+                raise ValueError(f"{name} must be a name (e.g. {'bfloat16' if name == 'dtype' else 'cpu'}), "
+                                 f"not {value!r}")
+        # "none" as the CLI takes it. lm-eval passes the word on as a string, except where it has turned it
+        # into None already (its Python API's model_args string, or `None` on its command line): a cache of
+        # None is the no-cache baseline too. --factor or --guide replaces the default threshold, as in the
+        # CLI; block_length 0 = one block.
+        settings = {k: off(DEFAULTS[k], v) for k, v in settings.items()}
+        if "cache" in settings and settings["cache"] is None:
+            settings["cache"] = "none"
+        guide = None if guide is None or isinstance(guide, str) and guide.strip().lower() in ("none", "") else guide
         if "threshold" not in settings and (settings.get("factor") is not None or guide):
             settings["threshold"] = None
         self.settings = DEFAULTS | settings
         self.settings["block_length"] = self.settings["block_length"] or None
         s = self.settings     # what needs no model is checked now, not after reading gigabytes of weights
-        check_early(s)
-        self.model_name, self.guide_name, self.batch_size, self.seed = model, guide, int(batch_size), seed
-        if device == "cuda:0" and not torch.cuda.is_available():   # lm-eval's default --device, as its HF model
-            log.warning("CUDA is not available: running on cpu")
-            device = "cpu"
+        try:
+            check_early(s)
+            check_without_model(s, guided=guide is not None)
+        except TypeError as e:      # checks.py's line for a value of the wrong type (cache=3): one line here too
+            raise ValueError(str(e)) from None
         self._rank, self._world_size, device = distributed(device)
         self._device, self.dtype = pick_device_dtype(device, dtype)
+        guide_local = check_local(guide, "guide") if guide is not None else False   # the guide first, as the CLI
+        model_local = check_local(model, "model")
+        self.model_name, self.guide_name, self.batch_size, self.seed = model, guide, int(batch_size), seed
         self.chat_applied = False          # set once lm-eval asks for the chat template
         self._chat, self._net, self._guide = None, None, None
         self.said = set()                  # log lines said once
-        self.throughput = {}               # task -> requests, nfe, guide_calls, tokens, seconds
+        self.throughput = {}               # task -> counts (see count())
+        if model_local:      # its tokenizer too (no weights): a broken one fails now, not after lm-eval's tasks
+            self.chat
+        self._guide_dir = self.checked_guide() if guide_local and model_local else None   # else on first use
         RUNS.append(self)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None):
+        """lm-eval's --batch_size, --device and --max_batch_size arrive beside --model_args; lm-eval's own merge,
+        cls(**model_args, **flags), is a TypeError traceback when a key is in both. Here lm-eval's defaults
+        (a flag not on its command line) yield to --model_args, and a key given twice must agree."""
+        flags = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in DEFAULTED}
+        for k in sorted(flags.keys() & arg_dict.keys()):
+            if str(flags[k]) != str(arg_dict[k]):
+                raise ValueError(f"{k} is given twice, as {LM_EVAL_FLAGS.get(k, (k,))[0]} {flags[k]} and as "
+                                 f"--model_args {k}={arg_dict[k]}: pass one")
+        return cls(**flags | arg_dict)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     # --- the model and its tokenizer, loaded on first use: a refused task never reads a weight -------------
     @property
@@ -108,18 +152,25 @@ class FastDLLM(LM):
             self._chat.stop_ids |= set(self.cfg.eos_ids)     # config.json may list several end ids
         return self._chat
 
+    def checked_guide(self) -> str:
+        """The guide's folder, looked up before the model's (as in the CLI), after checking on the small files
+        (configs, tokenizers) that it shares the model's token ids."""
+        guide_dir = resolve_model_dir(self.guide_name, role="guide")
+        chat = self.chat
+        guide_cfg = read_config(guide_dir)
+        try:
+            guide_tok = Chat(guide_dir, guide_cfg).tok
+        except FileNotFoundError:
+            guide_tok = None
+        check_guide(self.cfg, guide_cfg, chat.tok, guide_tok)
+        return guide_dir
+
     def net(self):
         if self._net is None:
-            chat = self.chat
-            if self.guide_name:      # the guide must share the model's ids: checked on its small files first
-                guide_dir = resolve_model_dir(self.guide_name)
-                guide_cfg = read_config(guide_dir)
-                try:
-                    guide_tok = Chat(guide_dir, guide_cfg).tok
-                except FileNotFoundError:
-                    guide_tok = None
-                check_guide(self.cfg, guide_cfg, chat.tok, guide_tok)
-                self._guide = load_model(guide_dir, device=self._device, dtype=self.dtype)
+            if self.guide_name:
+                self._guide_dir = self._guide_dir or self.checked_guide()
+                self._guide = load_model(self._guide_dir, device=self._device, dtype=self.dtype)
+            self.chat           # looks the model up: self.model_dir, self.cfg
             self._net = load_model(self.model_dir, device=self._device, dtype=self.dtype)
         return self._net
 
@@ -167,18 +218,14 @@ class FastDLLM(LM):
         for (task, until, gen_length), idx in groups.items():
             rows = {i: self.encode(todo[i].args[0]) for i in idx}
             idx.sort(key=lambda i: -len(rows[i]))            # similar lengths together: less padding
-            t = self.throughput.setdefault(task, dict(requests=0, nfe=0, guide_calls=0, tokens=0, seconds=0.0))
+            t = self.throughput.setdefault(task, counters())
+            t["gen_length"] = sorted(set(t["gen_length"]) | {gen_length})
             for b in range(0, len(idx), self.batch_size):
                 batch = idx[b:b + self.batch_size]
-                t0 = time.perf_counter()
                 outs, stats = self.decode(net, [rows[i] for i in batch], gen_length)
                 for i, out in zip(batch, outs):
                     answers[i] = cut(self.chat.answer(out), until)
-                    t["tokens"] += next((n for n, tok in enumerate(out) if tok in self.chat.stop_ids), len(out))
-                t["seconds"] += time.perf_counter() - t0
-                t["requests"] += len(batch)
-                t["nfe"] += stats["nfe"]
-                t["guide_calls"] += stats.get("guide_calls", 0)
+                count(t, stats, len(batch))
                 bar.update(len(batch))
             log.info(f"{task}: {throughput_line(t)}")
         bar.close()
@@ -190,8 +237,14 @@ class FastDLLM(LM):
         """A request's (until strings, gen_length): max_gen_toks (else the gen_length setting) rounded up to
         a multiple of block_length. Its sampling keys are not ours: decoding is set by --model_args."""
         until = gen_kwargs.get("until") or []
-        until = [until] if isinstance(until, str) else list(until)
+        until = [until] if isinstance(until, str) else until
+        if not isinstance(until, (list, tuple)) or not all(isinstance(u, str) for u in until):
+            raise ValueError(f"a request's until must be a string or a list of strings, not {until!r} (the task's "
+                             f"generation_kwargs, or --gen_kwargs)")
         want = gen_kwargs.get("max_gen_toks", self.settings["gen_length"])
+        if isinstance(want, bool) or not isinstance(want, int) or want < 1:
+            raise ValueError(f"max_gen_toks must be an integer >= 1, not {want!r} (the task's generation_kwargs, "
+                             f"or --gen_kwargs max_gen_toks=N)")
         block = self.settings["block_length"] if not self.guide_name else None   # guided: one block
         gen_length = -(-want // block) * block if block else want
         if gen_length != want:
@@ -243,11 +296,84 @@ class FastDLLM(LM):
             torch.distributed.barrier()
 
 
+def off(default, value):
+    """A setting's "none" / "off": None (the family's default, or no rule), False for a switch (stop_at_eos)."""
+    if isinstance(value, str) and value.strip().lower() in ("none", "off") and not isinstance(default, str):
+        return False if isinstance(default, bool) else None
+    return value
+
+
+def check_without_model(s: dict, guided: bool):
+    """generate()'s checks that need no model, beyond check_early's: a wrong value fails before any download
+    or weight is read, not after (generate() checks them all again)."""
+    check_stop(None, s["stop_at_eos"], None)     # the config is needed only for eos_ids, which are ours
+    for k in BOOLEANS:
+        if k in s and type(s[k]) is not bool:
+            raise ValueError(f"{k} must be True or False (got {s[k]!r})")
+    names = LLADA_REMASKING + DREAM_REMASKING
+    if s["remasking"] is not None and s["remasking"] not in names:
+        raise ValueError(f"unknown remasking {s['remasking']!r}: use one of {', '.join(names)} (LLaDA: the first "
+                         f"{len(LLADA_REMASKING)}, Dream: the others)")
+    if not guided:
+        given = [k for k in GUIDED_ONLY if s[k] != SETTINGS[k]]
+        if given:
+            raise ValueError(f"{', '.join(given)} only apply to guided diffusion: pass guide= too, or leave them out")
+    elif s["threshold"] is not None or s["factor"] is not None:
+        raise ValueError("pass a guide or threshold/factor, not both: with a guide the guide decides how many "
+                         "drafts each step commits")
+    elif s["temperature"]:
+        raise ValueError(f"guided drafts are the diffusion model's argmax: temperature must be 0 (got "
+                         f"{s['temperature']})")
+    elif s["accept"] is not None and s["accept"] not in ACCEPT_RULES:
+        raise ValueError(f"unknown accept rule {s['accept']!r}: use one of {', '.join(ACCEPT_RULES)}")
+
+
+def check_local(name, role: str):
+    """A local folder is checked now, config.json included (missing, a file, not a model folder: one line that
+    names the model or the guide) -> True; a Hugging Face repo id (-> False) is fetched on first use, so that
+    a refused task downloads nothing. (The repo-id test is resolve_model_dir's: owner/name, not a path.)"""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"the {role} must be a folder path or a Hugging Face repo id, not {name!r}")
+    if os.path.exists(os.path.expanduser(name)) or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        read_config(resolve_model_dir(name, role=role))
+        return True
+    return False
+
+
+def check_output_path(output_path: str | None):
+    """lm-eval writes its results under --output_path (a folder, or NAME.json's folder), and where it cannot it
+    only warns, after the whole run: checked before it starts."""
+    if output_path is None:
+        return
+    path = Path(output_path).expanduser().absolute()
+    folder = path.parent if path.suffix == ".json" else path
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--output_path {output_path}: {existing} is a file, not a folder: pass a folder (or a "
+                         f"NAME.json in one) that can be created")
+    try:      # by trying: os.access says yes to root on a read-only disk
+        tempfile.TemporaryFile(dir=existing).close()
+    except OSError as e:
+        raise ValueError(f"--output_path {output_path}: cannot write in {existing} ({e.strerror})") from None
+
+
 def distributed(device: str | None):
-    """(rank, world_size, device) under accelerate launch / torchrun (their WORLD_SIZE, RANK, LOCAL_RANK),
+    """(rank, world_size, device) under torchrun / accelerate launch (their WORLD_SIZE, RANK, LOCAL_RANK),
     with the process group up: NCCL on GPUs, gloo on CPUs. One process: (0, 1, device)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
+        # accelerate launch --num_processes N starts N processes only on N GPUs; with --cpu (or fewer GPUs)
+        # it starts this one alone, with MASTER_PORT set for the N it was asked for and no WORLD_SIZE
+        # (several on CPUs need its MPI launcher). mpirun starts N copies that have no torch rank, each of
+        # which would score every request. Either way, what was asked for is not what runs: say so.
+        accelerate = "ACCELERATE_DYNAMO_BACKEND" in os.environ and "MASTER_PORT" in os.environ
+        mpi = max(int(os.environ.get(k, "1") or 1) for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")) > 1
+        if "WORLD_SIZE" not in os.environ and (accelerate or mpi):
+            what = ("accelerate launch asked for several processes but started one (it runs several on CPUs only "
+                    "through MPI, on GPUs one per GPU)" if accelerate else
+                    "mpirun started processes without a torch.distributed rank (each would score every request)")
+            raise ValueError(f"{what}: use torchrun --nproc_per_node N harness.py ... (CPUs: gloo; GPUs: one "
+                             f"process per GPU), or one process without --num_processes")
         return 0, 1, device
     local = int(os.environ.get("LOCAL_RANK", "0"))
     if device is None or device.startswith("cuda"):    # one GPU per process, as lm-eval's HF model does
@@ -264,29 +390,59 @@ def cut(text: str, until) -> str:
     return text[:min([text.find(u) for u in until if u and u in text], default=len(text))]
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Throughput. Model calls are counted two ways: per problem (generate()'s stats["row_nfe"]: the calls that
+# served each row, what the papers call NFE, the same at any batch size) and batched (stats["nfe"]: forward
+# passes of a whole batch, what the time is spent on, fewer as the batch grows). tokens/s is the project's one
+# definition: answer tokens (before each answer's first end token) per second of generate() (its stats).
+
+def counters() -> dict:
+    return dict(requests=0, row_calls=0, batched_calls=0, guide_calls=0, answer_tokens=0, seconds=0.0, gen_length=[])
+
+
+def count(t: dict, stats: dict, n: int):
+    """Add one generate() call's stats (a batch of n requests) to a task's counters."""
+    t["requests"] += n
+    t["row_calls"] += sum(stats["row_nfe"])
+    t["batched_calls"] += stats["nfe"]
+    t["guide_calls"] += stats.get("guide_calls", 0)      # batched, as the guide runs on the whole batch
+    t["answer_tokens"] += stats["answer_tokens"]
+    t["seconds"] += stats["seconds"]
+
+
+def summary(t: dict) -> dict:
+    """The counters and the figures derived from them."""
+    return t | dict(calls_per_problem=t["row_calls"] / max(t["requests"], 1),
+                    tokens_per_call=t["answer_tokens"] / max(t["row_calls"], 1),
+                    tokens_per_s=t["answer_tokens"] / max(t["seconds"], 1e-9))
+
+
 def throughput_line(t: dict) -> str:
-    guided = f" | guide calls {t['guide_calls']}" if t["guide_calls"] else ""
-    return (f"{t['requests']} requests | NFE {t['nfe']} | {t['tokens']} tokens | "
-            f"{t['tokens'] / max(t['nfe'], 1):.2f} tokens/call | {t['tokens'] / max(t['seconds'], 1e-9):.1f} "
-            f"tokens/s{guided}")
+    f = summary(t)
+    guided = f" | guide calls {t['guide_calls']} (batched)" if t["guide_calls"] else ""
+    return (f"{t['requests']} requests | NFE {f['calls_per_problem']:.2f} per problem ({t['batched_calls']} batched "
+            f"calls) | {t['answer_tokens']} answer tokens | {f['tokens_per_call']:.2f} tokens/call | "
+            f"{f['tokens_per_s']:.1f} answer tokens/s{guided}")
 
 
 def report(lm: FastDLLM, output_path: str | None, since: float):
-    """All processes' throughput, summed (the wall time is the slowest process's), printed after lm-eval's
-    table and written as throughput_<date>.json next to the results JSON this run wrote."""
+    """All processes' throughput, summed (the time is the slowest process's), printed after lm-eval's table
+    and written as throughput_<date>.json next to the results JSON this run wrote."""
     parts = lm.gather_object(lm.throughput)
     if lm.rank != 0:
         return
     total = {}
     for part in parts:
         for task, t in part.items():
-            acc = total.setdefault(task, dict(requests=0, nfe=0, guide_calls=0, tokens=0, seconds=0.0))
+            acc = total.setdefault(task, counters())
             for k, v in t.items():
-                acc[k] = max(acc[k], v) if k == "seconds" else acc[k] + v
+                acc[k] = (max(acc[k], v) if k == "seconds" else sorted(set(acc[k]) | set(v)) if k == "gen_length"
+                          else acc[k] + v)
+    used = sorted({g for t in total.values() for g in t["gen_length"]})
     for task, t in total.items():
-        t.update(tokens_per_call=t["tokens"] / max(t["nfe"], 1), tokens_per_s=t["tokens"] / max(t["seconds"], 1e-9))
         print(f"fastdllm throughput, {task} ({lm.world_size} process{'es' * (lm.world_size > 1)}): "
               f"{throughput_line(t)}")
+        total[task] = summary(t) | {"gen_length": single(t["gen_length"])}
     if not output_path:
         return
     out = Path(output_path)
@@ -294,25 +450,36 @@ def report(lm: FastDLLM, output_path: str | None, since: float):
     new = sorted((f for f in found if f.stat().st_mtime >= since), key=lambda f: f.stat().st_mtime)
     if new:
         path = new[-1].with_name(f"throughput_{new[-1].stem.rsplit('_', 1)[-1]}.json")
-        settings = lm.get_model_info()["fastdllm"]
+        # gen_length as used: each request's max_gen_toks (rounded up to the block), else the setting
+        settings = lm.get_model_info()["fastdllm"] | {"gen_length": single(used)}
         path.write_text(json.dumps({"settings": settings, "world_size": lm.world_size, "tasks": total}, indent=2))
         print(f"fastdllm throughput written to {path}")
+
+
+def single(values: list):
+    """[32] -> 32: a list only where a run used several values."""
+    return values[0] if len(values) == 1 else values
 
 
 def main() -> int:
     """lm-eval's command line (sys.argv) with "fastdllm" registered; one line on stderr for our errors."""
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--output_path", "-o")
-    output_path = p.parse_known_args()[0].output_path
+    for name, flags in LM_EVAL_FLAGS.items():
+        p.add_argument(*flags, dest=name)
+    known = p.parse_known_args()[0]
     since, runs = time.time(), len(RUNS)
     try:
+        check_output_path(known.output_path)
+        DEFAULTED.update(k for k in LM_EVAL_FLAGS if getattr(known, k) is None)
         cli_evaluate()
         if len(RUNS) > runs:
-            report(RUNS[-1], output_path, since)
+            report(RUNS[-1], known.output_path, since)
     except (ValueError, OSError) as e:   # ours are one line that names the fix; so are lm-eval's task errors
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
+        DEFAULTED.clear()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     return 0

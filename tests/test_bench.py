@@ -1,8 +1,10 @@
 """bench.py: that its numbers are computed right (never how fast anything is), that its random checkpoints
 (tools/checkpoint.py) are in the real format, that the GPU check's small CPU shape (tools/gpu_check.py) still
-runs end to end, and that computing the LM head only at open positions (generate's `cols`) changes no decision."""
+runs end to end, that computing the LM head only at open positions (generate's `cols`) changes no decision, and
+that bad input to bench.py and tools/ is one line that loses nothing."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -80,6 +82,23 @@ def test_modes_rows_count_calls_tokens_and_agreement(llada):
         assert (r["first_diff"] is None) == (r["agreement"] == 1.0)
     dual = next(r for r in rows if r["cache"] == "dual" and r["rule"] == "1 tok/step" and r["stop"] == "-")
     assert dual["fed_per_call"] == pytest.approx((4 * (P + G) + 4 * 7 * 8) / 32)   # one refresh + 7 blocks-only per block
+
+
+def test_calls_and_tokens_per_problem_do_not_depend_on_the_batch(llada):
+    """NFE counts forward passes of the batch; NFE/problem (generate()'s row_nfe, the papers' figure) and
+    tokens/call are per problem, so two rows of different prompts give each row's own figures (tokens/call
+    counted the whole batch's tokens per call: 2.00 for one token per step at batch 2)."""
+    kw, mode_list = dict(gen_length=32, block_length=8, steps=32), bench.modes(["dual"], [0.9], [], [False, True])
+    prompts = [PROMPT_LLADA, PROMPT_LLADA.flip(1)]
+    alone = [bench.run_modes(llada, p, mode_list, kw, warmup=False)[0] for p in prompts]
+    both = bench.run_modes(llada, torch.cat(prompts), mode_list, kw, warmup=False)[0]
+    for one, other, pair in zip(*alone, both):
+        assert one["nfe"] == one["calls_per_problem"] and other["nfe"] == other["calls_per_problem"]
+        assert pair["calls_per_problem"] == (one["nfe"] + other["nfe"]) / 2
+        assert max(one["nfe"], other["nfe"]) <= pair["nfe"] < one["nfe"] + other["nfe"]   # blocks run to the slowest
+        committed = one["tokens_per_call"] * one["nfe"] + other["tokens_per_call"] * other["nfe"]
+        assert pair["tokens_per_call"] == pytest.approx(committed / (one["nfe"] + other["nfe"]))
+    assert {r["tokens_per_call"] for r in both if r["rule"] == "1 tok/step" and r["stop"] == "-"} == {1.0}
 
 
 def test_a_mode_the_settings_forbid_is_a_row_not_a_crash(dream):
@@ -239,3 +258,145 @@ def test_guide_settings_reach_only_the_guided_rows(dream, qwen2):
                               guide=qwen2, warmup=False)
     assert all("error" not in r for r in rows), rows
     assert {r["rule"] for r in rows} >= {"tau 0.9", "speculative deterministic"}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Bad input: one line, exit status 2, no traceback, and no file of the user's overwritten
+
+SHAPE = ["--d-model", "64", "--layers", "1", "--vocab", "1024", "--prompt-length", "8", "--block-length", "8",
+         "--gen-length", "16", "--caches", "none", "--thresholds", ""]
+ROW = dict(cache="none", rule="1 tok/step", stop="-", batch=1, gen_length=16, nfe=16, seconds=0.5, ids_sha1="abc")
+
+
+@pytest.mark.parametrize("content,error", [
+    ({"rows": []}, "has no measured rows (it has none): nothing to compare"),
+    ({"rows": [dict(cache="none", rule="tau 0.9", stop="-", batch=1, gen_length=16, error="no cache")]},
+     "has no measured rows (all 1 are n/a): nothing to compare"),
+    ({"rows": [dict(ROW, nfe=None) | {"cache": "dual"}]}, "is not a bench.py --json file: row 1 has nfe=None"),
+    ({"rows": [{k: v for k, v in ROW.items() if k != "batch"}]}, "row 1 has batch=None"),   # was a KeyError
+    ({"rows": [dict(ROW, seconds=0)]}, "row 1 has seconds=0"),                            # was a ZeroDivisionError
+    ({"rows": "abc"}, "it has no list of rows"),                                        # was an AttributeError
+    ({"rows": [1]}, "it has no list of rows"),
+    ([1, 2], "it has no list of rows"),
+    ("not json", "(not JSON:"),
+    (b"\xff\xfe", "(not JSON:"),
+    (None, "is a folder: pass a file written by bench.py --json"),
+])
+def test_compare_refuses_what_it_cannot_compare(tmp_path, content, error):
+    """The bug: `bench.py compare a.json a.json` on result files without measured rows (or with rows lacking a
+    field) was a KeyError traceback. Each such file is now one line naming it."""
+    path = tmp_path / "a.json"
+    if content is None:
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content if isinstance(content, str) else json.dumps(content))
+    with pytest.raises(ValueError, match=re.escape(error)):
+        bench.compare(str(path), str(path))
+
+
+def test_compare_of_results_with_no_mode_in_common(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"rows": [ROW]}))
+    b.write_text(json.dumps({"rows": [dict(ROW, cache="dual")]}))
+    with pytest.raises(ValueError, match="no row of .*b.json has the mode of a row of .*a.json"):
+        bench.compare(str(a), str(b))
+    assert "| yes |" in bench.compare(str(a), str(a))
+
+
+def test_modes_dir_never_overwrites_what_it_did_not_write(tmp_path):
+    """The bug: `bench.py modes --dir D`, D holding a model.safetensors but no config.json, overwrote that file
+    and exited 0. A non-empty folder that is not a checkpoint this tool wrote is refused; a file is refused; a
+    checkpoint written with other flags is refused; the tool's own is reused, untouched."""
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "model.safetensors").write_bytes(b"their weights")
+    with pytest.raises(ValueError, match="is not empty and holds no checkpoint written by tools/checkpoint.py"):
+        bench.main(["modes", *SHAPE, "--dir", str(theirs)])
+    assert os.listdir(theirs) == ["model.safetensors"]
+    assert (theirs / "model.safetensors").read_bytes() == b"their weights"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        bench.main(["modes", *SHAPE, "--dir", str(tmp_path / "file")])
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        bench.main(["modes", *SHAPE, "--dir", str(tmp_path / "file" / "sub")])
+    ours = tmp_path / "ours"
+    bench.main(["modes", *SHAPE, "--dir", str(ours)])
+    written = {f: os.stat(ours / f).st_mtime_ns for f in os.listdir(ours)}
+    assert "random_checkpoint.json" in written and "model.safetensors" in written
+    bench.main(["modes", *SHAPE, "--dir", str(ours)])                  # reused
+    with pytest.raises(ValueError, match="holds a checkpoint written with other flags"):
+        bench.main(["modes", *SHAPE, "--dir", str(ours), "--gain", "2"])   # was silently reused at gain 1.13
+    assert {f: os.stat(ours / f).st_mtime_ns for f in os.listdir(ours)} == written
+
+
+def test_checkpoint_tool_writes_only_into_a_new_or_empty_folder(tmp_path):
+    """tools/checkpoint.py checked only for a config.json, so a folder of other files was written over."""
+    from tools import checkpoint
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "model.safetensors").write_bytes(b"their weights")
+    flags = ["--d-model", "64", "--layers", "1", "--vocab", "1024"]
+    with pytest.raises(ValueError, match="is not empty"):
+        checkpoint.main([str(theirs), *flags])
+    assert (theirs / "model.safetensors").read_bytes() == b"their weights"
+    (tmp_path / "empty").mkdir()
+    checkpoint.main([str(tmp_path / "empty"), *flags])
+    with pytest.raises(ValueError, match="already holds a checkpoint"):
+        checkpoint.main([str(tmp_path / "empty"), *flags])
+
+
+def test_a_shape_too_large_for_the_machine_is_one_line(tmp_path):
+    """A huge --vocab or --d-model was a failed allocation deep in torch (or a full disk halfway through the
+    write); now one line before anything is written."""
+    from tools import checkpoint
+    huge = ["--d-model", "512", "--layers", "1", "--vocab", "2000000000"]
+    with pytest.raises(ValueError, match="the shape flags describe a 4096.0 GB checkpoint, more than the"):
+        bench.main(["modes", *huge, "--dir", str(tmp_path / "d")])
+    with pytest.raises(ValueError, match="GB checkpoint, more than the"):
+        checkpoint.main([str(tmp_path / "c"), *huge])
+    assert os.listdir(tmp_path) == []
+
+
+def test_json_output_overwrites_only_an_earlier_result(tmp_path, capsys):
+    """--json may replace an earlier result (a rerun), never another file; and its temporary file is a new
+    one (it was `<path>.tmp`, overwriting and then removing a file of that name)."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    with pytest.raises(SystemExit) as e:
+        bench.main(["modes", *SHAPE, "--json", str(notes)])
+    assert e.value.code == 2 and "is not an earlier result of these tools" in capsys.readouterr().err
+    out, tmp = tmp_path / "out.json", tmp_path / "out.json.tmp"
+    tmp.write_text("mine too")
+    for _ in range(2):     # the second run replaces the first's result
+        bench.main(["modes", *SHAPE, "--json", str(out)])
+        assert json.loads(out.read_text())["rows"] and tmp.read_text() == "mine too"
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt", "out.json", "out.json.tmp"]
+
+
+@pytest.mark.parametrize("argv,error", [
+    (["bench.py", "compare", "{rows}", "{rows}"], "has no measured rows"),
+    (["bench.py", "modes", *SHAPE, "--guide", "{missing}"], "guide folder '{missing}' not found"),
+    (["bench.py", "modes", *SHAPE, "--guide", "demo/llada-arith"], "the guide is a llada model, not a causal LM"),
+    (["tools/checkpoint.py", "{file}", "--d-model", "64"], "is a file, not a folder"),
+    # a folder nothing can be written in, even by root (os.access said yes: the write failed after the run)
+    (["bench.py", "modes", *SHAPE, "--json", "/proc/fastdllm.json"], "cannot write '/proc/fastdllm.json'"),
+    (["bench.py", "modes", *SHAPE, "--dir", "/proc/fastdllm"], "cannot write --dir /proc/fastdllm"),
+    (["tools/loop_time.py", "--model", "{missing}"], "model folder '{missing}' not found"),
+    (["tools/loop_time.py", "--model", "demo/llada-arith", "--root", "{missing}"], "holds no fastdllm.py"),
+    (["tools/loop_time.py", "--model", "demo/llada-arith", "--gen-length", "0"], "expected an integer >= 1"),
+    (["tools/load.py", "--clients", "0"], "argument --clients: expected an integer >= 1, got '0'"),
+    (["tools/load.py", "--port", "1", "--clients", "1", "--requests", "1"], "none of the 1 requests got an answer"),
+])
+def test_tools_bad_input_is_one_line(tmp_path, argv, error):
+    """The tools' command lines: each bad input one `error:` line on stderr, exit status 2, no traceback (they
+    were tracebacks, a silent exit 0 with 0 requests, or guided rows all n/a)."""
+    names = dict(missing=str(tmp_path / "missing"), file=str(tmp_path / "file"), rows=str(tmp_path / "rows.json"))
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "rows.json").write_text('{"rows": []}')
+    r = subprocess.run([sys.executable, os.path.join(ROOT, argv[0]), *(a.format(**names) for a in argv[1:])],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), r.stderr
+    assert error.format(**names) in err[0]

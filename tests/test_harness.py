@@ -1,8 +1,10 @@
 """
 harness.py through lm-evaluation-harness's own command line, on the demo task (demo/arith.yaml: the demo
 model's held-out problems, exact match on the final number), offline on a CPU: lm-eval's accuracy equals
-demo/eval.py's for the same problems and settings, answers do not depend on the batch size, a loglikelihood
-task is refused before any weights load, `until` cuts the answer, and two gloo processes share the work.
+demo/eval.py's for the same problems and settings, answers and model calls per problem do not depend on the
+batch size, a loglikelihood task is refused before any weights load, `until` cuts the answer, two gloo
+processes share the work, a launcher that starts fewer processes than asked is refused, and bad model
+arguments fail in one line before anything is loaded.
 
 lm-eval's CLI is run in this process (harness.main() reads sys.argv), except for the two-process run. Its
 TaskManager would index lm-eval's ~15,000 built-in task files on every run (~8 s on a 2-core VM); the demo
@@ -49,7 +51,7 @@ def demo():
 
 def lm_eval_run(monkeypatch, tmp_path, model_args: str, *args, tasks="demo_arith", include="demo"):
     """harness.py's command line, as `python harness.py ...` from the repo root -> (exit code, results,
-    {task: samples sorted by doc_id}, throughput)."""
+    {task: samples sorted by doc_id}, throughput). monkeypatch: the fixture, or a pytest.MonkeyPatch()."""
     out = tmp_path / "out"
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
@@ -103,9 +105,14 @@ def test_accuracy_equals_demo_eval(monkeypatch, tmp_path, demo, name, model_args
     assert results["results"]["demo_arith"]["exact_match,final-number"] == pytest.approx(expected)
     assert [s["resps"][0][0] for s in samples["demo_arith"]] == answers     # the same answers, one by one
     t = throughput["tasks"]["demo_arith"]
-    assert t["requests"] == 32 and t["nfe"] > 0 and t["tokens_per_call"] == pytest.approx(t["tokens"] / t["nfe"])
+    assert t["requests"] == 32 and 0 < t["batched_calls"] <= t["row_calls"]
+    assert t["calls_per_problem"] == pytest.approx(t["row_calls"] / 32)
+    # tokens per call: per problem (it was answer tokens over batched calls, 46 on a 32-position canvas when
+    # guided at batch 8): at most the canvas, whatever the batch size
+    assert t["tokens_per_call"] == pytest.approx(t["answer_tokens"] / t["row_calls"]) and t["tokens_per_call"] <= 32
     # generated tokens up to the first end token, prompt excluded: the answers' own tokens
-    assert t["tokens"] == sum(len(tok.encode(a, add_special_tokens=False).ids) for a in answers)
+    assert t["answer_tokens"] == sum(len(tok.encode(a, add_special_tokens=False).ids) for a in answers)
+    assert t["tokens_per_s"] == pytest.approx(t["answer_tokens"] / t["seconds"])
     assert (t["guide_calls"] > 0) == ("accept" in kw)
 
 
@@ -115,25 +122,55 @@ doc_to_text: "{{{{ 'The ' * (question | length % 4) }}}}{{{{question}}}}"
 """
 
 
-def test_answers_do_not_depend_on_the_batch_size(monkeypatch, tmp_path):
-    """Batch 1 vs 4, on the task and on a copy whose prompts differ in length by up to 3 tokens (so rows
-    are left-padded): identical answers, sample by sample, in lm-eval's --log_samples."""
+@pytest.fixture(scope="module")
+def by_batch(tmp_path_factory):
+    """Batch 1 and 4, on the task and on a copy whose prompts differ in length by up to 3 tokens (so rows are
+    left-padded), gen_length left to the task (its max_gen_toks 32) -> {batch: (samples, throughput)}."""
+    tmp_path = tmp_path_factory.mktemp("by_batch")
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     shutil.copy(TASK, tasks)
     (tasks / "padded.yaml").write_text(PADDED.format(task=TASK))
-    runs = []
+    runs = {}
     for batch in ("1", "4"):
         run_dir = tmp_path / batch
         run_dir.mkdir()
-        rc, results, samples, _ = lm_eval_run(monkeypatch, run_dir, "model=demo/llada-arith,gen_length=32,"
-                                              "block_length=8,threshold=0.9", "--batch_size", batch,
-                                              tasks="demo_arith,demo_arith_padded", include=tasks)
+        with pytest.MonkeyPatch.context() as mp:
+            rc, _, samples, throughput = lm_eval_run(mp, run_dir, "model=demo/llada-arith,block_length=8,threshold=0.9",
+                                                     "--batch_size", batch, tasks="demo_arith,demo_arith_padded",
+                                                     include=tasks)
         assert rc == 0
-        runs.append({task: [s["resps"] for s in rows] for task, rows in samples.items()})
-    lengths = {len(s["arguments"]["gen_args_0"]["arg_0"].split()) for s in samples["demo_arith_padded"]}
-    assert len(lengths) > 1 and len(runs[0]["demo_arith_padded"]) == 32
-    assert runs[0] == runs[1]
+        runs[batch] = samples, throughput
+    return runs
+
+
+def test_answers_do_not_depend_on_the_batch_size(by_batch):
+    """Identical answers at batch 1 and 4, sample by sample, in lm-eval's --log_samples."""
+    (one, _), (four, _) = by_batch["1"], by_batch["4"]
+    lengths = {len(s["arguments"]["gen_args_0"]["arg_0"].split()) for s in one["demo_arith_padded"]}
+    assert len(lengths) > 1 and len(one["demo_arith_padded"]) == 32
+    assert {task: [s["resps"] for s in rows] for task, rows in one.items()} == \
+        {task: [s["resps"] for s in rows] for task, rows in four.items()}
+
+
+def test_calls_per_problem_do_not_depend_on_the_batch_size(by_batch):
+    """The bug: the harness reported NFE and tokens/call over batched calls, so the same problems gave NFE 159
+    at batch 1 and 21 at batch 8. Now the papers' figure, model calls per problem (generate()'s row_nfe), is
+    reported, the same at any batch size; batched calls are reported apart, and they do shrink."""
+    one, four = by_batch["1"][1]["tasks"], by_batch["4"][1]["tasks"]
+    for task in ("demo_arith", "demo_arith_padded"):
+        for key in ("requests", "row_calls", "calls_per_problem", "answer_tokens", "tokens_per_call"):
+            assert one[task][key] == four[task][key], (task, key)
+        assert one[task]["batched_calls"] == one[task]["row_calls"] > four[task]["batched_calls"]
+        assert 1 <= one[task]["calls_per_problem"] <= 32
+
+
+def test_throughput_records_the_gen_length_used(by_batch):
+    """The bug: throughput.json recorded the gen_length setting (256) when the task's max_gen_toks (32) was
+    used; it records what each task used."""
+    throughput = by_batch["1"][1]
+    assert throughput["settings"]["gen_length"] == 32
+    assert {t["gen_length"] for t in throughput["tasks"].values()} == {32}
 
 
 LOGLIKELIHOOD = """include: {task}
@@ -188,15 +225,133 @@ def test_chat_template_is_the_models_own(tmp_path):
         harness.FastDLLM(model=os.path.join(ROOT, "demo", "llada-arith"), device="cpu").apply_chat_template(turns)
 
 
+DEMO_MODEL = os.path.join(ROOT, "demo", "llada-arith")
+
+
 @pytest.mark.parametrize("kw,error", [
     (dict(treshold=0.9), "unknown --model_args key 'treshold'"),
+    (dict(pretrained="x"), "unknown --model_args key 'pretrained' (fastdllm's is model=)"),
     (dict(batch_size="auto"), "no 'auto'"),
+    (dict(batch_size=0), "batch_size must be a positive integer"),
+    (dict(max_batch_size=8), "max_batch_size (8) only bounds lm-eval's --batch_size auto"),
     (dict(gen_length=30), "not a multiple of block_length"),
+    (dict(gen_length="abc"), "gen_length must be an integer"),
     (dict(cache="dual-ish"), "unknown cache mode"),
+    (dict(cache=3), "cache must be a mode name"),
+    # the bugs: these passed the constructor and failed after loading, as a traceback or a late error
+    (dict(seed="abc"), "seed must be an integer in [0, 2**64)"),
+    (dict(seed=-1), "seed must be an integer in [0, 2**64)"),
+    (dict(seed=2 ** 64), "seed must be an integer in [0, 2**64)"),
+    (dict(device=1), "device must be a name"),
+    (dict(dtype=[1]), "dtype must be a name"),
+    (dict(device="tpu"), "unknown --device 'tpu'"),
+    (dict(dtype="int8"), "unknown --dtype 'int8'"),
+    (dict(stop_at_eos="yes"), "stop_at_eos must be False, True"),
+    (dict(remasking="lowest"), "unknown remasking 'lowest'"),
+    (dict(accept="topk"), "accept only apply to guided diffusion"),
+    (dict(accept_k=3, speculative=True), "speculative, accept_k only apply to guided diffusion"),
+    (dict(guide="demo/qwen2-arith", threshold=0.9), "pass a guide or threshold/factor, not both"),
+    (dict(guide="demo/qwen2-arith", temperature=0.5), "temperature must be 0"),
+    (dict(guide="demo/qwen2-arith", accept="best"), "unknown accept rule 'best'"),
+    (dict(model=None), "the model must be a folder path or a Hugging Face repo id, not None"),
+    (dict(model=""), "the model must be a folder path or a Hugging Face repo id, not ''"),
+    (dict(model=DEMO_MODEL, guide=7), "the guide must be a folder path or a Hugging Face repo id, not 7"),
+    (dict(model=DEMO_MODEL, guide=DEMO_MODEL), "the guide is a llada model, not a causal LM"),
+    (dict(model=DEMO_MODEL, guide=os.path.join(ROOT, "tests", "golden", "qwen2-tiny")),
+     "the diffusion model's end-of-text id 0 is none of the guide's special ids"),
 ])
-def test_bad_model_args_fail_in_one_line_before_loading(kw, error):
+def test_bad_model_args_fail_in_one_line_before_loading(monkeypatch, kw, error):
+    def no_weights(*a, **k):
+        raise AssertionError("weights were loaded")
+    monkeypatch.setattr(harness, "load_model", no_weights)
     with pytest.raises(ValueError, match=re.escape(error)):
-        harness.FastDLLM(model="/nonexistent", device="cpu", **kw)
+        harness.FastDLLM(**dict(model="/nonexistent", device="cpu") | kw)
+
+
+def test_folders_are_checked_when_the_model_is_made_and_the_guide_is_named(tmp_path):
+    """The bug: a missing guide folder said "model folder ... not found", after lm-eval had built its tasks
+    (and, for a real task, downloaded its data set). Local folders are checked at once, each named by role."""
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="^guide folder '.*missing' not found.*Qwen/Qwen2.5-1.5B-Instruct"):
+        harness.FastDLLM(model=DEMO_MODEL, guide=str(tmp_path / "missing"), device="cpu").net()
+    with pytest.raises(FileNotFoundError, match="^model folder '.*missing' not found"):
+        harness.FastDLLM(model=str(tmp_path / "missing"), device="cpu")
+    with pytest.raises(FileNotFoundError, match="is a file: pass the guide folder"):
+        harness.FastDLLM(model=DEMO_MODEL, guide=str(tmp_path / "file"), device="cpu")
+    with pytest.raises(FileNotFoundError, match="config.json is missing"):
+        harness.FastDLLM(model=str(tmp_path / "empty"), device="cpu")
+    broken = shutil.copytree(DEMO_MODEL, tmp_path / "broken")
+    (broken / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="tokenizer.json is not a readable tokenizer.json"):
+        harness.FastDLLM(model=str(broken), device="cpu")
+
+
+def test_an_output_path_that_cannot_be_written_is_refused_before_the_run(monkeypatch, tmp_path, capsys):
+    """The bug: lm-eval only warns ("Could not save results aggregated") when --output_path cannot be created,
+    after the whole run: the results were lost, exit status 0."""
+    (tmp_path / "out").write_text("a file where the results folder would be")
+    rc, *_ = lm_eval_run(monkeypatch, tmp_path, "model=demo/llada-arith,block_length=8", "--limit", "2")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].startswith(f"error: --output_path {tmp_path / 'out'}: ") and "is a file" in err[-1]
+    assert (tmp_path / "out").read_text() == "a file where the results folder would be"
+    monkeypatch.setattr(sys, "argv", ["harness.py", "--model", "fastdllm", "--model_args", "model=demo/llada-arith",
+                                      "--tasks", "demo_arith", "--output_path", "/proc/fastdllm_out"])
+    assert harness.main() == 2           # a folder nothing can be written in, even by root
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --output_path /proc/fastdllm_out: "
+                                                                       "cannot write in /proc")
+
+
+def test_none_from_lm_eval_is_the_no_cache_baseline():
+    """The bug: the documented baseline `cache=none,threshold=none` was refused where lm-eval turns the word
+    into None before the model sees it (its Python API's model_args string; `None` on its command line)."""
+    lm = harness.FastDLLM.create_from_arg_string(f"model={DEMO_MODEL},cache=none,threshold=none,stop_at_eos=off",
+                                                 {"batch_size": None, "device": "cpu"})
+    assert (lm.settings["cache"], lm.settings["threshold"], lm.settings["stop_at_eos"]) == ("none", None, False)
+    lm = harness.FastDLLM.create_from_arg_obj({"model": DEMO_MODEL, "cache": None, "threshold": "none"}, {})
+    assert (lm.settings["cache"], lm.settings["threshold"]) == ("none", None)
+
+
+def test_lm_eval_flags_and_model_args_merge(monkeypatch, tmp_path, capsys):
+    """The bug: lm-eval always passes its --batch_size and --device (defaults 1 and cuda:0) beside
+    --model_args and merges them as cls(**model_args, **flags), so the documented `--model_args device=cpu` or
+    `batch_size=4` was a TypeError traceback. Now lm-eval's defaults yield; a value given twice must agree."""
+    rc, _, samples, throughput = lm_eval_run(monkeypatch, tmp_path / "a", "model=demo/llada-arith,block_length=8,"
+                                             "device=cpu,batch_size=4", "--limit", "5")
+    assert rc == 0 and len(samples["demo_arith"]) == 5 and throughput["settings"]["batch_size"] == 4
+    assert throughput["tasks"]["demo_arith"]["batched_calls"] < throughput["tasks"]["demo_arith"]["row_calls"]
+    capsys.readouterr()
+    rc, *_ = lm_eval_run(monkeypatch, tmp_path / "b", "model=demo/llada-arith,batch_size=4", "--batch_size", "8")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1] == ("error: batch_size is given twice, as --batch_size 8 and as --model_args "
+                                   "batch_size=4: pass one")
+
+
+@pytest.mark.parametrize("gen_kwargs,error", [
+    (dict(max_gen_toks="abc"), "max_gen_toks must be an integer >= 1, not 'abc'"),
+    (dict(max_gen_toks=0), "max_gen_toks must be an integer >= 1, not 0"),
+    (dict(until=5), "a request's until must be a string or a list of strings, not 5"),
+    (dict(until=["\n", None]), "a request's until must be a string or a list of strings"),
+])
+def test_bad_request_settings_fail_in_one_line(gen_kwargs, error):
+    """The bug: a task's (or --gen_kwargs') max_gen_toks or until of the wrong type was a TypeError traceback."""
+    lm = harness.FastDLLM(model=DEMO_MODEL, block_length=8, device="cpu")
+    with pytest.raises(ValueError, match=re.escape(error)):
+        lm.generate_until([request(heldout(1)[0][0], **gen_kwargs)])
+
+
+def test_local_completions_works_with_requirements_eval():
+    """The bug: lm-eval's API models (`--model local-completions` against serve.py, docs/serve.md) need its
+    [api] extra (tenacity, aiohttp, ...), which requirements-eval.txt did not install: ModuleNotFoundError on a
+    fresh install. The pins are the only versions named, and they name no torch (requirements.txt's is used)."""
+    import lm_eval.models.openai_completions  # noqa: F401  (registers it; lm-eval imports it so, lazily)
+    from lm_eval.api.registry import get_model
+    model = get_model("local-completions")(model="demo", base_url="http://127.0.0.1:9/v1/completions",
+                                           tokenizer_backend=None)
+    assert type(model).__name__ == "LocalCompletionsAPI"
+    with open(os.path.join(ROOT, "requirements-eval.txt")) as f:
+        pins = [line.split("#")[0].strip() for line in f if line.split("#")[0].strip()]
+    assert "lm-eval[api]==0.4.13" in pins and all("==" in p and not p.startswith("torch") for p in pins)
 
 
 def test_every_generate_setting_is_a_model_arg():
@@ -243,3 +398,29 @@ def test_two_gloo_processes_share_the_requests(tmp_path):
     assert "|demo_arith|" in stdout and "fastdllm throughput, demo_arith (2 processes)" in stdout   # after the table
     results = json.loads(open(glob.glob(str(tmp_path / "out" / "*" / "results_*.json"))[0]).read())
     assert results["results"]["demo_arith"]["exact_match,final-number"] == 1.0     # as one process (dual, 0.9)
+
+
+def test_accelerate_cpu_launch_of_two_processes_is_refused(tmp_path):
+    """The bug: `accelerate launch --cpu --num_processes 2 harness.py ...` starts one process (accelerate runs
+    several on CPUs only through MPI) and the run went on silently as one. It now stops in one line naming
+    torchrun, before any task is built."""
+    script = tmp_path / "run.py"
+    script.write_text(TWO_PROCESSES.format(root=ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+                             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                             str(script), str(tmp_path / "datasets"), "--model", "fastdllm",
+                             "--model_args", "model=demo/llada-arith,gen_length=32,block_length=8",
+                             "--include_path", "demo", "--tasks", "demo_arith", "--output_path", str(tmp_path / "out")],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert proc.returncode != 0 and "|demo_arith|" not in stdout
+    assert "error: accelerate launch asked for several processes but started one" in stderr
+    assert "use torchrun --nproc_per_node N harness.py" in stderr
+    assert not (tmp_path / "out").exists()

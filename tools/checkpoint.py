@@ -4,6 +4,10 @@ tests that need a model of a given shape and not its knowledge.
 
     python tools/checkpoint.py /tmp/mid                                  # LLaDA, d_model 512, 4 layers, 126k vocab
     python tools/checkpoint.py /tmp/d --family dream --d-model 256 --layers 2 --vocab 1024 --shards 3
+
+A checkpoint goes into a new or empty folder only, and its last file, random_checkpoint.json, says that this
+tool wrote it and with which settings: bench.py --dir reuses such a folder and refuses every other non-empty
+one, so no file of anyone else's is ever overwritten.
 """
 import json
 import os
@@ -19,9 +23,10 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from model import ModelConfig, Transformer, checkpoint_names, load_model  # noqa: E402
-from tools.flags import Parser, shape_arguments  # noqa: E402
+from tools.flags import Parser, nonempty, shape_arguments, writable  # noqa: E402
 
 GOLDEN = os.path.join(ROOT, "tests", "golden")
+MARKER = "random_checkpoint.json"   # written last: a folder holding it is a whole checkpoint this tool wrote
 
 # The real models' shapes (spec/llada.md and spec/dream.md, section 1) and the small ones measured on a CPU.
 SHAPES = {
@@ -73,6 +78,8 @@ def make_checkpoint(folder: str, family: str, d_model: int, n_layers: int, vocab
     """
     n_heads = n_heads or max(1, d_model // 128)
     hf = hf_config(family, d_model, n_layers, vocab, n_heads, n_kv_heads or n_heads, ffn or 3 * d_model)
+    if held_checkpoint(folder, folder) is not None:
+        raise ValueError(f"{folder} already holds a checkpoint: pass a new or empty folder")
     cfg = ModelConfig.from_hf(hf)
     with torch.device("meta"):
         shapes = {n: p.shape for n, p in Transformer(cfg).named_parameters()}
@@ -119,7 +126,47 @@ def make_checkpoint(folder: str, family: str, d_model: int, n_layers: int, vocab
         gc.update(bos_token_id=hf["bos_token_id"], eos_token_id=hf["eos_token_id"], pad_token_id=hf["pad_token_id"])
         with open(os.path.join(folder, "generation_config.json"), "w") as f:
             json.dump(gc, f, indent=2)
+    with open(os.path.join(folder, MARKER), "w") as f:
+        json.dump(dict(written_by="tools/checkpoint.py", **spec(hf, shards, gain, logit_std, seed)), f, indent=2)
     return total
+
+
+def spec(hf: dict, shards: int, gain: float, logit_std: float, seed: int = 0) -> dict:
+    """What decides a random checkpoint's files: MARKER holds it, and a folder is reused only for the same."""
+    return dict(config=hf, shards=shards, gain=gain, logit_std=logit_std, seed=seed)
+
+
+def held_checkpoint(folder: str, what: str) -> dict | None:
+    """Where a random checkpoint may go: a new or empty folder -> None; a folder this tool wrote -> its MARKER's
+    spec. Anything else is refused in one line (`what` names it: "--dir D" or the folder): a file, a folder that
+    holds other files (never overwritten), a place we cannot write."""
+    if os.path.isdir(folder):
+        try:
+            entries = os.listdir(folder)
+        except OSError as e:
+            raise ValueError(f"cannot read {what}: {e.strerror}") from None
+        if MARKER in entries:
+            try:
+                with open(os.path.join(folder, MARKER)) as f:
+                    held = json.load(f)
+                held.pop("written_by")
+                return held
+            except (OSError, ValueError, KeyError, AttributeError):
+                raise ValueError(f"{what}: its {MARKER} is unreadable or not this tool's: pass a new or empty "
+                                 f"folder") from None
+        if entries:
+            raise ValueError(f"{what} is not empty and holds no checkpoint written by tools/checkpoint.py (or its "
+                             f"writing was cut short): pass a new or empty folder; nothing in it is overwritten")
+    elif os.path.lexists(folder):
+        raise ValueError(f"{what} is a file, not a folder: pass a new or empty folder")
+    parent = os.path.abspath(folder)
+    while not os.path.lexists(parent):          # the folder, or the nearest part of its path that exists
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"cannot write {what}: {parent} is a file, not a folder")
+    if not writable(parent):
+        raise ValueError(f"cannot write {what}: the folder {parent} is not writable")
+    return None
 
 
 def random_prompts(cfg: ModelConfig, batch: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -151,36 +198,66 @@ def shape_config(args) -> dict:
     return hf
 
 
+def check_fits(hf: dict, folder: str, device, dtype):
+    """A shape too large for this machine is one line now, not a full disk halfway through the write or a
+    process killed for memory: the bf16 files must fit the free disk, and on a CPU the loaded weights in RAM."""
+    with torch.device("meta"):
+        n = sum(p.numel() for p in Transformer(ModelConfig.from_hf(hf)).parameters())
+    existing = os.path.abspath(folder)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    free = shutil.disk_usage(existing).free
+    if 2 * n > free:
+        raise ValueError(f"the shape flags describe a {2 * n / 1e9:.1f} GB checkpoint, more than the "
+                         f"{free / 1e9:.1f} GB free at {existing}: pick smaller --d-model, --layers or --vocab")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else None
+    need = n * dtype.itemsize
+    if device.type == "cpu" and ram and need > ram:
+        raise ValueError(f"the shape flags describe {n / 1e9:.1f}B parameters, {need / 1e9:.1f} GB in {dtype} "
+                         f"(more than this machine's {ram / 1e9:.1f} GB of memory): pick smaller --d-model, "
+                         f"--layers or --vocab")
+
+
 def write(folder: str, args) -> int:
     """make_checkpoint with the shape flags."""
     return make_checkpoint(folder, args.family, args.d_model, args.layers, args.vocab, args.heads, args.kv_heads,
                            args.ffn, shards=args.shards, gain=args.gain, logit_std=args.logit_std)
 
 
+def reusable(args, hf) -> bool:
+    """--dir: whether it holds the checkpoint the flags describe (reused), or may take one (a new or empty
+    folder); any other folder is refused, before anything is written or loaded."""
+    if not args.dir:
+        return False
+    held = held_checkpoint(args.dir, f"--dir {args.dir}")
+    if held is not None and held != spec(hf, args.shards, args.gain, args.logit_std):
+        raise ValueError(f"--dir {args.dir} holds a checkpoint written with other flags (shape, --shards, --gain or "
+                         f"--logit-std; see its {MARKER}): pass those flags, or another --dir")
+    return held is not None
+
+
 def load_random(args, hf, device, dtype):
     """Write (or reuse, with --dir) the random checkpoint the shape flags describe, and load it."""
-    folder = args.dir or tempfile.mkdtemp(prefix="fastdllm_bench_")
+    if args.dir:
+        if not reusable(args, hf):
+            write(args.dir, args)
+        return load_model(args.dir, device=device, dtype=dtype)
+    folder = tempfile.mkdtemp(prefix="fastdllm_bench_")
     try:
-        if not os.path.exists(os.path.join(folder, "config.json")):
-            write(folder, args)
-        with open(os.path.join(folder, "config.json")) as f:
-            if json.load(f) != hf:
-                raise ValueError(f"--dir {folder} holds a checkpoint of another shape: pass the shape flags it "
-                                 f"was written with, or another --dir")
+        write(folder, args)
         return load_model(folder, device=device, dtype=dtype)
-    finally:
-        if not args.dir:   # the loaded model holds its own copy (float32) or the mapped pages (bf16)
-            shutil.rmtree(folder, ignore_errors=True)
+    finally:   # the loaded model holds its own copy (float32) or the mapped pages (bf16)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv=None):
     p = Parser(prog="tools/checkpoint.py", description="Write a random checkpoint in the real on-disk format.")
-    p.add_argument("out", help="the folder to write")
+    p.add_argument("out", type=nonempty, help="the folder to write (new or empty)")
     shape_arguments(p)
     args = p.parse_args(argv)
-    shape_config(args)
-    if os.path.exists(os.path.join(args.out, "config.json")):
-        raise ValueError(f"{args.out} already holds a checkpoint: pass an empty or new folder")
+    hf = shape_config(args)
+    held_checkpoint(args.out, args.out)
+    check_fits(hf, args.out, torch.device("cpu"), torch.bfloat16)    # the shards are made in bf16 in memory
     size = write(args.out, args)
     print(f"{args.out}: {size / 1e9:.3f} GB")
 

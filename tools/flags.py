@@ -4,10 +4,10 @@ names its flag (`error: bench.py run: argument --batch: expected an integer >= 1
 no traceback; combinations are checked where they are used (tools/checkpoint.py shape_config, bench.py).
 """
 import argparse
+import json
 import math
 import os
-
-from fastdllm import CACHE_MODES
+import tempfile
 
 
 class Parser(argparse.ArgumentParser):
@@ -17,15 +17,16 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
 
 
-def integer(low: int):
-    """An integer >= low."""
+def integer(low: int, high: int | None = None):
+    """An integer >= low (and <= high)."""
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             value = None
-        if value is None or value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
+        if value is None or value < low or high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}{f' and <= {high}' * (high is not None)}"
+                                             f", got {text!r}")
         return value
     return parse
 
@@ -63,12 +64,39 @@ def stop(text: str):
     return t == "on" if t in ("off", "on") else int(t)
 
 
+def writable(folder: str) -> bool:
+    """Whether a file can be created in `folder`, by trying (os.access says yes to root on a read-only disk)."""
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+        return True
+    except OSError:
+        return False
+
+
 def out_file(path: str) -> str:
-    """A file we can write: checked now, not after the whole run."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if not path or os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+    """A file we may write, checked now, not after the whole run: in an existing, writable folder, and new,
+    empty or an earlier result of these tools (a JSON object with "rows"). Any other file is never overwritten."""
+    folder = os.path.dirname(os.path.abspath(path)) if path.strip() else ""
+    if not folder or os.path.isdir(path) or not os.path.isdir(folder) or not writable(folder):
         raise argparse.ArgumentTypeError(f"cannot write {path!r}: name a file in an existing, writable folder")
+    if os.path.exists(path) and not (os.path.isfile(path) and os.access(path, os.W_OK) and is_result(path)):
+        raise argparse.ArgumentTypeError(f"{path!r} exists and is not an earlier result of these tools (a JSON "
+                                         f"file with rows): name a new file, nothing else is overwritten")
     return path
+
+
+def is_result(path: str) -> bool:
+    """Empty, or a JSON object with "rows" (bench.py --json, tools/gpu_check.py --out)."""
+    if os.path.getsize(path) == 0:
+        return True
+    if os.path.getsize(path) > 1 << 28:      # no result is this large: don't read a checkpoint to find out
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):            # ValueError: not UTF-8, not JSON
+        return False
+    return isinstance(data, dict) and "rows" in data
 
 
 def nonempty(text: str) -> str:
@@ -98,6 +126,7 @@ def shape_arguments(p):
 
 def rows_arguments(p, thresholds="0.9", factors="1.0", stops="off,on"):
     """Which rows the table has, and how each is timed (bench.py run / modes / sweep, tools/gpu_check.py)."""
+    from checks import CACHE_MODES      # here, not at the top: tools/load.py uses these types without torch
     p.add_argument("--caches", type=listing(CACHE_MODES, empty=False), default="none,prefix,dual,free",
                    help="cache modes, comma-separated (default: %(default)s)")
     p.add_argument("--thresholds", type=listing(positive), default=thresholds, help="threshold values, "

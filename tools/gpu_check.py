@@ -180,9 +180,12 @@ GPU_COLUMNS = [
     ("run", lambda r: r["variant"] if "same_ids_as_eager" not in r else
      f"compiled ({'same ids as eager' if r['same_ids_as_eager'] else 'ids differ from eager'})"),
     ("cache", lambda r: r["cache"]), ("rule", lambda r: r["rule"]), ("NFE", lambda r: str(r["nfe"])),
+    ("NFE/problem", lambda r: f"{r['calls_per_problem']:.2f}"),
     ("tokens/call", lambda r: f"{r['tokens_per_call']:.2f}"), ("fed/call", lambda r: f"{r['fed_per_call']:.0f}"),
     ("wall s", lambda r: f"{r['seconds']:.2f}"), ("steps/s", lambda r: f"{r['steps_per_s']:.1f}"),
-    ("roofline", lambda r: f"{100 * r['roofline']:.0f}%"), ("all tok/s", lambda r: f"{r['all_tokens_per_s']:.0f}"),
+    ("roofline", lambda r: f"{100 * r['roofline']:.0f}%"),
+    ("answer tok/s", lambda r: f"{r['answer_tokens_per_s']:.0f}"),
+    ("all tok/s", lambda r: f"{r['all_tokens_per_s']:.0f}"),
     ("peak GiB", lambda r: f"{r['peak_mib'] / 1024:.1f}"), ("agreement", lambda r: f"{r['agreement']:.3f}"),
 ]
 
