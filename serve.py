@@ -21,6 +21,7 @@ batch, so it shares a batch only with the other n-1 answers to its own prompt.
 import argparse
 import contextlib
 import difflib
+import itertools
 import json
 import os
 import queue
@@ -814,13 +815,22 @@ class Handler(BaseHTTPRequestHandler):
             choices.append(self.app.choice(req.kind, job, text, reason, self.app.extra(job, r)))
         self.send_json(200, self.app.envelope(req, choices) | {"usage": self.app.usage(req.prompt_tokens, completion)})
 
-    def sse_start(self):
+    def sse_start(self, req: Request):
+        """The worker's events for a streamed request, once the first has come: a request that fails before its
+        first step (generate()'s own checks of the settings) gets its 4xx, not a stream -> the events, or None."""
+        events = self.events(req)
+        first = next(events)
+        if first[1] == "error":
+            for job in req.jobs:
+                job.cancelled = True
+            return self.send_error_json(first[2])
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")   # the stream's end is the connection's end
         self.end_headers()
         self.close_connection = True
+        return itertools.chain([first], events)
 
     def sse(self, obj):
         data = obj if isinstance(obj, bytes) else dumps(obj)
@@ -834,12 +844,13 @@ class Handler(BaseHTTPRequestHandler):
         jobs = {j.index: j for j in req.jobs}
         views = {i: app.chat.stream() for i in jobs}       # new_text(decided ids) -> the text they add
         texts, shown = dict.fromkeys(jobs, ""), dict.fromkeys(jobs, "")
-        completion = 0
-        self.sse_start()
+        completion, events = 0, self.sse_start(req)
+        if events is None:
+            return
         if req.kind == "chat":
             for job in req.jobs:
                 self.sse(app.chunk(req, job, "", role=True))
-        for index, kind, payload in self.events(req):
+        for index, kind, payload in events:
             if kind == "error":
                 self.sse(payload.body())
                 break
@@ -870,13 +881,15 @@ class Handler(BaseHTTPRequestHandler):
         app, (job,) = self.app, req.jobs
         mask_id, gen = app.cfg.mask_id, job.kw["gen_length"]
         cell = lambda p, t: {"pos": p, "id": t, "text": app.token_text(t), "end": t in app.chat.stop_ids}
-        self.sse_start()
+        events = self.sse_start(req)
+        if events is None:
+            return
         self.sse({"type": "start", "id": req.id, "model": app.name, "prompt": decode(app.chat.tok, job.ids, False),
                   "prompt_tokens": len(job.ids), "gen_length": gen, "max_tokens": job.max_tokens,
                   "block_length": gen if job.guided else job.kw["block_length"] or gen,
                   "mask": app.token_text(mask_id), "settings": app.settings_of(job)})
         prev, step = [mask_id] * gen, 0
-        for _, kind, payload in self.events(req):
+        for _, kind, payload in events:
             if kind == "error":
                 self.sse({"type": "error"} | payload.body())
                 break

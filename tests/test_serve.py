@@ -344,6 +344,7 @@ BAD = [  # (body or raw bytes, status, param, code, words in the message)
     (chat(PROMPT, response_format={"type": "json_object"}), 400, "response_format", "unsupported", "text"),
     (chat(PROMPT, stream_options={"include_usage": "yes"}), 400, "stream_options", "invalid_value", "include_usage"),
     (chat(PROMPT, max_tokens=8.0), 400, "max_tokens", "invalid_value", "integer"),
+    (chat(PROMPT, stream=True, remasking="bogus"), 400, None, "invalid_value", "unknown remasking"),  # not a 200
 ]
 
 
