@@ -651,16 +651,22 @@ class Handler(BaseHTTPRequestHandler):
         """http.server's own refusals, as JSON: a method we have no do_ for (405 with Allow, or 404), a
         malformed request line (400, 505), a request line or header too long (414, 431)."""
         if code == HTTPStatus.NOT_IMPLEMENTED and self.command:
-            return self.refuse(close=not self.skip_body())
+            try:
+                self.read_body()      # read (and dropped), so that the connection can carry the next request
+            except ApiError:
+                return self.refuse(close=True)
+            return self.refuse()
         if self.request_version == "HTTP/0.9":      # a line too malformed to name its version: answer in 1.1
             self.request_version = self.protocol_version
         status = HTTPStatus(code)
         self.send_error_json(ApiError(code, message or status.phrase, None, status.name.lower()), close=True)
 
     def send_json(self, status: int, obj, close: bool = False, headers: dict | None = None):
-        data = dumps(obj)
+        self.send(status, dumps(obj), "application/json", close, headers)
+
+    def send(self, status: int, data: bytes, content_type: str, close: bool = False, headers: dict | None = None):
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         for name, value in (headers or {}).items():
             self.send_header(name, value)
@@ -682,15 +688,6 @@ class Handler(BaseHTTPRequestHandler):
             path = "/" + path.split("://", 1)[1].partition("/")[2]
         return urllib.parse.unquote(path)
 
-    def skip_body(self) -> bool:
-        """Read and drop a body we have no use for (a GET's, a PUT's), so that the connection can carry the next
-        request (a client that gets its answer before its body is read may see a reset); False if it cannot be."""
-        n = self.headers.get("Content-Length", "0").strip()
-        if "Transfer-Encoding" in self.headers or not (n.isascii() and n.isdigit()) or int(n) > self.app.args.max_body:
-            return False
-        self.rfile.read(int(n))
-        return True
-
     def refuse(self, close: bool = False):
         """A method the path does not take (405, with the one it takes in Allow), or no such path (404)."""
         path = self.route()
@@ -702,17 +699,13 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         path = self.route()
-        if not self.skip_body():
-            self.send_error_json(ApiError(400, "a GET takes no body", None, "bad_request"), close=True)
-        elif path in ("/", "/index.html"):
+        try:
+            self.read_body()          # a body sent with a GET is read and dropped
+        except ApiError as e:
+            return self.send_error_json(e, close=True)
+        if path in ("/", "/index.html"):
             with open(PAGE, "rb") as f:
-                data = f.read()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html; charset=utf-8")
-            self.send_header("Content-Length", str(len(data)))
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            self.wfile.write(data)
+                self.send(200, f.read(), "text/html; charset=utf-8", headers={"Cache-Control": "no-store"})
         elif path == "/v1/models" or path == f"/v1/models/{self.app.name}":
             card = {"id": self.app.name, "object": "model", "created": self.app.created, "owned_by": "fastdllm",
                     "max_model_len": self.app.cfg.max_seq_len}
@@ -728,19 +721,23 @@ class Handler(BaseHTTPRequestHandler):
             self.refuse()
 
     def read_body(self) -> bytes:
+        """The request's body, read whole (a method other than POST may send none); a body we cannot read is an
+        ApiError, and the caller closes the connection: its next request would start inside this body."""
         h, limit = self.headers, self.app.args.max_body
         if "chunked" in h.get("Transfer-Encoding", "").lower():
             raise ApiError(411, "send the body with a Content-Length (chunked encoding is not supported)",
                            None, "length_required")
+        lengths = h.get_all("Content-Length") or []
+        if not lengths and self.command != "POST":
+            return b""
+        if not lengths:
+            raise ApiError(411, "a POST needs a Content-Length header", None, "length_required")
         if h.get("Content-Encoding", "identity").strip().lower() != "identity":
             raise ApiError(415, f"the body is {h['Content-Encoding']!r}-encoded: send it uncompressed", None,
                            "unsupported_media_type")
         if h.get_content_charset("utf-8") not in ("utf-8", "utf8", "us-ascii", "ascii"):
             raise ApiError(415, f"the body must be UTF-8 JSON, not charset {h.get_content_charset()!r}", None,
                            "unsupported_media_type")
-        lengths = h.get_all("Content-Length") or []
-        if not lengths:
-            raise ApiError(411, "a POST needs a Content-Length header", None, "length_required")
         n = lengths[0].strip()
         if len(set(lengths)) > 1 or not (n.isascii() and n.isdigit()):
             raise ApiError(400, f"Content-Length must be one whole number of bytes (got {', '.join(lengths)[:60]!r})",
@@ -951,10 +948,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Serve a LLaDA / Dream checkpoint with Fast-dLLM decoding: an OpenAI-compatible API and a live "
         "page of the decode (docs/serve.md).", allow_abbrev=False,
-        epilog="Every decoding flag of fastdllm.py is accepted as the server's default (python fastdllm.py --help): "
-        "--model, --gen-length, --block-length, --steps, --cache, --threshold, --factor, --temperature, --remasking, "
-        "--top-p, --top-k, --alg-temp, --seed, --device, --dtype, --no-chat, --no-early-stop, --guide, --accept, "
-        "--accept-k, --accept-ratio.")
+        epilog="Every decoding flag of fastdllm.py (python fastdllm.py --help) sets the server's default, --model "
+        "included; --seed, if given, is the seed of sampled requests that send none.")
 
     def error(message):
         raise ValueError(f"{message} (see --help)")
@@ -964,7 +959,7 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int, default=8000, help="port; 0 = any free one (default: %(default)s)")
     p.add_argument("--served-name", help="the model name clients pass and /v1/models lists (default: --model)")
     p.add_argument("--batch-window", type=float, default=20.0, help="ms to wait for more requests to batch with "
-                   "the first (default: %(default)s)")
+                   "the first, while another connection could send one (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=8, help="most requests decoded as one batch (default: "
                    "%(default)s)")
     p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default: "

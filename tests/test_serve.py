@@ -38,17 +38,24 @@ PROMPTS = [PROMPT, "A box has 50 books. Sam takes 12. How many books are left?",
 TIMEOUT = 30
 
 
+@contextlib.contextmanager
+def serving(*flags):
+    """serve.py in this process on a free port, with the demo model and FLAGS -> (app, port, the server)."""
+    app = serve.build(serve.parse_args(["--model", DEMO, *FLAGS, "--port", "0", "--quiet", *flags]))
+    httpd = serve.make_server(app, "127.0.0.1", 0)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield app, httpd.server_address[1], httpd
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        app.engine.stop()
+
+
 @pytest.fixture(scope="module")
 def server():
-    args = serve.parse_args(["--model", DEMO, *FLAGS, "--port", "0", "--quiet"])
-    app = serve.build(args)
-    httpd = serve.make_server(app, "127.0.0.1", 0)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield app, httpd.server_address[1]
-    httpd.shutdown()
-    httpd.server_close()
-    app.engine.stop()
+    with serving() as (app, port, _):
+        yield app, port
 
 
 def request(port, method, path, body=None, raw=None, headers=None):
@@ -80,6 +87,13 @@ def connected(app, port, n):
         if all(c.sock.getsockname() in peers for c in conns) or time.monotonic() > deadline:
             return conns
         time.sleep(0.01)
+
+
+def raw_answer(conn, body, path="/v1/chat/completions"):
+    """One request on an open connection -> (status, headers, body bytes) of its answer."""
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    return r.status, dict(r.getheaders()), r.read()
 
 
 def ask(conn, body, path="/v1/chat/completions"):
@@ -545,13 +559,7 @@ def test_guided_server():
     at once each ran alone), though generate() decodes a guided batch with each row equal to its solo run;
     "guide": false fell back to one token per step instead of the CLI's default threshold; "accept" (a server
     flag, not a request field) was silently ignored."""
-    args = serve.parse_args(["--model", DEMO, *FLAGS, "--guide", os.path.join(ROOT, "demo", "qwen2-arith"),
-                             "--port", "0", "--quiet", "--batch-window", "1000"])
-    app = serve.build(args)
-    httpd = serve.make_server(app, "127.0.0.1", 0)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    port = httpd.server_address[1]
-    try:
+    with serving("--guide", os.path.join(ROOT, "demo", "qwen2-arith"), "--batch-window", "1000") as (app, port, _):
         results = at_once(app, port, [chat(p) for p in PROMPTS])
         for p, (status, r) in zip(PROMPTS, results):
             c = r["choices"][0]
@@ -567,10 +575,33 @@ def test_guided_server():
         assert status == 400 and "not both" in r["error"]["message"]
         status, r = request(port, "POST", "/v1/chat/completions", chat(PROMPT, accept="bogus"))
         assert status == 400 and r["error"]["param"] == "accept" and r["error"]["code"] == "unknown_field"
-    finally:
+
+
+def test_close_stops_a_long_batch_with_503(monkeypatch):
+    """A shutdown lets the running batch finish for its grace period, then stops it at its next step: its
+    requests get a 503 (a stream: an error event, then [DONE]) instead of nothing."""
+    run_batch = fastdllm.run_batch
+
+    def slow(model, rows, args, device, on_step=None, **kw):
+        return run_batch(model, rows, args, device, lambda x, stats: (time.sleep(0.3), on_step(x, stats)), **kw)
+    monkeypatch.setattr(fastdllm, "run_batch", slow)
+    with serving() as (app, port, httpd):
+        (plain, streamed), results = connected(app, port, 2), {}
+        bodies = {"plain": chat(PROMPT, threshold=None), "streamed": chat(PROMPT, threshold=None, stream=True)}
+        threads = [threading.Thread(target=lambda c=c, k=k: results.update({k: raw_answer(c, bodies[k])}))
+                   for c, k in ((plain, "plain"), (streamed, "streamed"))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + TIMEOUT
+        while sum(s == "waiting" for s in list(app.conns.values())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)       # until both are being decoded
         httpd.shutdown()
-        httpd.server_close()
-        app.engine.stop()
+        serve.close(httpd, grace=0.5)
+        for t in threads:
+            t.join(TIMEOUT)
+    assert results["plain"][0] == 503 and json.loads(results["plain"][2])["error"]["code"] == "unavailable"
+    status, _, body = results["streamed"]
+    assert status == 200 and b'"code": "unavailable"' in body and body.endswith(b"data: [DONE]\n\n")
 
 
 def test_stop_scan_never_takes_back_text():
