@@ -63,7 +63,8 @@ class ApiError(Exception):
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
-SHUTTING_DOWN = ApiError(503, "the server is shutting down", code="unavailable")
+def shutting_down():
+    return ApiError(503, "the server is shutting down", code="unavailable")
 
 
 class Cancelled(Exception):
@@ -106,12 +107,12 @@ IGNORED = {"user": STR, "metadata": OBJ, "store": BOOL, "service_tier": STR, "pr
            "safety_identifier": STR, "reasoning_effort": STR, "verbosity": STR, "modalities": LIST,
            "tool_choice": (lambda v: isinstance(v, (str, dict)), "a string or an object")}
 NO_LOGPROBS = "logprobs are not available: a diffusion LM commits tokens in parallel, in no left-to-right order"
+NO_TOOLS, NO_ECHO = "tool calls are not supported", "echo and suffix are not supported"
 # OpenAI fields we cannot honour -> (the values that ask for nothing, the 400 `unsupported` message otherwise).
 UNSUPPORTED = {"best_of": ((1,), "'best_of' must be 1: one answer per prompt"), "logprobs": ((False, 0), NO_LOGPROBS),
-               "top_logprobs": ((), NO_LOGPROBS), "echo": ((False,), "echo and suffix are not supported"),
-               "suffix": ((), "echo and suffix are not supported"), "tools": (([],), "tool calls are not supported"),
-               "functions": (([],), "tool calls are not supported"),
-               "response_format": (({"type": "text"},), "only text answers: response_format must be {\"type\": \"text\"}")}
+               "top_logprobs": ((), NO_LOGPROBS), "echo": ((False,), NO_ECHO), "suffix": ((), NO_ECHO),
+               "tools": (([],), NO_TOOLS), "functions": (([],), NO_TOOLS),
+               "response_format": (({"type": "text"},), 'only text answers: response_format must be {"type": "text"}')}
 MESSAGE_KEYS = {"role", "content", "name", "refusal", "tool_calls", "function_call", "audio", "annotations"}
 ROLES = ("system", "developer", "user", "assistant")
 SURROGATE = re.compile("[\ud800-\udfff]")
@@ -145,7 +146,7 @@ def check_fields(body: dict, path: str, takes: tuple):
         if name not in known:
             near = difflib.get_close_matches(name, list(known), 1)
             hint = f": did you mean {json.dumps(near[0])}?" if near else " (docs/serve.md lists the fields)"
-            raise ApiError(400, f"unknown field {json.dumps(name)} for {path}{hint}", name, "unknown_field")
+            raise ApiError(400, f"unknown field {quoted(name)} for {path}{hint}", name, "unknown_field")
         check = known[name]
         if check is not None and v is not None and not check[0](v):
             raise ApiError(400, f"'{name}' must be {check[1]} (got {quoted(v)})", name, "invalid_value")
@@ -174,10 +175,11 @@ def message_text(m, i: int) -> dict:
         raise ApiError(400, f"messages[{i}] must be an object with a 'role' string and a 'content'", "messages",
                        "invalid_value")
     unknown = next((k for k in m if k not in MESSAGE_KEYS), None)
-    if unknown is not None or m["role"] not in ROLES:
-        raise ApiError(400, f"messages[{i}] has the unknown field {json.dumps(unknown)}" if unknown is not None else
-                       f"messages[{i}].role must be one of {', '.join(ROLES)} (got {quoted(m['role'])})", "messages",
-                       "unknown_field" if unknown is not None else "invalid_value")
+    if unknown is not None:
+        raise ApiError(400, f"messages[{i}] has the unknown field {quoted(unknown)}", "messages", "unknown_field")
+    if m["role"] not in ROLES or not isinstance(m.get("name", ""), (str, type(None))):
+        raise ApiError(400, f"messages[{i}]: the role must be one of {', '.join(ROLES)} and the name a string "
+                       f"(got {quoted(m['role'])}, {quoted(m.get('name'))})", "messages", "invalid_value")
     content = m.get("content")
     if isinstance(content, list):      # [{"type": "text", "text": "..."}, ...]
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
@@ -251,7 +253,7 @@ class Engine:
 
     def submit(self, jobs: list[Job]):
         if self.stopping or not self.thread.is_alive():
-            raise SHUTTING_DOWN
+            raise shutting_down()
         self.jobs.put(jobs)
 
     def stop(self, grace: float = 5.0):
@@ -303,7 +305,7 @@ class Engine:
             except queue.Empty:
                 break
         for job in self.waiting:
-            job.put("error", SHUTTING_DOWN)
+            job.put("error", shutting_down())
 
     def run(self, batch: list[Job]):
         try:
@@ -344,7 +346,7 @@ class Engine:
             # A row's own steps are the ones that committed some of its tokens: the calls it needs alone.
             nonlocal prev
             if self.aborting:
-                raise SHUTTING_DOWN
+                raise shutting_down()
             canvas = x[:, P:]
             if prev is None:
                 prev = torch.full_like(canvas, mask_id)
@@ -790,7 +792,7 @@ class Handler(BaseHTTPRequestHandler):
             except queue.Empty:
                 if self.app.engine.thread.is_alive():
                     continue
-                index, kind, payload = None, "error", SHUTTING_DOWN
+                index, kind, payload = None, "error", shutting_down()
             left -= kind != "step"
             yield index, kind, payload
             if kind == "error":

@@ -355,6 +355,7 @@ BAD = [  # (body or raw bytes, status, param, code, words in the message)
     (b"", 400, None, "invalid_json", "empty"),
     ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages", "invalid_value", "role must be one of"),
     ({"messages": [{"role": "user", "content": "x", "mood": 1}]}, 400, "messages", "unknown_field", "mood"),
+    ({"messages": [{"role": "user", "content": "x", "name": 5}]}, 400, "messages", "invalid_value", "name a string"),
     (chat(PROMPT, response_format={"type": "json_object"}), 400, "response_format", "unsupported", "text"),
     (chat(PROMPT, stream_options={"include_usage": "yes"}), 400, "stream_options", "invalid_value", "include_usage"),
     (chat(PROMPT, max_tokens=8.0), 400, "max_tokens", "invalid_value", "integer"),
@@ -568,7 +569,8 @@ def test_guided_server():
         assert results[0][1]["choices"][0]["message"]["content"] == "23 + 45 = 68. The answer is 68."
         for body in (chat(PROMPT, guide=False, threshold=0.9), chat(PROMPT, guide=False)):
             c = post(port, "/v1/chat/completions", body)["choices"][0]
-            assert c["message"]["content"] == "45 + 23 = 68. The answer is 68." and not c["fastdllm"]["settings"]["guide"]
+            assert c["message"]["content"] == "45 + 23 = 68. The answer is 68."
+            assert not c["fastdllm"]["settings"]["guide"]
             assert (c["fastdllm"]["settings"]["threshold"], c["fastdllm"]["nfe"]) == \
                 (0.9, solo(app, PROMPT, guide=None, threshold=0.9)[1])
         status, r = request(port, "POST", "/v1/chat/completions", chat(PROMPT, threshold=0.9))
