@@ -160,8 +160,7 @@ def json_object(raw: bytes) -> dict:
     try:
         body = json.loads(raw, parse_constant=not_json)
     except RecursionError:
-        raise ApiError(400, "the body nests arrays or objects too deeply to be a request", None,
-                       "invalid_json") from None
+        raise ApiError(400, "the body nests arrays or objects too deeply", None, "invalid_json") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(body, dict):
@@ -492,9 +491,8 @@ class App:
             raise ApiError(404, f"the model {json.dumps(model)[:80]} does not exist: this server serves "
                            f"{json.dumps(self.name)} (GET /v1/models)", "model", "model_not_found")
         n, limit = get(body, "n", 1), 1 if kind == "denoise" else self.args.max_batch
-        if n > limit:      # the n answers to a prompt are decoded as one batch
-            raise ApiError(400, f"'n' must be at most {limit} (" + ("one stream)" if kind == "denoise" else
-                           "--max-batch: the n answers are decoded as one batch)"), "n", "unsupported")
+        if n > limit:      # the n answers to a prompt are decoded as one batch (one stream: one answer)
+            raise ApiError(400, f"'n' must be at most {limit} (--max-batch; a denoise stream: 1)", "n", "unsupported")
         stream = kind == "denoise" or get(body, "stream", False)
         stop = get(body, "stop", [])
         stops = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
@@ -636,8 +634,7 @@ class Handler(BaseHTTPRequestHandler):
             traceback.print_exc()
             self.close_connection = True
             if not self.answered:
-                self.send_error_json(ApiError(500, "the server failed on this request (the traceback is on its "
-                                              "stderr)", code="server_error"), close=True)
+                self.send_error_json(ApiError(500, "serve.py failed (its stderr has why)", code="server_error"), True)
         finally:
             self.app.conns[self.request] = "idle"
 
@@ -725,21 +722,16 @@ class Handler(BaseHTTPRequestHandler):
     def read_body(self) -> bytes:
         """The request's body, read whole (a method other than POST may send none); a body we cannot read is an
         ApiError, and the caller closes the connection: its next request would start inside this body."""
-        h, limit = self.headers, self.app.args.max_body
-        if "chunked" in h.get("Transfer-Encoding", "").lower():
-            raise ApiError(411, "send the body with a Content-Length (chunked encoding is not supported)",
+        h, limit, lengths = self.headers, self.app.args.max_body, self.headers.get_all("Content-Length") or []
+        if "chunked" in h.get("Transfer-Encoding", "").lower() or not lengths and self.command == "POST":
+            raise ApiError(411, "send the body with a Content-Length header (chunked encoding is not supported)",
                            None, "length_required")
-        lengths = h.get_all("Content-Length") or []
-        if not lengths and self.command != "POST":
-            return b""
         if not lengths:
-            raise ApiError(411, "a POST needs a Content-Length header", None, "length_required")
-        if h.get("Content-Encoding", "identity").strip().lower() != "identity":
-            raise ApiError(415, f"the body is {h['Content-Encoding']!r}-encoded: send it uncompressed", None,
-                           "unsupported_media_type")
-        if h.get_content_charset("utf-8") not in ("utf-8", "utf8", "us-ascii", "ascii"):
-            raise ApiError(415, f"the body must be UTF-8 JSON, not charset {h.get_content_charset()!r}", None,
-                           "unsupported_media_type")
+            return b""
+        encoding, charset = h.get("Content-Encoding", "identity").strip().lower(), h.get_content_charset("utf-8")
+        if encoding != "identity" or charset not in ("utf-8", "utf8", "us-ascii", "ascii"):
+            raise ApiError(415, f"send the body as uncompressed UTF-8 JSON (not Content-Encoding {encoding!r}, "
+                           f"charset {charset!r})", None, "unsupported_media_type")
         n = lengths[0].strip()
         if len(set(lengths)) > 1 or not (n.isascii() and n.isdigit()):
             raise ApiError(400, f"Content-Length must be one whole number of bytes (got {', '.join(lengths)[:60]!r})",
