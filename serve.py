@@ -440,10 +440,9 @@ class App:
 
     def encode(self, text: str, param: str) -> list[int]:
         # A lone surrogate ("\ud800" in JSON, or a byte that was not UTF-8) is no text: the tokenizer refuses it.
-        if not text.isascii() and SURROGATE.search(text):
+        if not text.isascii() and (bad := SURROGATE.search(text)):
             raise ApiError(400, f"the prompt is not valid UTF-8 text: it holds a lone surrogate "
-                           f"{SURROGATE.search(text)[0].encode('unicode_escape').decode()} (send UTF-8)", param,
-                           "invalid_value")
+                           f"{bad[0].encode('unicode_escape').decode()} (send UTF-8)", param, "invalid_value")
         return self.chat.encode(text)
 
     def prompts(self, kind: str, body: dict) -> tuple[list[list[int]], str]:
