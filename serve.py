@@ -7,38 +7,43 @@ the CLI's own decoding path.
     curl -s 127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Tom has 23 apples and buys 45 more. How many apples does he have?"}]}'
     open http://127.0.0.1:8000/ for the page
 
-Endpoints (docs/serve.md documents every field, the event stream and the errors):
-  GET  /                     the page (web/index.html)
-  GET  /v1/models            the one model served
-  POST /v1/chat/completions  the model's chat template; "stream": true gives OpenAI's server-sent chunks
-  POST /v1/completions       a raw prompt: a string, a list of strings, token ids or lists of token ids
-  GET  /v1/denoise/info      the server's defaults (what the page offers)
-  POST /v1/denoise/stream    one server-sent event per denoising step: the positions it committed
+Endpoints: GET / (the page), /v1/models, /v1/denoise/info; POST /v1/chat/completions, /v1/completions (both
+OpenAI's, streamed or not), /v1/denoise/stream (one event per denoising step). docs/serve.md documents every
+field, event and error.
 
-How it runs: HTTP handler threads check a request, turn each of its prompts into a Job and wait on the
-request's queue; one worker thread owns the model. It takes the oldest job, waits --batch-window ms for more,
-and decodes every waiting job with the same settings as ONE left-padded batch. generate() decodes each row of
-such a batch exactly as it would alone (tests/test_cache.py), so an answer never depends on what else was in
-its batch. Jobs with other settings wait for their own batch; a sampled job (its noise is drawn for the
-whole batch) and a guided one (the guide decodes row by row anyway) always get a batch of their own.
+How it runs: HTTP handler threads check a request, turn each of its answers into a Job and wait on the
+request's queue; one worker thread owns the model. It takes the oldest job, waits up to --batch-window ms for
+more while another connection could still send one, and decodes every waiting job with the same settings as
+ONE left-padded batch. generate() decodes each row of such a batch exactly as it would alone (guided rows
+too), so an answer never depends on what else was in its batch. A sampled job draws its noise for the whole
+batch, so it shares a batch only with the other n-1 answers to its own prompt.
 """
 import argparse
+import contextlib
+import difflib
+import itertools
 import json
 import os
 import queue
+import re
+import secrets
+import select
 import signal
+import socket
 import sys
 import threading
 import time
 import traceback
+import urllib.parse
 import uuid
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
 import checks
 import fastdllm
-from chat import Chat, check_text, decode
+from chat import Chat, decode
 from model import read_config, resolve_model_dir
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web", "index.html")
@@ -58,6 +63,10 @@ class ApiError(Exception):
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
 
 
+def shutting_down():
+    return ApiError(503, "the server is shutting down", code="unavailable")
+
+
 class Cancelled(Exception):
     """Raised from on_step when every client of a batch has gone: the batch stops there."""
 
@@ -69,25 +78,89 @@ def is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def is_num(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def is_num(v):      # a number a setting can hold: not 1e400 (read as inf) nor a 400-digit integer
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e300
 
 
-def field(body: dict, name: str, default, ok, what: str):
-    """body[name], or `default` when it is absent or null; a value that fails ok() is a 400 naming the field."""
+STR, BOOL, OBJ, LIST = [(lambda v, t=t: isinstance(v, t), what) for t, what in
+                        ((str, "a string"), (bool, "true or false"), (dict, "an object"), (list, "a list"))]
+NUM, COUNT = (is_num, "a number"), (lambda v: is_int(v) and v >= 1, "an integer >= 1")
+# Every field a request may send -> (check, what it must be); null is the same as leaving a field out. The
+# prompt fields are checked by App.prompts; threshold > 0 as generate() accepts (above 1: one token a step).
+FIELDS = {
+    "model": STR, "messages": None, "prompt": None, "max_tokens": COUNT, "max_completion_tokens": COUNT,
+    "stop": (lambda v: isinstance(v, str) or isinstance(v, list) and len(v) <= 16 and all(isinstance(s, str)
+             for s in v), "a string or a list of at most 16 strings"),
+    "temperature": NUM, "top_p": NUM, "n": COUNT, "stream": BOOL,
+    "seed": (lambda v: is_int(v) and -2**63 <= v < 2**64, "an integer of 64 bits"),
+    "stream_options": (lambda v: isinstance(v, dict) and set(v) <= {"include_usage", "include_obfuscation"} and
+                       all(isinstance(x, (bool, type(None))) for x in v.values()), '{"include_usage": true}'),
+    # ours (docs/serve.md)
+    "top_k": (is_int, "an integer"), "cache": STR, "remasking": STR, "guide": BOOL,
+    "threshold": (lambda v: is_num(v) and v > 0, "a number > 0 (above 1: one token per step) or null"),
+    "factor": (lambda v: is_num(v) and v > 0, "a number > 0 or null"),
+    "block_length": (lambda v: is_int(v) and v >= 0, "an integer >= 0 (0 = one block)"), "steps": COUNT,
+}
+# OpenAI fields that do not apply to a diffusion LM: accepted (with OpenAI's type) and ignored.
+IGNORED = {"user": STR, "metadata": OBJ, "store": BOOL, "service_tier": STR, "presence_penalty": NUM,
+           "frequency_penalty": NUM, "logit_bias": OBJ, "parallel_tool_calls": BOOL, "prompt_cache_key": STR,
+           "safety_identifier": STR, "reasoning_effort": STR, "verbosity": STR, "modalities": LIST,
+           "tool_choice": (lambda v: isinstance(v, (str, dict)), "a string or an object")}
+NO_LOGPROBS = "logprobs are not available: a diffusion LM commits tokens in parallel, in no left-to-right order"
+NO_TOOLS, NO_ECHO = "tool calls are not supported", "echo and suffix are not supported"
+# OpenAI fields we cannot honour -> (the values that ask for nothing, the 400 `unsupported` message otherwise).
+UNSUPPORTED = {"best_of": ((1,), "'best_of' must be 1: one answer per prompt"), "logprobs": ((False, 0), NO_LOGPROBS),
+               "top_logprobs": ((), NO_LOGPROBS), "echo": ((False,), NO_ECHO), "suffix": ((), NO_ECHO),
+               "tools": (([],), NO_TOOLS), "functions": (([],), NO_TOOLS),
+               "response_format": (({"type": "text"},), 'only text answers: response_format must be {"type": "text"}')}
+MESSAGE_KEYS = {"role", "content", "name", "refusal", "tool_calls", "function_call", "audio", "annotations"}
+ROLES = ("system", "developer", "user", "assistant")
+SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def get(body: dict, name: str, default):
+    """body[name], or `default` when it is absent or null (check_fields has checked its type)."""
     v = body.get(name)
-    if v is None:
-        return default
-    if not ok(v):
-        raise ApiError(400, f"'{name}' must be {what} (got {json.dumps(v)[:60]})", name, "invalid_value")
-    return v
+    return default if v is None else v
+
+
+def quoted(v) -> str:
+    """A request's value quoted in an error message (ASCII, short)."""
+    try:
+        return json.dumps(v)[:60]
+    except (ValueError, RecursionError):
+        return type(v).__name__
+
+
+def check_fields(body: dict, path: str, takes: tuple):
+    """Every field of the body is one we read (or an OpenAI field we may ignore) and of its type: an unknown
+    field is a 400 naming it, never silently ignored (a typo like "treshold" would decode at the default).
+    takes: the prompt fields of this endpoint."""
+    known = {k: c for k, c in (FIELDS | IGNORED).items() if k not in ("messages", "prompt") or k in takes}
+    for name, v in body.items():
+        if name in UNSUPPORTED:
+            off, message = UNSUPPORTED[name]
+            if v is not None and not any(type(v) is type(o) and v == o for o in off):
+                raise ApiError(400, message, name, "unsupported")
+            continue
+        if name not in known:
+            near = difflib.get_close_matches(name, list(known), 1)
+            hint = f": did you mean {json.dumps(near[0])}?" if near else " (docs/serve.md lists the fields)"
+            raise ApiError(400, f"unknown field {quoted(name)} for {path}{hint}", name, "unknown_field")
+        check = known[name]
+        if check is not None and v is not None and not check[0](v):
+            raise ApiError(400, f"'{name}' must be {check[1]} (got {quoted(v)})", name, "invalid_value")
 
 
 def json_object(raw: bytes) -> dict:
     def not_json(name):       # Python's json reads NaN and Infinity, which JSON does not have
         raise ValueError(f"{name} is not a JSON number")
+    if not raw.strip():
+        raise ApiError(400, "the body is empty: send a JSON object", None, "invalid_json")
     try:
         body = json.loads(raw, parse_constant=not_json)
+    except RecursionError:
+        raise ApiError(400, "the body nests arrays or objects too deeply", None, "invalid_json") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the body is not valid JSON: {e}", None, "invalid_json") from None
     if not isinstance(body, dict):
@@ -100,13 +173,19 @@ def message_text(m, i: int) -> dict:
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise ApiError(400, f"messages[{i}] must be an object with a 'role' string and a 'content'", "messages",
                        "invalid_value")
+    unknown = next((k for k in m if k not in MESSAGE_KEYS), None)
+    if unknown is not None:
+        raise ApiError(400, f"messages[{i}] has the unknown field {quoted(unknown)}", "messages", "unknown_field")
+    if m["role"] not in ROLES or not isinstance(m.get("name", ""), (str, type(None))):
+        raise ApiError(400, f"messages[{i}]: the role must be one of {', '.join(ROLES)} and the name a string "
+                       f"(got {quoted(m['role'])}, {quoted(m.get('name'))})", "messages", "invalid_value")
     content = m.get("content")
     if isinstance(content, list):      # [{"type": "text", "text": "..."}, ...]
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages", "invalid_value")
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
-        raise ApiError(400, f"messages[{i}].content must be a string (got {json.dumps(content)[:60]})", "messages",
+        raise ApiError(400, f"messages[{i}].content must be a string (got {quoted(content)})", "messages",
                        "invalid_value")
     return {"role": m["role"], "content": content}
 
@@ -125,26 +204,26 @@ def stop_scan(text: str, stops: list[str], final: bool):
 
 
 class Job:
-    """One prompt of a request: its ids and decoding settings, and the request's queue its results go to."""
+    """One answer of a request (a prompt, or one of its n copies): its ids and decoding settings, the key of
+    the batches it may join, and the request's queue its results go to."""
 
-    def __init__(self, ids, max_tokens, kw, seed, guided, stops, out, index, want_steps):
-        self.ids, self.max_tokens, self.kw, self.seed, self.guided = ids, max_tokens, kw, seed, guided
-        self.stops, self.out, self.index, self.want_steps = stops, out, index, want_steps
+    def __init__(self, ids, max_tokens, kw, *, index, key, seed, drawn, guided, stops, out, want_steps):
+        self.ids, self.max_tokens, self.kw, self.index, self.key = ids, max_tokens, kw, index, key
+        self.seed, self.drawn, self.guided, self.stops, self.out = seed, drawn, guided, stops, out
+        self.want_steps = want_steps
         self.cancelled = False            # set by the handler when its client has gone
         self.queued = time.perf_counter()
-        sampled = kw["temperature"] > 0 or kw["remasking"] == "random" or bool(kw["alg_temp"])
-        # Jobs share a batch only with identical settings; a sampled or guided job never shares one.
-        self.key = ("alone", id(self)) if sampled or guided else tuple(sorted(kw.items()))
 
     def put(self, kind: str, payload):
         self.out.put((self.index, kind, payload))
 
 
 class Request:
-    """A parsed request: its jobs (one per prompt) and how to answer."""
+    """A parsed request: its jobs (n per prompt) and how to answer."""
 
-    def __init__(self, kind, jobs, out, stream, include_usage):
+    def __init__(self, kind, jobs, out, stream, include_usage, n):
         self.kind, self.jobs, self.out, self.stream, self.include_usage = kind, jobs, out, stream, include_usage
+        self.prompt_tokens = sum(len(j.ids) for j in jobs[::n])     # each prompt once, as OpenAI counts
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
 
@@ -153,17 +232,18 @@ class Request:
 # The worker: batches of jobs with the same settings, decoded by fastdllm.run_batch
 
 class Engine:
-    """The one thread that owns the model. Handler threads submit() jobs; each job gets ("step", canvas)
-    events if it wants them, then ("done", result) or ("error", ApiError)."""
+    """The one thread that owns the model. Handler threads submit() a request's jobs; each job gets ("step",
+    canvas) events if it wants them, then ("done", result) or ("error", ApiError). others() says whether
+    another request could still come to join a batch (a connection not waiting for its answer)."""
 
-    def __init__(self, model, guide, args, log):
-        self.model, self.guide, self.args, self.log = model, guide, args, log
+    def __init__(self, model, guide, args, log, others=lambda: False):
+        self.model, self.guide, self.args, self.log, self.others = model, guide, args, log, others
         self.device = next(model.parameters()).device
         self.window = args.batch_window / 1000
         self.max_batch = args.max_batch
-        self.jobs = queue.Queue()
+        self.jobs = queue.Queue()    # each item a request's jobs, so that they arrive together
         self.waiting = []            # jobs taken from the queue that did not fit the last batch
-        self.stopping = False
+        self.stopping = self.aborting = False
         self.batches = 0
         self.thread = threading.Thread(target=self.loop, name="fastdllm-worker", daemon=True)
 
@@ -172,64 +252,68 @@ class Engine:
 
     def submit(self, jobs: list[Job]):
         if self.stopping or not self.thread.is_alive():
-            raise ApiError(503, "the server is shutting down", code="unavailable")
-        for job in jobs:
-            self.jobs.put(job)
+            raise shutting_down()
+        self.jobs.put(jobs)
 
-    def stop(self, wait: float = 5.0):
+    def stop(self, grace: float = 5.0):
+        """No new jobs; the batch being decoded may finish for `grace` seconds, then stops at its next step;
+        every job not done is answered 503."""
         self.stopping = True
         self.jobs.put(None)
-        self.thread.join(wait)
+        if self.thread.is_alive():
+            self.thread.join(grace)
+            self.aborting = True
+            self.thread.join(grace)
 
     def next_batch(self):
-        """The oldest waiting job and every job with its settings that is there within the window (at most
-        --max-batch); None once stopped."""
+        """The oldest waiting job and every job with its settings that comes within the window while another
+        request could still come (at most --max-batch); None once stopped."""
         self.waiting = [j for j in self.waiting if not j.cancelled]
         if not self.waiting:
-            job = self.jobs.get()
-            if job is None:
+            jobs = self.jobs.get()
+            if jobs is None:
                 return None
-            self.waiting.append(job)
+            self.waiting += jobs
             deadline = time.monotonic() + self.window
         else:
             deadline = time.monotonic()     # these have waited already: take only what is there now
         key = self.waiting[0].key
         while not self.stopping and sum(j.key == key for j in self.waiting) < self.max_batch:
+            left = deadline - time.monotonic()
+            wait = left > 0 and self.others()      # a lone client never waits for nobody
             try:
-                job = self.jobs.get(timeout=max(deadline - time.monotonic(), 0))
+                jobs = self.jobs.get(timeout=min(left, 0.002)) if wait else self.jobs.get_nowait()
             except queue.Empty:
+                if wait:
+                    continue
                 break
-            if job is None:
+            if jobs is None:
                 self.stopping = True
-            elif not job.cancelled:
-                self.waiting.append(job)
+            else:
+                self.waiting += [j for j in jobs if not j.cancelled]
         batch = [j for j in self.waiting if j.key == key][:self.max_batch]
         self.waiting = [j for j in self.waiting if j not in batch]
         return batch
 
     def loop(self):
-        while True:
-            batch = self.next_batch()
-            if batch is None:
-                break
+        while not self.stopping and (batch := self.next_batch()) is not None:
             self.run(batch)
-            if self.stopping:
-                break
         while True:      # whatever is left is answered, not dropped
             try:
-                job = self.jobs.get_nowait()
+                self.waiting += self.jobs.get_nowait() or []
             except queue.Empty:
                 break
-            if job is not None:
-                self.waiting.append(job)
         for job in self.waiting:
-            job.put("error", ApiError(503, "the server is shutting down", code="unavailable"))
+            job.put("error", shutting_down())
 
     def run(self, batch: list[Job]):
         try:
             self.decode(batch)
         except Cancelled:
             self.log(f"batch of {len(batch)} stopped: every client has gone")
+        except ApiError as e:       # stopped by a shutdown
+            for job in batch:
+                job.put("error", e)
         except Exception as e:
             if len(batch) > 1:      # one bad row must not fail the others: decode each alone
                 for job in batch:
@@ -248,8 +332,8 @@ class Engine:
         prev, nfe, committed = None, [0] * len(batch), [0] * len(batch)
         started = time.perf_counter()
 
-        first = batch[0]
-        block, ends = first.kw["block_length"] or first.kw["gen_length"], set(self.args.stop_ids)
+        first, k = batch[0], batch[0].kw
+        block, ends = k["gen_length"] if first.guided else k["block_length"] or k["gen_length"], set(self.args.stop_ids)
 
         def ended(row):
             # generate()'s early stop: once a finished block holds an end token, the row's answer is over and
@@ -260,6 +344,8 @@ class Engine:
         def on_step(x, stats):
             # A row's own steps are the ones that committed some of its tokens: the calls it needs alone.
             nonlocal prev
+            if self.aborting:
+                raise shutting_down()
             canvas = x[:, P:]
             if prev is None:
                 prev = torch.full_like(canvas, mask_id)
@@ -276,14 +362,14 @@ class Engine:
 
         guided = {} if first.guided else {"guide": None, "guide_model": None}     # "guide": false
         args = argparse.Namespace(**vars(self.args) | {"seed": first.seed} | guided)
-        outs, stats = fastdllm.run_batch(self.model, rows, args, self.device, on_step, **first.kw)
+        floats = {n: float(k[n]) for n in ("threshold", "factor") if k[n] is not None}     # 2**64 fits no tensor
+        outs, stats = fastdllm.run_batch(self.model, rows, args, self.device, on_step, **k | floats)
         self.batches += 1
         for i, (job, out) in enumerate(zip(batch, outs)):
             job.put("done", {"ids": out[len(job.ids):], "nfe": nfe[i], "committed": committed[i],
                              "batch_size": len(batch), "batch_nfe": stats["nfe"], "seconds": stats["seconds"],
                              "tokens_per_s": stats["tokens_per_s"], "queue_seconds": started - job.queued,
                              "guide_calls": stats["guide_calls"] if job.guided else None})
-        k = first.kw
         self.log(f"batch {self.batches}: {len(batch)} request(s) | gen {k['gen_length']} | cache {k['cache']} | "
                  f"threshold {k['threshold']} | NFE {stats['nfe']} | {stats['seconds']:.3f} s")
 
@@ -296,9 +382,13 @@ class App:
         self.args, self.model, self.chat, self.guide, self.cfg = args, model, chat, guide, model.config
         self.name = args.served_name or args.model
         self.log = log or (lambda msg: None if args.quiet else print(msg, file=sys.stderr, flush=True))
-        self.engine = Engine(model, guide, args, self.log)
+        self.conns = {}               # open connection -> "idle" | "reading" (a request) | "waiting" (its answer)
+        self.engine = Engine(model, guide, args, self.log,
+                             others=lambda: any(s != "waiting" for s in list(self.conns.values())))
         self.created = int(time.time())
         self.texts = {}               # token id -> its text, for the event stream
+        # An unguided request on a guided server ("guide": false) gets the CLI's default threshold, not none.
+        self.threshold = fastdllm.parse_args(["--prompt", "-"]).threshold if args.guide else args.threshold
 
     def token_text(self, t: int) -> str:
         if t not in self.texts:
@@ -307,31 +397,23 @@ class App:
 
     def settings(self, body: dict):
         """The decoding settings of a request: the server's flags, overridden by the fields a request may set
-        (docs/serve.md). -> (generate() keyword arguments without gen_length, guided, seed)."""
+        (docs/serve.md). -> (generate() keyword arguments without gen_length, guided)."""
         a = self.args
-        guided = field(body, "guide", self.guide is not None, lambda v: isinstance(v, bool), "true or false")
+        guided = get(body, "guide", self.guide is not None)
         if guided and self.guide is None:
             raise ApiError(400, "this server has no guide: start it with --guide to use guided decoding", "guide",
                            "invalid_value")
         # threshold / factor: null = off. As in the CLI, choosing one rule (or the guide) drops the other's default.
-        threshold = field(body, "threshold", None, is_num, "a number or null")
-        factor = field(body, "factor", None, is_num, "a number or null")
+        threshold, factor = body.get("threshold"), body.get("factor")
         if "threshold" not in body:
-            threshold = None if factor is not None or guided else a.threshold
+            threshold = None if factor is not None or guided else self.threshold
         if "factor" not in body:
             factor = None if threshold is not None and "threshold" in body else a.factor
-        top_p = field(body, "top_p", a.top_p, is_num, "a number")
-        kw = dict(block_length=field(body, "block_length", a.block_length, lambda v: is_int(v) and v >= 0,
-                                     "an integer >= 0 (0 = one block)") or None,
-                  steps=field(body, "steps", a.steps, lambda v: is_int(v) and v >= 1, "an integer >= 1"),
-                  cache=field(body, "cache", a.cache, lambda v: isinstance(v, str), "a string"),
-                  threshold=threshold, factor=factor,
-                  temperature=float(field(body, "temperature", a.temperature, is_num, "a number")),
-                  remasking=field(body, "remasking", a.remasking, lambda v: isinstance(v, str), "a string"),
-                  top_p=None if top_p == 1 else top_p,      # clients send top_p 1 meaning "off"
-                  top_k=field(body, "top_k", a.top_k, is_int, "an integer"), alg_temp=a.alg_temp)
-        seed = field(body, "seed", a.seed, lambda v: is_int(v) and -2**63 <= v < 2**64, "an integer of 64 bits")
-        return kw, guided, seed
+        kw = {n: get(body, n, getattr(a, n)) for n in ("block_length", "steps", "cache", "temperature", "remasking",
+                                                      "top_p", "top_k")}
+        return kw | dict(block_length=kw["block_length"] or None, threshold=threshold, factor=factor,
+                         temperature=float(kw["temperature"]), alg_temp=a.alg_temp,
+                         top_p=None if kw["top_p"] == 1 else kw["top_p"]), guided     # top_p 1 means "off"
 
     def gen_length(self, n_prompt: int, body: dict, kw: dict, guided: bool, param: str):
         """max_tokens -> (max_tokens, gen_length): the canvas is max_tokens rounded up to a whole number of
@@ -339,7 +421,7 @@ class App:
         limit = self.cfg.max_seq_len
         unit = 1 if guided or kw["block_length"] is None else kw["block_length"]
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = field(body, name, None, lambda v: is_int(v) and v >= 1, "an integer >= 1")
+        max_tokens = body.get(name)
         if max_tokens is None:       # the server's --gen-length; without one, 256 fitted to the positions (the CLI's)
             max_tokens = self.args.gen_length
             if self.args.fit_gen_length and n_prompt + max_tokens > limit:
@@ -357,10 +439,10 @@ class App:
         return max_tokens, gen
 
     def encode(self, text: str, param: str) -> list[int]:
-        try:
-            check_text(text)
-        except ValueError as e:
-            raise ApiError(400, str(e), param, "invalid_value") from None
+        # A lone surrogate ("\ud800" in JSON, or a byte that was not UTF-8) is no text: the tokenizer refuses it.
+        if not text.isascii() and (bad := SURROGATE.search(text)):
+            raise ApiError(400, f"the prompt is not valid UTF-8 text: it holds a lone surrogate "
+                           f"{bad[0].encode('unicode_escape').decode()} (send UTF-8)", param, "invalid_value")
         return self.chat.encode(text)
 
     def prompts(self, kind: str, body: dict) -> tuple[list[list[int]], str]:
@@ -382,10 +464,9 @@ class App:
         if not isinstance(p, list) or not p or not all(isinstance(q, str) or ids(q) for q in p):
             raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of those (one answer "
                            "each)", "prompt", "invalid_value")
-        rows = [self.encode(q, "prompt") if isinstance(q, str) else q for q in p]
-        if kind == "denoise" and len(rows) > 1:
+        if kind == "denoise" and len(p) > 1:
             raise ApiError(400, "/v1/denoise/stream takes one prompt", "prompt", "invalid_value")
-        return rows, "prompt"
+        return [self.encode(q, "prompt") if isinstance(q, str) else q for q in p], "prompt"
 
     def check_ids(self, ids: list[int], param: str):
         cfg = self.cfg
@@ -393,7 +474,7 @@ class App:
             raise ApiError(400, "the prompt is empty (a chat needs a user message)", param, "invalid_value")
         bad = next((t for t in ids if not 0 <= t < cfg.vocab_size), None)
         if bad is not None:
-            raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size})", param,
+            raise ApiError(400, f"token id {quoted(bad)} is outside the vocabulary [0, {cfg.vocab_size})", param,
                            "invalid_value")
         if cfg.mask_id in ids:
             raise ApiError(400, f"the prompt contains the mask token (id {cfg.mask_id}), which is reserved for the "
@@ -402,40 +483,45 @@ class App:
     def parse(self, kind: str, body: dict) -> Request:
         """A request body -> Request, or an ApiError: every check that can be made before decoding is made
         here, so that one bad prompt never reaches a batch."""
+        check_fields(body, PATHS[kind], ("messages", "prompt") if kind == "denoise" else
+                     ("messages",) if kind == "chat" else ("prompt",))
         model = body.get("model")
         if model is not None and model != self.name:
             raise ApiError(404, f"the model {json.dumps(model)[:80]} does not exist: this server serves "
                            f"{json.dumps(self.name)} (GET /v1/models)", "model", "model_not_found")
-        for name, ok in (("n", 1), ("best_of", 1)):
-            if body.get(name) not in (None, ok):
-                raise ApiError(400, f"'{name}' must be 1: one answer per prompt", name, "unsupported")
-        if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-            raise ApiError(400, "logprobs are not available: a diffusion LM commits tokens in parallel, in no "
-                           "left-to-right order", "logprobs", "unsupported")
-        if body.get("echo") not in (None, False) or body.get("suffix") is not None:
-            raise ApiError(400, "echo and suffix are not supported", "echo" if body.get("echo") else "suffix",
-                           "unsupported")
-        stream = kind == "denoise" or field(body, "stream", False, lambda v: isinstance(v, bool), "true or false")
-        options = field(body, "stream_options", {}, lambda v: isinstance(v, dict), "an object")
-        stop = field(body, "stop", [], lambda v: isinstance(v, str) or isinstance(v, list) and len(v) <= 16 and
-                     all(isinstance(s, str) for s in v), "a string or a list of at most 16 strings")
+        n, limit = get(body, "n", 1), 1 if kind == "denoise" else self.args.max_batch
+        if n > limit:      # the n answers to a prompt are decoded as one batch (one stream: one answer)
+            raise ApiError(400, f"'n' must be at most {limit} (--max-batch; a denoise stream: 1)", "n", "unsupported")
+        stream = kind == "denoise" or get(body, "stream", False)
+        stop = get(body, "stop", [])
         stops = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
-        kw, guided, seed = self.settings(body)
+        kw, guided = self.settings(body)
+        # A sampled answer draws its noise for its whole batch: it shares one only with the other n-1 answers to
+        # its prompt, and a request without a seed gets a fresh one (--seed, if given, is the server's default).
+        sampled = kw["temperature"] > 0 or kw["remasking"] == "random" or bool(kw["alg_temp"])
+        drawn = sampled and body.get("seed") is None
+        seed = self.args.seed if not drawn or self.args.seed_given else secrets.randbits(63)
+        seed = get(body, "seed", seed)
         rows, param = self.prompts(kind, body)
-        out, jobs = queue.Queue(), []
+        out, jobs, group = queue.Queue(), [], uuid.uuid4().hex
         for i, ids in enumerate(rows):
             self.check_ids(ids, param)
             max_tokens, gen = self.gen_length(len(ids), body, kw, guided, param)
             k = kw | {"gen_length": gen}
             try:   # the model-free checks of generate(), here so that a bad setting is a 400 before any batch
                 checks.check_early(k)
+                if (k["steps"] or 0) > self.cfg.max_seq_len:     # (a tensor of that many steps is allocated)
+                    raise ValueError(f"steps must be at most the model's {self.cfg.max_seq_len} positions (got "
+                                     f"{k['steps']}); every step commits at least one token")
                 if guided and (k["threshold"] is not None or k["factor"] is not None):
                     raise ValueError("pass guide or threshold/factor, not both: with a guide the guide decides how "
                                      "many drafts each step commits (send \"threshold\": null)")
             except ValueError as e:
                 raise ApiError(400, str(e), None, "invalid_value") from None
-            jobs.append(Job(ids, max_tokens, k, seed, guided, stops, out, i, want_steps=stream))
-        return Request(kind, jobs, out, stream, bool(options.get("include_usage")))
+            key = ("sampled", group, i) if sampled else (guided, *sorted(k.items()))
+            jobs += [Job(ids, max_tokens, k, index=i * n + c, key=key, seed=seed, drawn=drawn,
+                         guided=guided, stops=stops, out=out, want_steps=stream) for c in range(n)]
+        return Request(kind, jobs, out, stream, bool(get(body, "stream_options", {}).get("include_usage")), n)
 
     # -- answers ---------------------------------------------------------------------------------------------
 
@@ -464,6 +550,8 @@ class App:
                "queue_seconds": round(r["queue_seconds"], 4), "settings": self.settings_of(job)}
         if job.guided:
             out["guide_calls"] = r["guide_calls"]
+        if job.drawn:          # a sampled request without a seed: the one drawn for it (send it to repeat)
+            out["seed"] = job.seed
         return out
 
     def choice(self, kind: str, job: Job, text: str, reason: str, extra: dict) -> dict:
@@ -507,6 +595,17 @@ class App:
 # HTTP
 
 CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
+ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/denoise/stream": "denoise"}
+PATHS = {kind: path for path, kind in ROUTES.items()}
+GETS = ("/", "/index.html", "/v1/models", "/v1/denoise/info", "/health")     # and /v1/models/{name}
+
+
+def dumps(obj) -> bytes:
+    """JSON in UTF-8; a lone surrogate quoted from a request has no UTF-8, so then \\u escapes."""
+    try:
+        return json.dumps(obj, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(obj).encode()
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -522,31 +621,89 @@ class Handler(BaseHTTPRequestHandler):
         if not self.app.args.quiet:
             sys.stderr.write(f"{self.address_string()} {fmt % args}\n")
 
-    def send_json(self, status: int, obj, close: bool = False):
-        data = json.dumps(obj, ensure_ascii=False).encode()
+    def handle_one_request(self):
+        """http.server's, made total: whatever a request holds, its client gets an answer (a bug in this file
+        is a 500, its traceback on stderr), never a dropped connection."""
+        self.answered = False
+        try:
+            super().handle_one_request()
+        except CLIENT_GONE:
+            self.close_connection = True
+        except Exception:
+            traceback.print_exc()
+            self.close_connection = True
+            if not self.answered:
+                self.send_error_json(ApiError(500, "serve.py failed (its stderr has why)", code="server_error"), True)
+        finally:
+            self.app.conns[self.request] = "idle"
+
+    def parse_request(self):
+        self.app.conns[self.request] = "reading"      # a request has come: a shutdown waits for its answer
+        return super().parse_request()
+
+    def send_response(self, code, message=None):
+        self.answered = True
+        super().send_response(code, message)
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals, as JSON: a method we have no do_ for (405 with Allow, or 404), a
+        malformed request line (400, 505), a request line or header too long (414, 431)."""
+        if code == HTTPStatus.NOT_IMPLEMENTED and self.command:
+            try:
+                self.read_body()      # read (and dropped), so that the connection can carry the next request
+            except ApiError:
+                return self.refuse(close=True)
+            return self.refuse()
+        if self.request_version == "HTTP/0.9":      # a line too malformed to name its version: answer in 1.1
+            self.request_version = self.protocol_version
+        status = HTTPStatus(code)
+        self.send_error_json(ApiError(code, message or status.phrase, None, status.name.lower()), close=True)
+
+    def send_json(self, status: int, obj, close: bool = False, headers: dict | None = None):
+        self.send(status, dumps(obj), "application/json", close, headers)
+
+    def send(self, status: int, data: bytes, content_type: str, close: bool = False, headers: dict | None = None):
         self.send_response(status)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         if close:                      # the body was not read: the connection cannot carry another request
             self.send_header("Connection", "close")
             self.close_connection = True
         self.end_headers()
-        self.wfile.write(data)
+        if self.command != "HEAD":     # the answer to a HEAD is its headers
+            self.wfile.write(data)
 
-    def send_error_json(self, e: ApiError, close: bool = False):
-        self.send_json(e.status, e.body(), close)
+    def send_error_json(self, e: ApiError, close: bool = False, headers: dict | None = None):
+        self.send_json(e.status, e.body(), close, headers)
+
+    def route(self) -> str:
+        """The path asked for: without the query, %-escapes decoded (the openai client sends the model id a/b as
+        a%2Fb); of an absolute URI (http://host/path), its path."""
+        path = self.path.split("?")[0]
+        if "://" in path:
+            path = "/" + path.split("://", 1)[1].partition("/")[2]
+        return urllib.parse.unquote(path)
+
+    def refuse(self, close: bool = False):
+        """A method the path does not take (405, with the one it takes in Allow), or no such path (404)."""
+        path = self.route()
+        allow = "POST" if path in ROUTES else "GET" if path in GETS or path.startswith("/v1/models/") else None
+        if allow is None:
+            return self.send_error_json(ApiError(404, f"no such endpoint: {path}", None, "not_found"), close)
+        self.send_error_json(ApiError(405, f"{path} takes {allow}", None, "method_not_allowed"), close,
+                             {"Allow": allow})
 
     def do_GET(self):
-        path = self.path.split("?")[0]
+        path = self.route()
+        try:
+            self.read_body()          # a body sent with a GET is read and dropped
+        except ApiError as e:
+            return self.send_error_json(e, close=True)
         if path in ("/", "/index.html"):
             with open(PAGE, "rb") as f:
-                data = f.read()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/html; charset=utf-8")
-            self.send_header("Content-Length", str(len(data)))
-            self.send_header("Cache-Control", "no-store")
-            self.end_headers()
-            self.wfile.write(data)
+                self.send(200, f.read(), "text/html; charset=utf-8", headers={"Cache-Control": "no-store"})
         elif path == "/v1/models" or path == f"/v1/models/{self.app.name}":
             card = {"id": self.app.name, "object": "model", "created": self.app.created, "owned_by": "fastdllm",
                     "max_model_len": self.app.cfg.max_seq_len}
@@ -558,41 +715,49 @@ class Handler(BaseHTTPRequestHandler):
             self.send_json(200, self.app.info())
         elif path == "/health":
             self.send_json(200, {"status": "ok"})
-        elif path in ROUTES:
-            self.send_error_json(ApiError(405, f"{path} takes POST", None, "method_not_allowed"))
         else:
-            self.send_error_json(ApiError(404, f"no such endpoint: {path}", None, "not_found"))
+            self.refuse()
 
-    def read_body(self) -> dict:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            raise ApiError(411, "send the body with a Content-Length (chunked encoding is not supported)",
+    def read_body(self) -> bytes:
+        """The request's body, read whole (a method other than POST may send none); a body we cannot read is an
+        ApiError, and the caller closes the connection: its next request would start inside this body."""
+        h, limit, lengths = self.headers, self.app.args.max_body, self.headers.get_all("Content-Length") or []
+        if "chunked" in h.get("Transfer-Encoding", "").lower() or not lengths and self.command == "POST":
+            raise ApiError(411, "send the body with a Content-Length header (chunked encoding is not supported)",
                            None, "length_required")
+        if not lengths:
+            return b""
+        encoding, charset = h.get("Content-Encoding", "identity").strip().lower(), h.get_content_charset("utf-8")
+        if encoding != "identity" or charset not in ("utf-8", "utf8", "us-ascii", "ascii"):
+            raise ApiError(415, f"send the body as uncompressed UTF-8 JSON (not Content-Encoding {encoding!r}, "
+                           f"charset {charset!r})", None, "unsupported_media_type")
+        n = lengths[0].strip()
+        if len(set(lengths)) > 1 or not (n.isascii() and n.isdigit()):
+            raise ApiError(400, f"Content-Length must be one whole number of bytes (got {', '.join(lengths)[:60]!r})",
+                           None, "bad_request")
+        if int(n) > limit:
+            raise ApiError(413, f"the request body ({n} bytes) exceeds the server's --max-body ({limit} bytes)",
+                           None, "request_too_large")
         try:
-            n = int(self.headers.get("Content-Length", ""))
-            assert n >= 0
-        except (ValueError, AssertionError):
-            raise ApiError(411, "a POST needs a Content-Length header", None, "length_required") from None
-        if n > self.app.args.max_body:
-            raise ApiError(413, f"the request body ({n} bytes) exceeds the server's --max-body "
-                           f"({self.app.args.max_body} bytes)", None, "request_too_large")
-        raw = self.rfile.read(n)
-        if len(raw) < n:
-            raise ConnectionResetError("the client sent less than its Content-Length")
+            raw = self.rfile.read(int(n))
+        except TimeoutError:
+            raise ApiError(408, f"the body did not arrive within {self.timeout} s", None, "request_timeout") from None
+        if len(raw) < int(n):
+            raise ApiError(400, f"the body ended after {len(raw)} of its {n} bytes (Content-Length)", None,
+                           "bad_request")
         return raw
 
     def do_POST(self):
-        path = self.path.split("?")[0]
+        path = self.route()
         try:
             raw = self.read_body()
         except ApiError as e:
             return self.send_error_json(e, close=True)
-        except CLIENT_GONE:
-            self.close_connection = True
-            return
+        if path not in ROUTES:
+            return self.refuse()
         try:
-            if path not in ROUTES:
-                raise ApiError(404, f"no such endpoint: {path}", None, "not_found")
             req = self.app.parse(ROUTES[path], json_object(raw))
+            self.app.conns[self.request] = "waiting"
             self.app.engine.submit(req.jobs)
         except ApiError as e:
             return self.send_error_json(e)
@@ -618,7 +783,7 @@ class Handler(BaseHTTPRequestHandler):
             except queue.Empty:
                 if self.app.engine.thread.is_alive():
                     continue
-                index, kind, payload = None, "error", ApiError(503, "the server is shutting down", code="unavailable")
+                index, kind, payload = None, "error", shutting_down()
             left -= kind != "step"
             yield index, kind, payload
             if kind == "error":
@@ -638,19 +803,27 @@ class Handler(BaseHTTPRequestHandler):
             text, reason, n = self.app.finish(job, r["ids"])
             completion += n
             choices.append(self.app.choice(req.kind, job, text, reason, self.app.extra(job, r)))
-        prompt = sum(len(j.ids) for j in req.jobs)
-        self.send_json(200, self.app.envelope(req, choices) | {"usage": self.app.usage(prompt, completion)})
+        self.send_json(200, self.app.envelope(req, choices) | {"usage": self.app.usage(req.prompt_tokens, completion)})
 
-    def sse_start(self):
+    def sse_start(self, req: Request):
+        """The worker's events for a streamed request, once the first has come: a request that fails before its
+        first step (generate()'s own checks of the settings) gets its 4xx, not a stream -> the events, or None."""
+        events = self.events(req)
+        first = next(events)
+        if first[1] == "error":
+            for job in req.jobs:
+                job.cancelled = True
+            return self.send_error_json(first[2])
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream; charset=utf-8")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")   # the stream's end is the connection's end
         self.end_headers()
         self.close_connection = True
+        return itertools.chain([first], events)
 
     def sse(self, obj):
-        data = obj if isinstance(obj, bytes) else json.dumps(obj, ensure_ascii=False).encode()
+        data = obj if isinstance(obj, bytes) else dumps(obj)
         self.wfile.write(b"data: " + data + b"\n\n")
         self.wfile.flush()
 
@@ -661,12 +834,13 @@ class Handler(BaseHTTPRequestHandler):
         jobs = {j.index: j for j in req.jobs}
         views = {i: app.chat.stream() for i in jobs}       # new_text(decided ids) -> the text they add
         texts, shown = dict.fromkeys(jobs, ""), dict.fromkeys(jobs, "")
-        completion = 0
-        self.sse_start()
+        completion, events = 0, self.sse_start(req)
+        if events is None:
+            return
         if req.kind == "chat":
             for job in req.jobs:
                 self.sse(app.chunk(req, job, "", role=True))
-        for index, kind, payload in self.events(req):
+        for index, kind, payload in events:
             if kind == "error":
                 self.sse(payload.body())
                 break
@@ -688,8 +862,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.sse(app.chunk(req, job, "", reason, app.extra(job, payload)))
         else:    # every choice done: OpenAI's usage chunk (no choices) when stream_options asks for it
             if req.include_usage:
-                prompt = sum(len(j.ids) for j in req.jobs)
-                self.sse(app.envelope(req, [], chunk=True) | {"usage": app.usage(prompt, completion)})
+                self.sse(app.envelope(req, [], chunk=True) | {"usage": app.usage(req.prompt_tokens, completion)})
         self.sse(b"[DONE]")
 
     def denoise_stream(self, req: Request):
@@ -698,13 +871,15 @@ class Handler(BaseHTTPRequestHandler):
         app, (job,) = self.app, req.jobs
         mask_id, gen = app.cfg.mask_id, job.kw["gen_length"]
         cell = lambda p, t: {"pos": p, "id": t, "text": app.token_text(t), "end": t in app.chat.stop_ids}
-        self.sse_start()
+        events = self.sse_start(req)
+        if events is None:
+            return
         self.sse({"type": "start", "id": req.id, "model": app.name, "prompt": decode(app.chat.tok, job.ids, False),
                   "prompt_tokens": len(job.ids), "gen_length": gen, "max_tokens": job.max_tokens,
                   "block_length": gen if job.guided else job.kw["block_length"] or gen,
                   "mask": app.token_text(mask_id), "settings": app.settings_of(job)})
         prev, step = [mask_id] * gen, 0
-        for _, kind, payload in self.events(req):
+        for _, kind, payload in events:
             if kind == "error":
                 self.sse({"type": "error"} | payload.body())
                 break
@@ -721,16 +896,40 @@ class Handler(BaseHTTPRequestHandler):
         self.sse(b"[DONE]")
 
 
-ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/denoise/stream": "denoise"}
-
-
 class Server(ThreadingHTTPServer):
-    daemon_threads = True               # a handler still streaming never blocks shutdown
+    daemon_threads = True               # close() waits for the answers; an idle keep-alive never blocks it
     request_queue_size = 128            # listen() backlog: socketserver's 5 resets a burst of clients
+
+    def process_request(self, request, client_address):
+        self.app.conns[request] = "idle"       # counted from its accept on (the batcher and close() see it)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request):
+        self.app.conns.pop(request, None)
+        super().shutdown_request(request)
 
     def handle_error(self, request, client_address):
         if not isinstance(sys.exc_info()[1], CLIENT_GONE):
             super().handle_error(request, client_address)
+
+
+def close(server: Server, grace: float = 5.0):
+    """Stop serving without dropping anyone (SIGTERM, Ctrl-C): stop listening (a connection the kernel has
+    already accepted is still served), let the batch being decoded finish (after `grace` s it stops with a
+    503), answer queued requests with a 503, wait for every answer to be written, close idle connections."""
+    app = server.app
+    with contextlib.suppress(OSError):
+        while select.select([server.socket], [], [], 0)[0]:
+            server.process_request(*server.get_request())
+    server.server_close()
+    app.engine.stop(grace)
+    deadline = time.monotonic() + grace
+    while app.conns and time.monotonic() < deadline:
+        for conn, state in list(app.conns.items()):
+            with contextlib.suppress(OSError, ValueError):       # (closed meanwhile)
+                if state == "idle" and not select.select([conn], [], [], 0)[0]:    # no request on its way
+                    conn.shutdown(socket.SHUT_RD)      # its handler reads the end and finishes
+        time.sleep(0.01)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -742,10 +941,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description="Serve a LLaDA / Dream checkpoint with Fast-dLLM decoding: an OpenAI-compatible API and a live "
         "page of the decode (docs/serve.md).", allow_abbrev=False,
-        epilog="Every decoding flag of fastdllm.py is accepted as the server's default (python fastdllm.py --help): "
-        "--model, --gen-length, --block-length, --steps, --cache, --threshold, --factor, --temperature, --remasking, "
-        "--top-p, --top-k, --alg-temp, --seed, --device, --dtype, --no-chat, --no-early-stop, --guide, --accept, "
-        "--accept-k, --accept-ratio.")
+        epilog="Every decoding flag of fastdllm.py (python fastdllm.py --help) sets the server's default, --model "
+        "included; --seed, if given, is the seed of sampled requests that send none.")
 
     def error(message):
         raise ValueError(f"{message} (see --help)")
@@ -755,13 +952,14 @@ def parse_args(argv=None):
     p.add_argument("--port", type=int, default=8000, help="port; 0 = any free one (default: %(default)s)")
     p.add_argument("--served-name", help="the model name clients pass and /v1/models lists (default: --model)")
     p.add_argument("--batch-window", type=float, default=20.0, help="ms to wait for more requests to batch with "
-                   "the first (default: %(default)s)")
+                   "the first, while another connection could send one (default: %(default)s)")
     p.add_argument("--max-batch", type=int, default=8, help="most requests decoded as one batch (default: "
                    "%(default)s)")
     p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default: "
                    "%(default)s)")
     p.add_argument("--quiet", action="store_true", help="no request and batch log on stderr")
     own, rest = p.parse_known_args(argv)
+    own.seed_given = any(a.split("=")[0] == "--seed" for a in rest)    # else a sampled request gets a fresh seed
     refused = [a for a in rest if a.split("=")[0] in CLI_ONLY or a.startswith("--bench")]
     if refused:
         raise ValueError(f"{refused[0].split('=')[0]} is a fastdllm.py option with no meaning for the server: "
@@ -805,17 +1003,16 @@ def main(argv=None):
     if host not in ("127.0.0.1", "localhost"):
         print(f"warning: listening on {host}: anyone who can reach port {port} can use the model (no "
               f"authentication)", file=sys.stderr)
+    # SIGTERM and Ctrl-C end serve_forever (shutdown() from another thread: it waits for the loop), then close()
+    # answers everyone; a second signal changes nothing. Set before the line that tells clients where to go.
+    stop = lambda signum, frame: threading.Thread(target=server.shutdown, daemon=True).start()
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     print(f"serving {app.name} at http://{host}:{port}/ (the page; the API under /v1) | Ctrl-C stops", flush=True)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)    # `kill` stops it as cleanly as Ctrl-C
     try:
         server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:       # a second Ctrl-C (or `timeout`, which signals the child and then its group) must not cut this
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        server.server_close()
-        app.engine.stop()
+    finally:
+        close(server)
         print("stopped", flush=True)
 
 

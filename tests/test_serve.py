@@ -5,6 +5,7 @@ its status and error JSON; a client that disconnects mid-stream costs nobody els
 per-step event stream. The server runs in-process on an ephemeral port (and once as `python serve.py`, for
 the CLI comparison and Ctrl-C). Every request and subprocess has a timeout.
 """
+import contextlib
 import http.client
 import json
 import os
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -36,17 +38,24 @@ PROMPTS = [PROMPT, "A box has 50 books. Sam takes 12. How many books are left?",
 TIMEOUT = 30
 
 
+@contextlib.contextmanager
+def serving(*flags):
+    """serve.py in this process on a free port, with the demo model and FLAGS -> (app, port, the server)."""
+    app = serve.build(serve.parse_args(["--model", DEMO, *FLAGS, "--port", "0", "--quiet", *flags]))
+    httpd = serve.make_server(app, "127.0.0.1", 0)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield app, httpd.server_address[1], httpd
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        app.engine.stop()
+
+
 @pytest.fixture(scope="module")
 def server():
-    args = serve.parse_args(["--model", DEMO, *FLAGS, "--port", "0", "--quiet"])
-    app = serve.build(args)
-    httpd = serve.make_server(app, "127.0.0.1", 0)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield app, httpd.server_address[1]
-    httpd.shutdown()
-    httpd.server_close()
-    app.engine.stop()
+    with serving() as (app, port, _):
+        yield app, port
 
 
 def request(port, method, path, body=None, raw=None, headers=None):
@@ -61,6 +70,78 @@ def request(port, method, path, body=None, raw=None, headers=None):
         return r.status, json.loads(text)
     except ValueError:
         return r.status, text
+
+
+def connected(app, port, n):
+    """n connections, made before any request is sent: the server waits for more requests to batch only while
+    another connection could still send one, so these are known to it before the first request arrives."""
+    conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT) for _ in range(n)]
+    for c in conns:
+        c.connect()
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        peers = set()
+        for sock in list(app.conns):      # the server's side of each connection it has accepted
+            with contextlib.suppress(OSError):
+                peers.add(sock.getpeername())
+        if all(c.sock.getsockname() in peers for c in conns) or time.monotonic() > deadline:
+            return conns
+        time.sleep(0.01)
+
+
+def raw_answer(conn, body, path="/v1/chat/completions"):
+    """One request on an open connection -> (status, headers, body bytes) of its answer."""
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    return r.status, dict(r.getheaders()), r.read()
+
+
+def ask(conn, body, path="/v1/chat/completions"):
+    """One request on an open connection -> (status, parsed JSON); the connection is closed."""
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    out = r.status, json.loads(r.read())
+    conn.close()
+    return out
+
+
+def at_once(app, port, bodies):
+    """Each body from its own client, all at once -> [(status, parsed JSON)] in the same order."""
+    conns, results = connected(app, port, len(bodies)), [None] * len(bodies)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, ask(conns[i], bodies[i])))
+               for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(TIMEOUT)
+    return results
+
+
+def raw_http(port, data: bytes):
+    """Bytes sent as they are, then our side closed for writing -> (status, headers, body bytes)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    s.sendall(data)
+    s.shutdown(socket.SHUT_WR)
+    return read_answer(s)
+
+
+def read_answer(s):
+    """Everything the server sends on socket s until it closes -> (status, headers, body bytes)."""
+    got = b""
+    while chunk := s.recv(65536):          # the server answers, then closes the connection
+        got += chunk
+    s.close()
+    head, _, body = got.partition(b"\r\n\r\n")
+    status, *lines = head.decode("latin-1").split("\r\n")
+    return int(status.split()[1]), dict(line.split(": ", 1) for line in lines), body
+
+
+def no_connections(app):
+    """Wait until the connections of earlier tests are closed (so that nobody else could join a batch)."""
+    deadline = time.monotonic() + TIMEOUT
+    while app.conns and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not app.conns
 
 
 def post(port, path, body):
@@ -163,18 +244,9 @@ def test_concurrent_requests_batch_and_equal_solo(server):
     app, port = server
     cases = [(p, {}) for p in PROMPTS[:4]] + [(p, {"threshold": None}) for p in PROMPTS[4:7]] + \
             [(PROMPTS[7], {"temperature": 0.7, "seed": 3})]
-    results = [None] * len(cases)
-
-    def client(i, prompt, kw):
-        results[i] = request(port, "POST", "/v1/chat/completions", chat(prompt, **kw))
-
     app.engine.window = 1.0       # all eight arrive within the window
     try:
-        threads = [threading.Thread(target=client, args=(i, p, kw)) for i, (p, kw) in enumerate(cases)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(TIMEOUT)
+        results = at_once(app, port, [chat(p, **kw) for p, kw in cases])
     finally:
         app.engine.window = app.args.batch_window / 1000
     for (prompt, kw), (status, r) in zip(cases, results):
@@ -253,7 +325,7 @@ BAD = [  # (body or raw bytes, status, param, code, words in the message)
     (chat(PROMPT, max_tokens=0), 400, "max_tokens", "invalid_value", "integer >= 1"),
     (chat(PROMPT, max_tokens=100), 400, "max_tokens", "context_length_exceeded", "64 positions"),
     (chat(PROMPT * 3), 400, "messages", "context_length_exceeded", "default max_tokens 32"),
-    (chat(PROMPT, n=2), 400, "n", "unsupported", "must be 1"),
+    (chat(PROMPT, n=99), 400, "n", "unsupported", "at most 8"),
     (chat(PROMPT, stream="yes"), 400, "stream", "invalid_value", "true or false"),
     (chat(PROMPT, temperature=-1), 400, None, "invalid_value", "temperature must be >= 0"),
     (chat(PROMPT, cache="bogus"), 400, None, "invalid_value", "unknown cache mode"),
@@ -269,6 +341,25 @@ BAD = [  # (body or raw bytes, status, param, code, words in the message)
     (chat("Tom has \udc80 apples"), 400, "messages", "invalid_value", "UTF-8"),            # a lone surrogate
     ({"prompt": [5, 99999]}, 400, "prompt", "invalid_value", "outside the vocabulary"),
     ({"prompt": {"text": "x"}}, 400, "prompt", "invalid_value", "must be a string"),
+    # Issue 25: each of these got no answer at all (a lone surrogate, a deep body, a 400-digit number) or was
+    # silently ignored (unknown fields) or accepted with a message that said otherwise (threshold).
+    (chat("Tom has \ud800 apples"), 400, "messages", "invalid_value", "surrogate"),
+    ({"prompt": ["x\udbff"]}, 400, "prompt", "invalid_value", "surrogate"),
+    (b"[" * 100000 + b"]" * 100000, 400, None, "invalid_json", "too deeply"),
+    (b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None, "invalid_json", "too deeply"),
+    (chat(PROMPT, temperature=10**400), 400, "temperature", "invalid_value", "a number"),
+    ({"prompt": PROMPT, "treshold": 0.5}, 400, "treshold", "unknown_field", 'did you mean "threshold"'),
+    ({"prompt": PROMPT, "messages": []}, 400, "messages", "unknown_field", "/v1/completions"),
+    (chat(PROMPT, threshold=0), 400, "threshold", "invalid_value", "> 0 (above 1: one token per step)"),
+    (chat(PROMPT, model=5), 400, "model", "invalid_value", "a string"),
+    (b"", 400, None, "invalid_json", "empty"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, 400, "messages", "invalid_value", "role must be one of"),
+    ({"messages": [{"role": "user", "content": "x", "mood": 1}]}, 400, "messages", "unknown_field", "mood"),
+    ({"messages": [{"role": "user", "content": "x", "name": 5}]}, 400, "messages", "invalid_value", "name a string"),
+    (chat(PROMPT, response_format={"type": "json_object"}), 400, "response_format", "unsupported", "text"),
+    (chat(PROMPT, stream_options={"include_usage": "yes"}), 400, "stream_options", "invalid_value", "include_usage"),
+    (chat(PROMPT, max_tokens=8.0), 400, "max_tokens", "invalid_value", "integer"),
+    (chat(PROMPT, stream=True, remasking="bogus"), 400, None, "invalid_value", "unknown remasking"),  # not a 200
 ]
 
 
@@ -303,6 +394,128 @@ def test_http_errors_and_the_server_keeps_serving(server):
     assert post(port, "/v1/chat/completions", chat(PROMPT))["choices"][0]["message"]["content"] == solo(app, PROMPT)[0]
 
 
+ODD_VALUES = [None, "", "x", "\ud800", -1, 0, 1, 2**64, 10**400, -1e300, 0.5, True, False, [], [1, "a"], {},
+              {"a": [[]]}, [[[[[[[[]]]]]]]]]
+
+
+# Every field of OpenAI's chat and completions requests, and ours (docs/serve.md).
+FIELD_NAMES = ("model messages prompt max_tokens max_completion_tokens stop temperature top_p n stream stream_options "
+               "seed best_of logprobs top_logprobs echo suffix user metadata store service_tier presence_penalty "
+               "frequency_penalty logit_bias parallel_tool_calls tool_choice tools functions function_call "
+               "response_format reasoning_effort verbosity modalities audio prediction web_search_options "
+               "prompt_cache_key safety_identifier top_k cache threshold factor block_length steps remasking "
+               "guide").split()
+
+
+@pytest.mark.parametrize("name", FIELD_NAMES)
+def test_any_value_of_any_field_gets_an_answer(server, name):
+    """Every field the server reads, with values of every JSON type and odd sizes, on both endpoints: each is
+    answered (200, or a 4xx with OpenAI's error object), never a dropped connection or a 500. Issue 25: a
+    400-digit temperature or a lone surrogate closed the connection with a traceback."""
+    app, port = server
+    for path, body in (("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", chat(PROMPT))):
+        for value in ODD_VALUES:
+            status, r = request(port, "POST", path, body | {name: value})
+            assert status == 200 or 400 <= status < 500 and set(r["error"]) == {"message", "type", "param", "code"} \
+                and r["error"]["message"], (path, name, value, status, r)
+    assert post(port, "/v1/chat/completions", chat(PROMPT))["choices"][0]["message"]["content"] == solo(app, PROMPT)[0]
+
+
+HEAD_ = b" HTTP/1.1\r\nHost: x\r\n"
+RAW = [  # (request bytes, status, code, Allow) -- issue 25: PUT/OPTIONS/HEAD got http.server's 501 HTML page
+    (b"PUT /v1/completions" + HEAD_ + b"Content-Length: 2\r\n\r\n{}", 405, "method_not_allowed", "POST"),
+    (b"OPTIONS /v1/chat/completions" + HEAD_ + b"\r\n", 405, "method_not_allowed", "POST"),
+    (b"HEAD /health" + HEAD_ + b"\r\n", 405, None, "GET"),                 # the headers only
+    (b"DELETE /v1/models/demo" + HEAD_ + b"\r\n", 405, "method_not_allowed", "GET"),
+    (b"BREW /coffee" + HEAD_ + b"\r\n", 404, "not_found", None),
+    (b"POST /v1/models" + HEAD_ + b"Content-Length: 2\r\n\r\n{}", 405, "method_not_allowed", "GET"),
+    (b"GARBAGE\r\n\r\n", 400, "bad_request", None),
+    (b"GET / HTTP/2.0\r\n\r\n", 505, "http_version_not_supported", None),
+    (b"GET /" + b"a" * 65532, 414, "request_uri_too_long", None),           # 65537 bytes, no end of line
+    (b"GET /health" + HEAD_ + b"X: " + b"a" * 65534, 431, "request_header_fields_too_large", None),
+    (b"GET /health" + HEAD_ + b"Content-Length: 3\r\n\r\nabc", 200, None, None),   # a body on a GET is skipped
+    (b"POST /v1/completions" + HEAD_ + b"Content-Length: abc\r\n\r\n", 400, "bad_request", None),
+    (b"POST /v1/completions" + HEAD_ + b"Content-Length: -5\r\n\r\n", 400, "bad_request", None),
+    (b"POST /v1/completions" + HEAD_ + b"Content-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 400, "bad_request",
+     None),
+    (b"POST /v1/completions" + HEAD_ + b"Content-Length: 10\r\n\r\n{}", 400, "bad_request", None),  # short
+    (b"POST /v1/completions" + HEAD_ + b"Content-Encoding: gzip\r\nContent-Length: 2\r\n\r\n{}", 415,
+     "unsupported_media_type", None),
+    (b"POST /v1/completions" + HEAD_ + b"Content-Type: application/json; charset=latin-1\r\nContent-Length: 2"
+     b"\r\n\r\n{}", 415, "unsupported_media_type", None),
+    (b"POST /v1/completions" + HEAD_ + b"Content-Type: multipart/form-data\r\nContent-Length: 5\r\n\r\na=b&c",
+     400, "invalid_json", None),
+    (b"POST http://127.0.0.1/v1/completions?x=1" + HEAD_ + b"Content-Length: 19\r\n\r\n{\"prompt\": \"1 + 1\"}",
+     200, None, None),                                                            # an absolute URI
+]
+
+
+@pytest.mark.parametrize("data,status,code,allow", RAW, ids=[f"{i}-{r[1]}" for i, r in enumerate(RAW)])
+def test_odd_http_gets_a_json_answer(server, data, status, code, allow):
+    app, port = server
+    got, headers, body = raw_http(port, data)
+    assert got == status and headers.get("Allow") == allow, (got, headers, body[:200])
+    if data.startswith(b"HEAD"):
+        assert body == b"" and int(headers["Content-Length"]) > 0
+    elif code is not None:
+        assert headers["Content-Type"] == "application/json" and json.loads(body)["error"]["code"] == code
+
+
+def test_model_id_percent_encoded(server):
+    """client.models.retrieve("demo/llada-arith") sends GET /v1/models/demo%2Fllada-arith: it was a 404."""
+    app, port = server
+    status, card = request(port, "GET", "/v1/models/" + urllib.parse.quote(app.name, safe=""))
+    assert status == 200 and card["id"] == app.name
+
+
+def test_lone_client_does_not_wait_for_the_window(server, monkeypatch):
+    """A lone client waited the whole --batch-window on every request; now the worker waits only while
+    another connection could still send a request to join the batch."""
+    app, port = server
+    no_connections(app)
+    monkeypatch.setattr(app.engine, "window", 10.0)
+    for _ in range(2):
+        r = post(port, "/v1/chat/completions", chat(PROMPT))
+        assert r["choices"][0]["fastdllm"]["queue_seconds"] < 5
+
+
+def test_sampled_requests_draw_a_seed_and_n_answers(server):
+    """Issue 25: a sampled request without a seed got the server's fixed seed (the same answer every time);
+    now it gets a fresh one, reported in the answer, and sending it back repeats the answer. n > 1 was refused:
+    the n answers are now one batch (sampled: n draws; greedy: n equal answers), prompt tokens counted once."""
+    app, port = server
+    body = {"prompt": PROMPTS[7], "temperature": 1.0, "max_tokens": 16}
+    seeds = []
+    for _ in range(2):
+        c = post(port, "/v1/completions", body)["choices"][0]
+        seeds.append(c["fastdllm"]["seed"])
+        again = post(port, "/v1/completions", body | {"seed": seeds[-1]})["choices"][0]
+        assert again["text"] == c["text"] and "seed" not in again["fastdllm"]
+    assert seeds[0] != seeds[1]
+    ids = app.chat.encode(PROMPTS[7])
+    r = post(port, "/v1/completions", body | {"n": 3, "seed": 5})
+    rows, _ = fastdllm.run_batch(app.model, [ids] * 3, serve.argparse.Namespace(**vars(app.args) | {"seed": 5}),
+                                 app.engine.device, gen_length=16, temperature=1.0)
+    assert [c["text"] for c in r["choices"]] == [app.chat.answer(row[len(ids):]) for row in rows]
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2] and r["choices"][0]["fastdllm"]["batch_size"] == 3
+    assert r["usage"]["prompt_tokens"] == len(ids)
+    r = post(port, "/v1/completions", {"prompt": [PROMPTS[0], PROMPTS[1]], "n": 2})
+    assert [c["text"] for c in r["choices"]] == [solo(app, p)[0] for p in PROMPTS[:2] for _ in range(2)]
+    chunks = events(port, "/v1/chat/completions", chat(PROMPT, n=2, stream=True))
+    for i in range(2):
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"][0]["index"] == i)
+        assert text == solo(app, PROMPT)[0]
+
+
+def test_threshold_above_one_means_one_token_per_step(server):
+    """generate() takes any threshold > 0 (above 1: one token per step); the server's message said (0, 1]."""
+    app, port = server
+    r = post(port, "/v1/chat/completions", chat(PROMPT, threshold=2.0))
+    assert r["choices"][0]["fastdllm"]["settings"]["threshold"] == 2.0
+    status, r = request(port, "POST", "/v1/chat/completions", chat(PROMPT, threshold=-0.5))
+    assert status == 400 and "(0, 1]" not in r["error"]["message"] and "above 1" in r["error"]["message"]
+
+
 def test_client_disconnect_mid_stream(server, monkeypatch):
     """A streaming client leaves after its first event (the decode slowed to 30 ms a step, so it leaves mid-
     decode): a client in the same batch still gets its whole answer, the batch stops once nobody is left,
@@ -323,9 +536,8 @@ def test_client_disconnect_mid_stream(server, monkeypatch):
     monkeypatch.setattr(app.engine, "log", log.append)
     monkeypatch.setattr(app.engine, "window", 0.5)
     body = json.dumps(chat(PROMPT, stream=True, threshold=None)).encode()
-    other = {}
-    t = threading.Thread(target=lambda: other.update(r=request(port, "POST", "/v1/chat/completions",
-                                                              chat(PROMPTS[1], threshold=None))))
+    other, (conn,) = {}, connected(app, port, 1)      # there before the first request: it can join its batch
+    t = threading.Thread(target=lambda: other.update(r=ask(conn, chat(PROMPTS[1], threshold=None))))
     s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n" % len(body) + body)
@@ -344,34 +556,54 @@ def test_client_disconnect_mid_stream(server, monkeypatch):
 
 
 def test_guided_server():
-    """--guide: requests are guided by default (FlashDLM), each decoded alone; "guide": false turns it off."""
-    args = serve.parse_args(["--model", DEMO, *FLAGS, "--guide", os.path.join(ROOT, "demo", "qwen2-arith"),
-                             "--port", "0", "--quiet"])
-    app = serve.build(args)
-    httpd = serve.make_server(app, "127.0.0.1", 0)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    port = httpd.server_address[1]
-    try:
-        results = [None] * 2
-        threads = [threading.Thread(target=lambda i=i: results.__setitem__(
-            i, post(port, "/v1/chat/completions", chat(PROMPTS[i])))) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(TIMEOUT)
-        for p, r in zip(PROMPTS, results):
+    """--guide: requests are guided by default (FlashDLM). Issue 25: guided requests were never batched (eight
+    at once each ran alone), though generate() decodes a guided batch with each row equal to its solo run;
+    "guide": false fell back to one token per step instead of the CLI's default threshold; "accept" (a server
+    flag, not a request field) was silently ignored."""
+    with serving("--guide", os.path.join(ROOT, "demo", "qwen2-arith"), "--batch-window", "1000") as (app, port, _):
+        results = at_once(app, port, [chat(p) for p in PROMPTS])
+        for p, (status, r) in zip(PROMPTS, results):
             c = r["choices"][0]
-            assert (c["message"]["content"], c["fastdllm"]["nfe"]) == solo(app, p) and c["fastdllm"]["batch_size"] == 1
+            assert (c["message"]["content"], c["fastdllm"]["nfe"]) == solo(app, p) and c["fastdllm"]["batch_size"] == 8
             assert c["fastdllm"]["settings"]["guide"] and c["fastdllm"]["guide_calls"] > 0
-        assert results[0]["choices"][0]["message"]["content"] == "23 + 45 = 68. The answer is 68."
-        r = post(port, "/v1/chat/completions", chat(PROMPT, guide=False, threshold=0.9))
-        assert r["choices"][0]["message"]["content"] == "45 + 23 = 68. The answer is 68."
+        assert results[0][1]["choices"][0]["message"]["content"] == "23 + 45 = 68. The answer is 68."
+        for body in (chat(PROMPT, guide=False, threshold=0.9), chat(PROMPT, guide=False)):
+            c = post(port, "/v1/chat/completions", body)["choices"][0]
+            assert c["message"]["content"] == "45 + 23 = 68. The answer is 68."
+            assert not c["fastdllm"]["settings"]["guide"]
+            assert (c["fastdllm"]["settings"]["threshold"], c["fastdllm"]["nfe"]) == \
+                (0.9, solo(app, PROMPT, guide=None, threshold=0.9)[1])
         status, r = request(port, "POST", "/v1/chat/completions", chat(PROMPT, threshold=0.9))
         assert status == 400 and "not both" in r["error"]["message"]
-    finally:
+        status, r = request(port, "POST", "/v1/chat/completions", chat(PROMPT, accept="bogus"))
+        assert status == 400 and r["error"]["param"] == "accept" and r["error"]["code"] == "unknown_field"
+
+
+def test_close_stops_a_long_batch_with_503(monkeypatch):
+    """A shutdown lets the running batch finish for its grace period, then stops it at its next step: its
+    requests get a 503 (a stream: an error event, then [DONE]) instead of nothing."""
+    run_batch = fastdllm.run_batch
+
+    def slow(model, rows, args, device, on_step=None, **kw):
+        return run_batch(model, rows, args, device, lambda x, stats: (time.sleep(0.3), on_step(x, stats)), **kw)
+    monkeypatch.setattr(fastdllm, "run_batch", slow)
+    with serving() as (app, port, httpd):
+        (plain, streamed), results = connected(app, port, 2), {}
+        bodies = {"plain": chat(PROMPT, threshold=None), "streamed": chat(PROMPT, threshold=None, stream=True)}
+        threads = [threading.Thread(target=lambda c=c, k=k: results.update({k: raw_answer(c, bodies[k])}))
+                   for c, k in ((plain, "plain"), (streamed, "streamed"))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + TIMEOUT
+        while sum(s == "waiting" for s in list(app.conns.values())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)       # until both are being decoded
         httpd.shutdown()
-        httpd.server_close()
-        app.engine.stop()
+        serve.close(httpd, grace=0.5)
+        for t in threads:
+            t.join(TIMEOUT)
+    assert results["plain"][0] == 503 and json.loads(results["plain"][2])["error"]["code"] == "unavailable"
+    status, _, body = results["streamed"]
+    assert status == 200 and b'"code": "unavailable"' in body and body.endswith(b"data: [DONE]\n\n")
 
 
 def test_stop_scan_never_takes_back_text():
@@ -404,3 +636,30 @@ def test_serve_py_command_and_ctrl_c():
         p.kill()
     assert p.returncode == 0, err
     assert "stopped" in out and "Traceback" not in err
+
+
+def test_sigterm_answers_every_request_in_flight():
+    """Issue 25: SIGTERM with requests in flight left some of 12 clients without any answer (the process exited
+    under its handler threads; once with status -6). Now the server stops accepting, answers each request
+    (decoded, or 503 when it was still queued) and exits with status 0."""
+    p = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), "--model", DEMO, *FLAGS, "--port", "0",
+                          "--batch-window", "3000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", p.stdout.readline())[1])
+        idle = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)   # could send: the worker waits
+        clients = []
+        for i in range(12):
+            s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+            body = json.dumps(chat(PROMPTS[i % len(PROMPTS)])).encode()
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+                      + body)
+            clients.append(s)
+        p.send_signal(signal.SIGTERM)
+        answers = [read_answer(s) for s in clients]
+        out, err = p.communicate(timeout=TIMEOUT)
+        idle.close()
+    finally:
+        p.kill()
+    for status, headers, body in answers:
+        assert status in (200, 503) and ("choices" if status == 200 else "error") in json.loads(body), body
+    assert p.returncode == 0 and "stopped" in out and "Traceback" not in err, err
