@@ -329,34 +329,21 @@ class Engine:
     def decode(self, batch: list[Job]):
         rows, mask_id = [j.ids for j in batch], self.model.config.mask_id
         P = max(map(len, rows))                 # left padding puts every answer at canvas column P
-        prev, nfe, committed = None, [0] * len(batch), [0] * len(batch)
+        prev = [None] * len(batch)
         started = time.perf_counter()
-
         first, k = batch[0], batch[0].kw
-        block, ends = k["gen_length"] if first.guided else k["block_length"] or k["gen_length"], set(self.args.stop_ids)
-
-        def ended(row):
-            # generate()'s early stop: once a finished block holds an end token, the row's answer is over and
-            # its masks are filled with end tokens, between blocks and without a model call of its own.
-            q = next((i for i, t in enumerate(row) if t in ends), None)
-            return not self.args.no_early_stop and q is not None and mask_id not in row[:(q // block + 1) * block]
 
         def on_step(x, stats):
-            # A row's own steps are the ones that committed some of its tokens: the calls it needs alone.
-            nonlocal prev
+            # A row's step event: its canvas after a step that changed it (read only when a client streams steps).
             if self.aborting:
                 raise shutting_down()
-            canvas = x[:, P:]
-            if prev is None:
-                prev = torch.full_like(canvas, mask_id)
-            new = ((prev == mask_id) & (canvas != mask_id)).sum(-1).tolist()
-            for i, job in enumerate(batch):
-                if new[i] and not ended(prev[i].tolist()):
-                    nfe[i] += 1
-                    committed[i] += new[i]
-                    if job.want_steps and not job.cancelled:
-                        job.put("step", canvas[i].tolist())
-            prev = canvas.clone()
+            if any(j.want_steps and not j.cancelled for j in batch):
+                canvas = x[:, P:].tolist()
+                for i, job in enumerate(batch):
+                    before = prev[i] or [mask_id] * len(canvas[i])
+                    if job.want_steps and not job.cancelled and canvas[i] != before and mask_id in before:
+                        job.put("step", canvas[i])
+                    prev[i] = canvas[i]
             if all(j.cancelled for j in batch):
                 raise Cancelled
 
@@ -366,7 +353,7 @@ class Engine:
         outs, stats = fastdllm.run_batch(self.model, rows, args, self.device, on_step, **k | floats)
         self.batches += 1
         for i, (job, out) in enumerate(zip(batch, outs)):
-            job.put("done", {"ids": out[len(job.ids):], "nfe": nfe[i], "committed": committed[i],
+            job.put("done", {"ids": out[len(job.ids):], "nfe": stats["row_nfe"][i], "committed": stats["row_committed"][i],
                              "batch_size": len(batch), "batch_nfe": stats["nfe"], "seconds": stats["seconds"],
                              "tokens_per_s": stats["tokens_per_s"], "queue_seconds": started - job.queued,
                              "guide_calls": stats["guide_calls"] if job.guided else None})
