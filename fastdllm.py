@@ -33,7 +33,7 @@ from cache import CACHE_POLICIES, Feed, KVCache, Refresh
 from chat import (Chat, check_text, checked, fit_gen_length, load, load_guide, optional_float, pick_device_dtype,
                   read_prompts, read_turns, streamer)
 from checks import CACHE_MODES, check_early
-from guided import ACCEPT_RULES, Guide, Guided, GuidedFreeCache, accept_drafts
+from guided import ACCEPT_RULES, Guide, Guided, GuidedFreeCache, accept_drafts, check_accept
 from model import check_readable, read_config, resolve_model_dir
 
 
@@ -70,6 +70,11 @@ class Settings:
     accept_ratio: float = 0.95         # guided topk_relative ratio
     accept_threshold: float = 0.1      # guided dynamic_threshold: p(draft) > this
     verify_chunk: int = 32             # guided: drafts verified per guide forward
+
+
+# The command line's defaults where they differ from generate()'s: the methods' headline setting (Fast-dLLM's
+# DualCache with threshold 0.9) and early stop at the end of text. serve.py and harness.py read them here.
+CLI_DEFAULTS = dict(gen_length=256, cache="dual", threshold=0.9, stop_at_eos=True)
 
 
 class Step(NamedTuple):
@@ -341,14 +346,16 @@ def parse_args(argv=None):
                    "(default: %(default)s)")
     p.add_argument("--prompt", help="the user message (required unless --prompt-file; with --interactive: the "
                    "first turn)")
-    p.add_argument("--gen-length", type=int, default=argparse.SUPPRESS, help="tokens to generate (default: 256, "
-                   "or the largest multiple of --block-length that fits the model's positions)")
-    p.add_argument("--block-length", type=int, default=32, help="semi-autoregressive block size; 0 = one block "
-                   "(for Dream: Dream's own whole-canvas sampler) (default: %(default)s)")
+    p.add_argument("--gen-length", type=int, default=argparse.SUPPRESS, help=f"tokens to generate (default: "
+                   f"{CLI_DEFAULTS['gen_length']}, or the largest multiple of --block-length that fits the model)")
+    p.add_argument("--block-length", type=int, default=Settings.block_length, help="semi-autoregressive block "
+                   "size; 0 = one block (for Dream: Dream's own whole-canvas sampler) (default: %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: gen-length)")
-    p.add_argument("--cache", default="dual", help=f"KV cache: {' | '.join(CACHE_MODES)} (default: %(default)s)")
+    p.add_argument("--cache", default=CLI_DEFAULTS["cache"], help=f"KV cache: {' | '.join(CACHE_MODES)} "
+                   f"(default: %(default)s)")
     p.add_argument("--threshold", type=optional_float, default=argparse.SUPPRESS, help="parallel decoding: "
-                   "unmask every token with confidence >= this; none = off (default: 0.9; none with --factor)")
+                   f"unmask every token with confidence >= this; none = off (default: {CLI_DEFAULTS['threshold']}; "
+                   f"none with --factor)")
     p.add_argument("--factor", type=float, default=None, help="factor-based parallel decoding (default: off)")
     p.add_argument("--temperature", type=checked(float, math.isfinite, "a finite number"), default=0.0,
                    help="0 = greedy (default: %(default)s)")
@@ -360,6 +367,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default: %(default)s)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model call, one graph per feed shape "
+                   "(CUDA: CUDA graphs; the first call of each shape compiles, a few seconds to minutes)")
     p.add_argument("--no-chat", action="store_true", help="raw prompt, no chat template (base models)")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin, until exit, quit or its "
                    "end (a model without a chat template, like the demo, answers each question alone)")
@@ -372,33 +381,35 @@ def parse_args(argv=None):
     p.add_argument("--trace", action="store_true", help="print which tokens each step unmasked")
     p.add_argument("--guide", help="a causal LM sharing the model's tokenizer (Qwen2 format, repo id or folder): "
                    "FlashDLM's guided diffusion (default: off)")
-    p.add_argument("--accept", default="deterministic", choices=ACCEPT_RULES, metavar="RULE",
+    p.add_argument("--accept", default=Settings.accept, choices=ACCEPT_RULES, metavar="RULE",
                    help="guided: deterministic | topk | topk_relative | dynamic_threshold | aggressive "
                    "(default: %(default)s)")
-    p.add_argument("--accept-k", type=checked(int, lambda k: k >= 1, "an integer >= 1"), default=5,
-                   help="guided top-k (default: %(default)s)")
+    p.add_argument("--accept-k", type=checked(int, lambda k: k >= 1, "an integer >= 1"), default=Settings.accept_k,
+                   help="guided topk and topk_relative: the guide's top k (default: %(default)s)")
     p.add_argument("--accept-ratio", type=checked(float, lambda r: 0 < r <= 1, "a number in (0, 1]"),
-                   default=0.95, help="guided topk_relative ratio (default: %(default)s)")
+                   default=Settings.accept_ratio, help="guided topk_relative ratio (default: %(default)s)")
     p.add_argument("--accept-threshold", type=checked(float, lambda t: 0 <= t < 1, "a number in [0, 1)"),
-                   default=0.1, help="guided dynamic_threshold: accept a draft whose guide probability exceeds "
-                   "this (default: %(default)s)")
+                   default=Settings.accept_threshold, help="guided dynamic_threshold: accept a draft whose guide "
+                   "probability exceeds this (default: %(default)s)")
     p.add_argument("--speculative", action="store_true", default=False, help="guided: commit the guide's token "
                    "in place of the first rejected draft, i.e. the guide's quality (default: the diffusion "
                    "model's first draft)")
     args = p.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(NEEDS, NOT_GIVEN)))
+    given = {flag for flag in NEEDS if getattr(args, flag) is not NOT_GIVEN}
     for flag, need in NEEDS.items():
-        if getattr(args, flag) is NOT_GIVEN:
+        if flag not in given:
             setattr(args, flag, p.get_default(flag))
         elif not getattr(args, need):
             flag, need = flag.replace("_", "-"), need.replace("_", "-")
             raise ValueError(f"--{flag} only applies with --{need}: add --{need}, or drop --{flag}")
+    check_accept(args.accept, given, lambda name: "--" + name.replace("_", "-"))
     for flag in ("model", "guide", "prompt_file"):
         if getattr(args, flag) is not None and not getattr(args, flag).strip():
             raise ValueError(f"--{flag.replace('_', '-')} is empty: pass a path (or leave the flag out)")
     args.fit_gen_length = "gen_length" not in vars(args)
-    args.gen_length = getattr(args, "gen_length", 256)
+    args.gen_length = getattr(args, "gen_length", CLI_DEFAULTS["gen_length"])
     if "threshold" not in vars(args):   # --factor or --guide replaces the default; both given is an error
-        args.threshold = None if args.factor is not None or args.guide else 0.9
+        args.threshold = None if args.factor is not None or args.guide else CLI_DEFAULTS["threshold"]
     if not args.prompt and not args.interactive and not args.prompt_file:
         raise ValueError("no prompt: pass --prompt \"...\" (or --prompt-file, --interactive)")
     if args.prompt_file and (args.prompt or args.interactive):
@@ -427,9 +438,12 @@ def parse_args(argv=None):
 
 
 def settings(args, **override):
+    """The CLI's flags as generate() keywords. --compile: the Compiled that main() (or serve.py) made once, so
+    every call of the process reuses its graphs."""
     kw = dict(gen_length=args.gen_length, block_length=args.block_length or None, steps=args.steps,
               cache=args.cache, threshold=args.threshold, factor=args.factor, temperature=args.temperature,
-              remasking=args.remasking, top_p=args.top_p, top_k=args.top_k, alg_temp=args.alg_temp)
+              remasking=args.remasking, top_p=args.top_p, top_k=args.top_k, alg_temp=args.alg_temp,
+              compile=getattr(args, "compiled", None) or args.compile)
     if args.guide:
         kw.update(accept=args.accept, accept_k=args.accept_k, accept_ratio=args.accept_ratio,
                   accept_threshold=args.accept_threshold, speculative=args.speculative)
@@ -473,6 +487,9 @@ def main(argv=None):
     model_dir = resolve_model_dir(args.model)
     # config.json and tokenizer.json are small: their checks come before gigabytes of weights are read.
     cfg = read_config(model_dir)
+    if cfg.causal:
+        raise ValueError(f"--model {args.model} is a causal LM (model_type qwen2), not a diffusion LM: it belongs to "
+                         f"--guide; pass a LLaDA or Dream checkpoint as --model")
     if cfg.family == "dream" and not args.block_length and (args.cache != "none" or args.threshold is not None
                                                           or args.factor is not None):
         raise ValueError("--block-length 0 selects Dream's own whole-canvas sampler, which has no cache and no "
@@ -489,6 +506,7 @@ def main(argv=None):
     args.stop_ids = sorted(chat.stop_ids)
     args.guide_model = load_guide(guide_dir, args, cfg, chat, device, dtype)
     model = load(args.model, model_dir, device, dtype)
+    args.compiled = Compiled() if args.compile else None
     if args.prompt_file:
         return answer_prompts(model, chat, args, device)
     messages, ids = [], []
@@ -514,6 +532,10 @@ def main(argv=None):
                 steps.append(x[0, len(ids):].tolist())
             if stream:
                 stream(x, st)
+        if args.compiled and not args.compiled.fn:    # gpt-fast: the compile warm-up is not timed
+            t0 = time.perf_counter()
+            run_batch(model, [ids], args, device, gen_length=gen_length)
+            print(f"compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         if args.interactive:
             print("assistant> ", end="", flush=True)
         try:
@@ -536,6 +558,10 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    if sys.stdout is None:   # started with stdout closed (`>&-`): the answers would go nowhere
+        print("error: standard output is closed: the answer has nowhere to go (drop `>&-`, or redirect to a "
+              "file or /dev/null)", file=sys.stderr)
+        sys.exit(2)
     try:
         status = main()
         sys.stdout.flush()     # here, so that a closed pipe is caught below, not at the interpreter's exit

@@ -295,12 +295,22 @@ def check_guided(model, st, defaults):
     if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 <= t < 1:
         raise ValueError(f"accept_threshold must be a number in [0, 1) (got {t!r}): the guide accepts a draft "
                          f"whose probability exceeds it")
-    reads = {"accept_k": ("topk", "topk_relative"), "accept_ratio": ("topk_relative",),
-             "accept_threshold": ("dynamic_threshold",)}
-    for key, rules in reads.items():
-        if st.accept not in rules and getattr(st, key) != getattr(defaults, key):
-            raise ValueError(f"{key} only applies to accept={' or '.join(rules)}, not accept={st.accept!r}: "
-                             f"drop it, or pick that rule")
+    check_accept(st.accept, {k for k in ACCEPT_READS if getattr(st, k) != getattr(defaults, k)})
+
+
+# The acceptance rules that read each setting: one given for another rule would change nothing, so is refused.
+ACCEPT_READS = {"accept_k": ("topk", "topk_relative"), "accept_ratio": ("topk_relative",),
+                "accept_threshold": ("dynamic_threshold",)}
+
+
+def check_accept(accept: str, given, name=lambda key: key):
+    """given: the acceptance settings the caller chose (the API: those not at their default; the CLI: the flags
+    on its command line); name(key) words a setting as the caller knows it (`--accept-k`)."""
+    for key in sorted(set(given) & set(ACCEPT_READS)):
+        if accept not in ACCEPT_READS[key]:
+            rules = " or ".join(ACCEPT_READS[key])
+            raise ValueError(f"{name(key)} only applies to {name('accept')} {rules}, not {accept!r}: drop it, or "
+                             f"pick that rule")
 
 
 def check_guide(model_cfg: ModelConfig, guide_cfg: ModelConfig, model_tok=None, guide_tok=None):
