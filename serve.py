@@ -11,21 +11,16 @@ Endpoints: GET / (the page), /v1/models, /v1/denoise/info; POST /v1/chat/complet
 OpenAI's, streamed or not), /v1/denoise/stream (one event per denoising step). docs/serve.md documents every
 field, event and error.
 
-How it runs: HTTP handler threads check a request, turn each of its answers into a Job and wait on the
-request's queue; one worker thread owns the model. It takes the oldest job, waits up to --batch-window ms for
-more while another connection could still send one, and decodes every waiting job with the same settings as
-ONE left-padded batch. generate() decodes each row of such a batch exactly as it would alone (guided rows
-too), so an answer never depends on what else was in its batch. A sampled job draws its noise for the whole
-batch, so it shares a batch only with the other n-1 answers to its own prompt.
+How it runs: HTTP handler threads check a request (api.py: its fields) and turn each of its answers into a
+Job; one worker thread owns the model and decodes waiting jobs with the same settings as ONE left-padded batch,
+in which every row decodes exactly as it would alone (docs/serve.md, "Batching").
 """
 import argparse
 import contextlib
-import difflib
 import itertools
 import json
 import os
 import queue
-import re
 import secrets
 import select
 import signal
@@ -34,15 +29,13 @@ import sys
 import threading
 import time
 import traceback
-import urllib.parse
 import uuid
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-import torch
+from http.server import ThreadingHTTPServer
 
 import checks
 import fastdllm
+from api import (CLIENT_GONE, ApiError, JsonHandler, check_fields, check_text, choice, chunk, envelope, get,
+                 json_object, prompt_fields, quoted, stop_scan, usage)
 from chat import Chat, decode
 from model import read_config, resolve_model_dir
 
@@ -51,156 +44,12 @@ PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web", "index.ht
 CLI_ONLY = ("--prompt", "--prompt-file", "--interactive", "--batch-size", "--no-stream", "--trace", "--bench")
 
 
-class ApiError(Exception):
-    """An error answered as OpenAI does: HTTP status + {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-    def body(self) -> dict:
-        kind = "server_error" if self.status >= 500 else "invalid_request_error"
-        return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
-
-
 def shutting_down():
     return ApiError(503, "the server is shutting down", code="unavailable")
 
 
 class Cancelled(Exception):
     """Raised from on_step when every client of a batch has gone: the batch stops there."""
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Reading a request
-
-def is_int(v):
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def is_num(v):      # a number a setting can hold: not 1e400 (read as inf) nor a 400-digit integer
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e300
-
-
-STR, BOOL, OBJ, LIST = [(lambda v, t=t: isinstance(v, t), what) for t, what in
-                        ((str, "a string"), (bool, "true or false"), (dict, "an object"), (list, "a list"))]
-NUM, COUNT = (is_num, "a number"), (lambda v: is_int(v) and v >= 1, "an integer >= 1")
-# Every field a request may send -> (check, what it must be); null is the same as leaving a field out. The
-# prompt fields are checked by App.prompts; threshold > 0 as generate() accepts (above 1: one token a step).
-FIELDS = {
-    "model": STR, "messages": None, "prompt": None, "max_tokens": COUNT, "max_completion_tokens": COUNT,
-    "stop": (lambda v: isinstance(v, str) or isinstance(v, list) and len(v) <= 16 and all(isinstance(s, str)
-             for s in v), "a string or a list of at most 16 strings"),
-    "temperature": NUM, "top_p": NUM, "n": COUNT, "stream": BOOL,
-    "seed": (lambda v: is_int(v) and -2**63 <= v < 2**64, "an integer of 64 bits"),
-    "stream_options": (lambda v: isinstance(v, dict) and set(v) <= {"include_usage", "include_obfuscation"} and
-                       all(isinstance(x, (bool, type(None))) for x in v.values()), '{"include_usage": true}'),
-    # ours (docs/serve.md)
-    "top_k": (is_int, "an integer"), "cache": STR, "remasking": STR, "guide": BOOL,
-    "threshold": (lambda v: is_num(v) and v > 0, "a number > 0 (above 1: one token per step) or null"),
-    "factor": (lambda v: is_num(v) and v > 0, "a number > 0 or null"),
-    "block_length": (lambda v: is_int(v) and v >= 0, "an integer >= 0 (0 = one block)"), "steps": COUNT,
-}
-# OpenAI fields that do not apply to a diffusion LM: accepted (with OpenAI's type) and ignored.
-IGNORED = {"user": STR, "metadata": OBJ, "store": BOOL, "service_tier": STR, "presence_penalty": NUM,
-           "frequency_penalty": NUM, "logit_bias": OBJ, "parallel_tool_calls": BOOL, "prompt_cache_key": STR,
-           "safety_identifier": STR, "reasoning_effort": STR, "verbosity": STR, "modalities": LIST,
-           "tool_choice": (lambda v: isinstance(v, (str, dict)), "a string or an object")}
-NO_LOGPROBS = "logprobs are not available: a diffusion LM commits tokens in parallel, in no left-to-right order"
-NO_TOOLS, NO_ECHO = "tool calls are not supported", "echo and suffix are not supported"
-# OpenAI fields we cannot honour -> (the values that ask for nothing, the 400 `unsupported` message otherwise).
-UNSUPPORTED = {"best_of": ((1,), "'best_of' must be 1: one answer per prompt"), "logprobs": ((False, 0), NO_LOGPROBS),
-               "top_logprobs": ((), NO_LOGPROBS), "echo": ((False,), NO_ECHO), "suffix": ((), NO_ECHO),
-               "tools": (([],), NO_TOOLS), "functions": (([],), NO_TOOLS),
-               "response_format": (({"type": "text"},), 'only text answers: response_format must be {"type": "text"}')}
-MESSAGE_KEYS = {"role", "content", "name", "refusal", "tool_calls", "function_call", "audio", "annotations"}
-ROLES = ("system", "developer", "user", "assistant")
-SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def get(body: dict, name: str, default):
-    """body[name], or `default` when it is absent or null (check_fields has checked its type)."""
-    v = body.get(name)
-    return default if v is None else v
-
-
-def quoted(v) -> str:
-    """A request's value quoted in an error message (ASCII, short)."""
-    try:
-        return json.dumps(v)[:60]
-    except (ValueError, RecursionError):
-        return type(v).__name__
-
-
-def check_fields(body: dict, path: str, takes: tuple):
-    """Every field of the body is one we read (or an OpenAI field we may ignore) and of its type: an unknown
-    field is a 400 naming it, never silently ignored (a typo like "treshold" would decode at the default).
-    takes: the prompt fields of this endpoint."""
-    known = {k: c for k, c in (FIELDS | IGNORED).items() if k not in ("messages", "prompt") or k in takes}
-    for name, v in body.items():
-        if name in UNSUPPORTED:
-            off, message = UNSUPPORTED[name]
-            if v is not None and not any(type(v) is type(o) and v == o for o in off):
-                raise ApiError(400, message, name, "unsupported")
-            continue
-        if name not in known:
-            near = difflib.get_close_matches(name, list(known), 1)
-            hint = f": did you mean {json.dumps(near[0])}?" if near else " (docs/serve.md lists the fields)"
-            raise ApiError(400, f"unknown field {quoted(name)} for {path}{hint}", name, "unknown_field")
-        check = known[name]
-        if check is not None and v is not None and not check[0](v):
-            raise ApiError(400, f"'{name}' must be {check[1]} (got {quoted(v)})", name, "invalid_value")
-
-
-def json_object(raw: bytes) -> dict:
-    def not_json(name):       # Python's json reads NaN and Infinity, which JSON does not have
-        raise ValueError(f"{name} is not a JSON number")
-    if not raw.strip():
-        raise ApiError(400, "the body is empty: send a JSON object", None, "invalid_json")
-    try:
-        body = json.loads(raw, parse_constant=not_json)
-    except RecursionError:
-        raise ApiError(400, "the body nests arrays or objects too deeply", None, "invalid_json") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}", None, "invalid_json") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object", None, "invalid_json")
-    return body
-
-
-def message_text(m, i: int) -> dict:
-    """One chat message -> {"role", "content"}; content may be a string or OpenAI's list of text parts."""
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise ApiError(400, f"messages[{i}] must be an object with a 'role' string and a 'content'", "messages",
-                       "invalid_value")
-    unknown = next((k for k in m if k not in MESSAGE_KEYS), None)
-    if unknown is not None:
-        raise ApiError(400, f"messages[{i}] has the unknown field {quoted(unknown)}", "messages", "unknown_field")
-    if m["role"] not in ROLES or not isinstance(m.get("name", ""), (str, type(None))):
-        raise ApiError(400, f"messages[{i}]: the role must be one of {', '.join(ROLES)} and the name a string "
-                       f"(got {quoted(m['role'])}, {quoted(m.get('name'))})", "messages", "invalid_value")
-    content = m.get("content")
-    if isinstance(content, list):      # [{"type": "text", "text": "..."}, ...]
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages", "invalid_value")
-        content = "".join(p["text"] for p in content)
-    if not isinstance(content, str):
-        raise ApiError(400, f"messages[{i}].content must be a string (got {quoted(content)})", "messages",
-                       "invalid_value")
-    return {"role": m["role"], "content": content}
-
-
-def stop_scan(text: str, stops: list[str], final: bool):
-    """How much of `text` may be shown, given the stop strings -> (end, stopped). The answer ends before the
-    first stop string; while decoding goes on (final=False), a tail that could still grow into a stop string
-    is held back, so what has been shown is always a prefix of the final answer."""
-    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=None)
-    if final:
-        return (len(text), False) if cut is None else (cut, True)
-    longest = max(map(len, stops), default=0)
-    hold = next((i for i in range(max(0, len(text) - longest + 1), len(text))
-                 if any(s.startswith(text[i:]) for s in stops)), len(text))
-    return (cut, True) if cut is not None and cut <= hold else (hold, False)
 
 
 class Job:
@@ -217,15 +66,28 @@ class Job:
     def put(self, kind: str, payload):
         self.out.put((self.index, kind, payload))
 
+    def settings(self) -> dict:
+        """The decoding settings its answer reports (a guided answer is one block)."""
+        k = self.kw
+        return {"cache": k["cache"], "threshold": k["threshold"], "factor": k["factor"],
+                "block_length": k["gen_length"] if self.guided else k["block_length"], "steps": k["steps"],
+                "temperature": k["temperature"], "guide": self.guided}
+
 
 class Request:
     """A parsed request: its jobs (n per prompt) and how to answer."""
 
-    def __init__(self, kind, jobs, out, stream, include_usage, n):
-        self.kind, self.jobs, self.out, self.stream, self.include_usage = kind, jobs, out, stream, include_usage
+    def __init__(self, kind, model, jobs, out, stream, include_usage, n):
+        self.kind, self.model, self.jobs, self.out, self.stream = kind, model, jobs, out, stream
+        self.include_usage = include_usage
         self.prompt_tokens = sum(len(j.ids) for j in jobs[::n])     # each prompt once, as OpenAI counts
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+
+    def cancel(self):
+        """Its client has gone, or it has failed: its jobs leave every batch (a batch of only those stops)."""
+        for job in self.jobs:
+            job.cancelled = True
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -236,8 +98,8 @@ class Engine:
     canvas) events if it wants them, then ("done", result) or ("error", ApiError). others() says whether
     another request could still come to join a batch (a connection not waiting for its answer)."""
 
-    def __init__(self, model, guide, args, log, others=lambda: False):
-        self.model, self.guide, self.args, self.log, self.others = model, guide, args, log, others
+    def __init__(self, model, args, log, others=lambda: False):
+        self.model, self.args, self.log, self.others = model, args, log, others
         self.device = next(model.parameters()).device
         self.window = args.batch_window / 1000
         self.max_batch = args.max_batch
@@ -353,10 +215,17 @@ class Engine:
         outs, stats = fastdllm.run_batch(self.model, rows, args, self.device, on_step, **k | floats)
         self.batches += 1
         for i, (job, out) in enumerate(zip(batch, outs)):
-            job.put("done", {"ids": out[len(job.ids):], "nfe": stats["row_nfe"][i], "committed": stats["row_committed"][i],
-                             "batch_size": len(batch), "batch_nfe": stats["nfe"], "seconds": stats["seconds"],
-                             "tokens_per_s": stats["tokens_per_s"], "queue_seconds": started - job.queued,
-                             "guide_calls": stats["guide_calls"] if job.guided else None})
+            # The "fastdllm" field of its answer: what its decode cost (docs/serve.md).
+            nfe = stats["row_nfe"][i]
+            cost = {"nfe": nfe, "tokens_per_call": round(stats["row_committed"][i] / max(nfe, 1), 3),
+                    "gen_length": job.kw["gen_length"], "batch_size": len(batch), "batch_nfe": stats["nfe"],
+                    "seconds": round(stats["seconds"], 4), "tokens_per_s": round(stats["tokens_per_s"], 1),
+                    "queue_seconds": round(started - job.queued, 4), "settings": job.settings()}
+            if job.guided:
+                cost["guide_calls"] = stats["guide_calls"]
+            if job.drawn:          # a sampled request without a seed: the one drawn for it (send it to repeat)
+                cost["seed"] = job.seed
+            job.put("done", {"ids": out[len(job.ids):], "fastdllm": cost})
         self.log(f"batch {self.batches}: {len(batch)} request(s) | gen {k['gen_length']} | cache {k['cache']} | "
                  f"threshold {k['threshold']} | NFE {stats['nfe']} | {stats['seconds']:.3f} s")
 
@@ -370,8 +239,8 @@ class App:
         self.name = args.served_name or args.model
         self.log = log or (lambda msg: None if args.quiet else print(msg, file=sys.stderr, flush=True))
         self.conns = {}               # open connection -> "idle" | "reading" (a request) | "waiting" (its answer)
-        self.engine = Engine(model, guide, args, self.log,
-                             others=lambda: any(s != "waiting" for s in list(self.conns.values())))
+        others = lambda: any(s != "waiting" for s in list(self.conns.values()))   # could still send a request
+        self.engine = Engine(model, args, self.log, others)
         self.created = int(time.time())
         self.texts = {}               # token id -> its text, for the event stream
         # An unguided request on a guided server ("guide": false) gets the CLI's default threshold, not none.
@@ -425,36 +294,6 @@ class App:
                            name if name in body else param, "context_length_exceeded")
         return max_tokens, gen
 
-    def encode(self, text: str, param: str) -> list[int]:
-        # A lone surrogate ("\ud800" in JSON, or a byte that was not UTF-8) is no text: the tokenizer refuses it.
-        if not text.isascii() and (bad := SURROGATE.search(text)):
-            raise ApiError(400, f"the prompt is not valid UTF-8 text: it holds a lone surrogate "
-                           f"{bad[0].encode('unicode_escape').decode()} (send UTF-8)", param, "invalid_value")
-        return self.chat.encode(text)
-
-    def prompts(self, kind: str, body: dict) -> tuple[list[list[int]], str]:
-        """The request's prompts as token ids -> (rows, the field they came from)."""
-        if kind == "chat" or kind == "denoise" and "messages" in body:
-            msgs = body.get("messages")
-            if not isinstance(msgs, list) or not msgs:
-                raise ApiError(400, "'messages' is required: a non-empty list of {\"role\", \"content\"} objects",
-                               "messages", "missing_field" if msgs is None else "invalid_value")
-            return [self.encode(self.chat.render([message_text(m, i) for i, m in enumerate(msgs)]), "messages")], \
-                "messages"
-        p = body.get("prompt")
-        if p is None:
-            raise ApiError(400, "'prompt' is required" + (" (or 'messages')" if kind == "denoise" else ""), "prompt",
-                           "missing_field")
-        ids = lambda q: isinstance(q, list) and q and all(is_int(t) for t in q)
-        if isinstance(p, str) or ids(p):      # one prompt: text or token ids
-            p = [p]
-        if not isinstance(p, list) or not p or not all(isinstance(q, str) or ids(q) for q in p):
-            raise ApiError(400, "'prompt' must be a string, a list of token ids, or a list of those (one answer "
-                           "each)", "prompt", "invalid_value")
-        if kind == "denoise" and len(p) > 1:
-            raise ApiError(400, "/v1/denoise/stream takes one prompt", "prompt", "invalid_value")
-        return [self.encode(q, "prompt") if isinstance(q, str) else q for q in p], "prompt"
-
     def check_ids(self, ids: list[int], param: str):
         cfg = self.cfg
         if not ids:
@@ -489,7 +328,9 @@ class App:
         drawn = sampled and body.get("seed") is None
         seed = self.args.seed if not drawn or self.args.seed_given else secrets.randbits(63)
         seed = get(body, "seed", seed)
-        rows, param = self.prompts(kind, body)
+        prompts, param = prompt_fields(kind, body)      # a chat's messages are one prompt
+        prompts = [self.chat.render(q) if param == "messages" else q for q in prompts]
+        rows = [self.chat.encode(check_text(q, param)) if isinstance(q, str) else q for q in prompts]
         out, jobs, group = queue.Queue(), [], uuid.uuid4().hex
         for i, ids in enumerate(rows):
             self.check_ids(ids, param)
@@ -508,7 +349,8 @@ class App:
             key = ("sampled", group, i) if sampled else (guided, *sorted(k.items()))
             jobs += [Job(ids, max_tokens, k, index=i * n + c, key=key, seed=seed, drawn=drawn,
                          guided=guided, stops=stops, out=out, want_steps=stream) for c in range(n)]
-        return Request(kind, jobs, out, stream, bool(get(body, "stream_options", {}).get("include_usage")), n)
+        include_usage = bool(get(body, "stream_options", {}).get("include_usage"))
+        return Request(kind, self.name, jobs, out, stream, include_usage, n)
 
     # -- answers ---------------------------------------------------------------------------------------------
 
@@ -521,52 +363,6 @@ class App:
         cut, stopped = stop_scan(text, job.stops, final=True)
         reason = "stop" if stopped or end is not None else "length"
         return text[:cut], reason, len(ids) if end is None else end
-
-    @staticmethod
-    def settings_of(job: Job) -> dict:
-        k = job.kw
-        return {"cache": k["cache"], "threshold": k["threshold"], "factor": k["factor"],   # guided: one block
-                "block_length": k["gen_length"] if job.guided else k["block_length"], "steps": k["steps"],
-                "temperature": k["temperature"], "guide": job.guided}
-
-    def extra(self, job: Job, r: dict) -> dict:
-        """The "fastdllm" field of a choice: what its decode cost (docs/serve.md)."""
-        out = {"nfe": r["nfe"], "tokens_per_call": round(r["committed"] / max(r["nfe"], 1), 3),
-               "gen_length": job.kw["gen_length"], "batch_size": r["batch_size"], "batch_nfe": r["batch_nfe"],
-               "seconds": round(r["seconds"], 4), "tokens_per_s": round(r["tokens_per_s"], 1),
-               "queue_seconds": round(r["queue_seconds"], 4), "settings": self.settings_of(job)}
-        if job.guided:
-            out["guide_calls"] = r["guide_calls"]
-        if job.drawn:          # a sampled request without a seed: the one drawn for it (send it to repeat)
-            out["seed"] = job.seed
-        return out
-
-    def choice(self, kind: str, job: Job, text: str, reason: str, extra: dict) -> dict:
-        c = {"index": job.index}
-        c |= {"message": {"role": "assistant", "content": text}} if kind == "chat" else {"text": text}
-        return c | {"logprobs": None, "finish_reason": reason, "fastdllm": extra}
-
-    def chunk(self, req: Request, job: Job, piece: str, reason=None, extra=None, role=False) -> dict:
-        """One streamed chunk of one choice: chat chunks carry a delta (the first one the role), completion
-        chunks the text; the last one of a choice has its finish_reason and the "fastdllm" field."""
-        if req.kind == "chat":
-            c = {"index": job.index, "delta": {"role": "assistant", "content": ""} if role else
-                 {"content": piece} if piece else {}}
-        else:
-            c = {"index": job.index, "text": piece}
-        c |= {"logprobs": None, "finish_reason": reason}
-        if extra is not None:
-            c["fastdllm"] = extra
-        return self.envelope(req, [c], chunk=True)
-
-    def envelope(self, req: Request, choices: list, chunk: bool = False) -> dict:
-        obj = "chat.completion" if req.kind == "chat" else "text_completion"
-        return {"id": req.id, "object": obj + (".chunk" if chunk and req.kind == "chat" else ""),
-                "created": req.created, "model": self.name, "choices": choices}
-
-    @staticmethod
-    def usage(prompt: int, completion: int) -> dict:
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def info(self) -> dict:
         a = self.args
@@ -581,46 +377,33 @@ class App:
 # ----------------------------------------------------------------------------------------------------------
 # HTTP
 
-CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/denoise/stream": "denoise"}
 PATHS = {kind: path for path, kind in ROUTES.items()}
 GETS = ("/", "/index.html", "/v1/models", "/v1/denoise/info", "/health")     # and /v1/models/{name}
 
 
-def dumps(obj) -> bytes:
-    """JSON in UTF-8; a lone surrogate quoted from a request has no UTF-8, so then \\u escapes."""
-    try:
-        return json.dumps(obj, ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        return json.dumps(obj).encode()
-
-
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"      # keep-alive for JSON answers; a stream closes its connection at the end
+class Handler(JsonHandler):
+    """The routes, and the answers from the worker's events: JSON, OpenAI's stream, our per-step stream."""
     server_version = "fastdllm-serve"
-    timeout = 60                       # seconds a client may take to send its request
 
     @property
     def app(self) -> App:
         return self.server.app
+
+    @property
+    def max_body(self) -> int:
+        return self.app.args.max_body
+
+    def allow(self, path: str) -> str | None:
+        return "POST" if path in ROUTES else "GET" if path in GETS or path.startswith("/v1/models/") else None
 
     def log_message(self, fmt, *args):
         if not self.app.args.quiet:
             sys.stderr.write(f"{self.address_string()} {fmt % args}\n")
 
     def handle_one_request(self):
-        """http.server's, made total: whatever a request holds, its client gets an answer (a bug in this file
-        is a 500, its traceback on stderr), never a dropped connection."""
-        self.answered = False
         try:
             super().handle_one_request()
-        except CLIENT_GONE:
-            self.close_connection = True
-        except Exception:
-            traceback.print_exc()
-            self.close_connection = True
-            if not self.answered:
-                self.send_error_json(ApiError(500, "serve.py failed (its stderr has why)", code="server_error"), True)
         finally:
             self.app.conns[self.request] = "idle"
 
@@ -628,111 +411,26 @@ class Handler(BaseHTTPRequestHandler):
         self.app.conns[self.request] = "reading"      # a request has come: a shutdown waits for its answer
         return super().parse_request()
 
-    def send_response(self, code, message=None):
-        self.answered = True
-        super().send_response(code, message)
-
-    def send_error(self, code, message=None, explain=None):
-        """http.server's own refusals, as JSON: a method we have no do_ for (405 with Allow, or 404), a
-        malformed request line (400, 505), a request line or header too long (414, 431)."""
-        if code == HTTPStatus.NOT_IMPLEMENTED and self.command:
-            try:
-                self.read_body()      # read (and dropped), so that the connection can carry the next request
-            except ApiError:
-                return self.refuse(close=True)
-            return self.refuse()
-        if self.request_version == "HTTP/0.9":      # a line too malformed to name its version: answer in 1.1
-            self.request_version = self.protocol_version
-        status = HTTPStatus(code)
-        self.send_error_json(ApiError(code, message or status.phrase, None, status.name.lower()), close=True)
-
-    def send_json(self, status: int, obj, close: bool = False, headers: dict | None = None):
-        self.send(status, dumps(obj), "application/json", close, headers)
-
-    def send(self, status: int, data: bytes, content_type: str, close: bool = False, headers: dict | None = None):
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        if close:                      # the body was not read: the connection cannot carry another request
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        self.end_headers()
-        if self.command != "HEAD":     # the answer to a HEAD is its headers
-            self.wfile.write(data)
-
-    def send_error_json(self, e: ApiError, close: bool = False, headers: dict | None = None):
-        self.send_json(e.status, e.body(), close, headers)
-
-    def route(self) -> str:
-        """The path asked for: without the query, %-escapes decoded (the openai client sends the model id a/b as
-        a%2Fb); of an absolute URI (http://host/path), its path."""
-        path = self.path.split("?")[0]
-        if "://" in path:
-            path = "/" + path.split("://", 1)[1].partition("/")[2]
-        return urllib.parse.unquote(path)
-
-    def refuse(self, close: bool = False):
-        """A method the path does not take (405, with the one it takes in Allow), or no such path (404)."""
-        path = self.route()
-        allow = "POST" if path in ROUTES else "GET" if path in GETS or path.startswith("/v1/models/") else None
-        if allow is None:
-            return self.send_error_json(ApiError(404, f"no such endpoint: {path}", None, "not_found"), close)
-        self.send_error_json(ApiError(405, f"{path} takes {allow}", None, "method_not_allowed"), close,
-                             {"Allow": allow})
-
     def do_GET(self):
-        path = self.route()
+        path, app = self.route(), self.app
         try:
             self.read_body()          # a body sent with a GET is read and dropped
         except ApiError as e:
             return self.send_error_json(e, close=True)
+        card = {"id": app.name, "object": "model", "created": app.created, "owned_by": "fastdllm",
+                "max_model_len": app.cfg.max_seq_len}
+        answers = {"/v1/models": lambda: {"object": "list", "data": [card]}, f"/v1/models/{app.name}": lambda: card,
+                   "/v1/denoise/info": app.info, "/health": lambda: {"status": "ok"}}
         if path in ("/", "/index.html"):
             with open(PAGE, "rb") as f:
                 self.send(200, f.read(), "text/html; charset=utf-8", headers={"Cache-Control": "no-store"})
-        elif path == "/v1/models" or path == f"/v1/models/{self.app.name}":
-            card = {"id": self.app.name, "object": "model", "created": self.app.created, "owned_by": "fastdllm",
-                    "max_model_len": self.app.cfg.max_seq_len}
-            self.send_json(200, card if path != "/v1/models" else {"object": "list", "data": [card]})
+        elif path in answers:
+            self.send_json(200, answers[path]())
         elif path.startswith("/v1/models/"):
             self.send_error_json(ApiError(404, f"the model {path[len('/v1/models/'):]!r} does not exist", "model",
                                           "model_not_found"))
-        elif path == "/v1/denoise/info":
-            self.send_json(200, self.app.info())
-        elif path == "/health":
-            self.send_json(200, {"status": "ok"})
         else:
             self.refuse()
-
-    def read_body(self) -> bytes:
-        """The request's body, read whole (a method other than POST may send none); a body we cannot read is an
-        ApiError, and the caller closes the connection: its next request would start inside this body."""
-        h, limit, lengths = self.headers, self.app.args.max_body, self.headers.get_all("Content-Length") or []
-        if "chunked" in h.get("Transfer-Encoding", "").lower() or not lengths and self.command == "POST":
-            raise ApiError(411, "send the body with a Content-Length header (chunked encoding is not supported)",
-                           None, "length_required")
-        if not lengths:
-            return b""
-        encoding, charset = h.get("Content-Encoding", "identity").strip().lower(), h.get_content_charset("utf-8")
-        if encoding != "identity" or charset not in ("utf-8", "utf8", "us-ascii", "ascii"):
-            raise ApiError(415, f"send the body as uncompressed UTF-8 JSON (not Content-Encoding {encoding!r}, "
-                           f"charset {charset!r})", None, "unsupported_media_type")
-        n = lengths[0].strip()
-        if len(set(lengths)) > 1 or not (n.isascii() and n.isdigit()):
-            raise ApiError(400, f"Content-Length must be one whole number of bytes (got {', '.join(lengths)[:60]!r})",
-                           None, "bad_request")
-        if int(n) > limit:
-            raise ApiError(413, f"the request body ({n} bytes) exceeds the server's --max-body ({limit} bytes)",
-                           None, "request_too_large")
-        try:
-            raw = self.rfile.read(int(n))
-        except TimeoutError:
-            raise ApiError(408, f"the body did not arrive within {self.timeout} s", None, "request_timeout") from None
-        if len(raw) < int(n):
-            raise ApiError(400, f"the body ended after {len(raw)} of its {n} bytes (Content-Length)", None,
-                           "bad_request")
-        return raw
 
     def do_POST(self):
         path = self.route()
@@ -756,8 +454,7 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 self.answer(req)
         except CLIENT_GONE:    # the client went away: its jobs are dropped, everyone else is served as before
-            for job in req.jobs:
-                job.cancelled = True
+            req.cancel()
             self.close_connection = True
             self.app.log(f"{self.address_string()} went away during {path}")
 
@@ -780,8 +477,7 @@ class Handler(BaseHTTPRequestHandler):
         results = {}
         for index, kind, payload in self.events(req):
             if kind == "error":
-                for job in req.jobs:
-                    job.cancelled = True
+                req.cancel()
                 return self.send_error_json(payload)
             results[index] = payload
         choices, completion = [], 0
@@ -789,8 +485,8 @@ class Handler(BaseHTTPRequestHandler):
             r = results[job.index]
             text, reason, n = self.app.finish(job, r["ids"])
             completion += n
-            choices.append(self.app.choice(req.kind, job, text, reason, self.app.extra(job, r)))
-        self.send_json(200, self.app.envelope(req, choices) | {"usage": self.app.usage(req.prompt_tokens, completion)})
+            choices.append(choice(req.kind, job.index, text, reason, r["fastdllm"]))
+        self.send_json(200, envelope(req, choices) | {"usage": usage(req.prompt_tokens, completion)})
 
     def sse_start(self, req: Request):
         """The worker's events for a streamed request, once the first has come: a request that fails before its
@@ -798,21 +494,10 @@ class Handler(BaseHTTPRequestHandler):
         events = self.events(req)
         first = next(events)
         if first[1] == "error":
-            for job in req.jobs:
-                job.cancelled = True
+            req.cancel()
             return self.send_error_json(first[2])
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream; charset=utf-8")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")   # the stream's end is the connection's end
-        self.end_headers()
-        self.close_connection = True
+        self.start_events()
         return itertools.chain([first], events)
-
-    def sse(self, obj):
-        data = obj if isinstance(obj, bytes) else dumps(obj)
-        self.wfile.write(b"data: " + data + b"\n\n")
-        self.wfile.flush()
 
     def openai_stream(self, req: Request):
         """OpenAI's chunks: the text as it is decided (left to right: the part before the first mask), each
@@ -826,7 +511,7 @@ class Handler(BaseHTTPRequestHandler):
             return
         if req.kind == "chat":
             for job in req.jobs:
-                self.sse(app.chunk(req, job, "", role=True))
+                self.sse(chunk(req, job.index, "", role=True))
         for index, kind, payload in events:
             if kind == "error":
                 self.sse(payload.body())
@@ -844,12 +529,12 @@ class Handler(BaseHTTPRequestHandler):
                 app.log(f"warning: streamed text {shown[index]!r} is not a prefix of {visible!r}")
             piece, shown[index] = visible[len(shown[index]):], visible
             if piece:
-                self.sse(app.chunk(req, job, piece))
+                self.sse(chunk(req, job.index, piece))
             if kind == "done":
-                self.sse(app.chunk(req, job, "", reason, app.extra(job, payload)))
+                self.sse(chunk(req, job.index, "", reason, payload["fastdllm"]))
         else:    # every choice done: OpenAI's usage chunk (no choices) when stream_options asks for it
             if req.include_usage:
-                self.sse(app.envelope(req, [], chunk=True) | {"usage": app.usage(req.prompt_tokens, completion)})
+                self.sse(envelope(req, [], chunk=True) | {"usage": usage(req.prompt_tokens, completion)})
         self.sse(b"[DONE]")
 
     def denoise_stream(self, req: Request):
@@ -864,7 +549,7 @@ class Handler(BaseHTTPRequestHandler):
         self.sse({"type": "start", "id": req.id, "model": app.name, "prompt": decode(app.chat.tok, job.ids, False),
                   "prompt_tokens": len(job.ids), "gen_length": gen, "max_tokens": job.max_tokens,
                   "block_length": gen if job.guided else job.kw["block_length"] or gen,
-                  "mask": app.token_text(mask_id), "settings": app.settings_of(job)})
+                  "mask": app.token_text(mask_id), "settings": job.settings()})
         prev, step = [mask_id] * gen, 0
         for _, kind, payload in events:
             if kind == "error":
@@ -879,7 +564,7 @@ class Handler(BaseHTTPRequestHandler):
                 continue
             text, reason, n = app.finish(job, canvas)
             self.sse({"type": "done", "text": text, "finish_reason": reason, "filled": new,
-                      "usage": app.usage(len(job.ids), n), "fastdllm": app.extra(job, payload)})
+                      "usage": usage(len(job.ids), n), "fastdllm": payload["fastdllm"]})
         self.sse(b"[DONE]")
 
 
@@ -940,10 +625,8 @@ def parse_args(argv=None):
     p.add_argument("--served-name", help="the model name clients pass and /v1/models lists (default: --model)")
     p.add_argument("--batch-window", type=float, default=20.0, help="ms to wait for more requests to batch with "
                    "the first, while another connection could send one (default: %(default)s)")
-    p.add_argument("--max-batch", type=int, default=8, help="most requests decoded as one batch (default: "
-                   "%(default)s)")
-    p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default: "
-                   "%(default)s)")
+    p.add_argument("--max-batch", type=int, default=8, help="most requests decoded as one batch (default: %(default)s)")
+    p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no request and batch log on stderr")
     own, rest = p.parse_known_args(argv)
     own.seed_given = any(a.split("=")[0] == "--seed" for a in rest)    # else a sampled request gets a fresh seed
