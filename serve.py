@@ -244,7 +244,7 @@ class App:
         self.created = int(time.time())
         self.texts = {}               # token id -> its text, for the event stream
         # An unguided request on a guided server ("guide": false) gets the CLI's default threshold, not none.
-        self.threshold = fastdllm.parse_args(["--prompt", "-"]).threshold if args.guide else args.threshold
+        self.threshold = fastdllm.CLI_DEFAULTS["threshold"] if args.guide else args.threshold
 
     def token_text(self, t: int) -> str:
         if t not in self.texts:
@@ -654,6 +654,7 @@ def build(args) -> App:
     args.stop_ids = sorted(chat.stop_ids)
     guide = args.guide_model = fastdllm.load_guide(guide_dir, args, cfg, chat, device, dtype)
     model = fastdllm.load(args.model, model_dir, device, dtype)      # "loaded ... in s" on stderr
+    args.compiled = fastdllm.Compiled() if args.compile else None     # one for every batch: graphs made once
     return App(args, model, chat, guide)
 
 

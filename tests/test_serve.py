@@ -638,6 +638,22 @@ def test_serve_py_command_and_ctrl_c():
     assert "stopped" in out and "Traceback" not in err
 
 
+def test_compile_makes_one_compiled_that_every_batch_reuses(server):
+    """The bug: `serve.py --compile` passed compile=True to every batch, so each batch compiled its graphs
+    anew (on CUDA: captured them again). Now build() makes one fastdllm.Compiled for the server, and it answers
+    the README's chat request with the answer and NFE of the server without --compile. One request: the CPU
+    compiles the demo model's call in 10-60 s."""
+    _, port = server
+    body = {"messages": [{"role": "user", "content": PROMPT}]}
+    eager = post(port, "/v1/chat/completions", body)
+    with serving("--compile") as (app, compiled_port, _):
+        status, compiled = ask(http.client.HTTPConnection("127.0.0.1", compiled_port, timeout=600), body)
+        assert status == 200, compiled
+        assert isinstance(app.args.compiled, fastdllm.Compiled) and app.args.compiled.fn is not None
+    answer = lambda r: (r["choices"][0]["message"]["content"], r["choices"][0]["fastdllm"]["nfe"])  # noqa: E731
+    assert answer(compiled) == answer(eager) and answer(eager)[0] == "45 + 23 = 68. The answer is 68."
+
+
 def test_sigterm_answers_every_request_in_flight():
     """Issue 25: SIGTERM with requests in flight left some of 12 clients without any answer (the process exited
     under its handler threads; once with status -6). Now the server stops accepting, answers each request
