@@ -52,7 +52,7 @@ except ImportError as e:
 
 from chat import Chat
 from checks import BOOLEANS, DREAM_REMASKING, GUIDED_ONLY, LLADA_REMASKING, check_stop
-from fastdllm import Settings, check_early, generate, pad_prompts, pick_device_dtype
+from fastdllm import CLI_DEFAULTS, Compiled, Settings, check_early, generate, pad_prompts, pick_device_dtype
 from guided import ACCEPT_RULES, check_guide
 from model import load_model, read_config, resolve_model_dir
 
@@ -62,7 +62,7 @@ log = logging.getLogger("lm_eval.fastdllm")   # under lm-eval's logger, so it pr
 # fork's own rule (select, propose, stop: objects) cannot come from the command line.
 SUPPLIED = {"guide", "eos_ids", "select", "propose", "stop"}
 SETTINGS = {f.name: f.default for f in dataclasses.fields(Settings) if f.name not in SUPPLIED}
-DEFAULTS = SETTINGS | dict(gen_length=256, block_length=32, cache="dual", threshold=0.9, stop_at_eos=True)  # the CLI's
+DEFAULTS = SETTINGS | CLI_DEFAULTS     # the CLI's (block_length 32 is generate()'s own)
 REFUSAL = ("the fastdllm model only generates (generate_until tasks such as gsm8k or humaneval): a masked-"
            "diffusion model's likelihood needs a Monte Carlo estimate, which this harness does not do")
 RUNS = []    # every FastDLLM made in this process, for main() to report its throughput after lm-eval's table
@@ -117,6 +117,8 @@ class FastDLLM(LM):
         guide_local = check_local(guide, "guide") if guide is not None else False   # the guide first, as the CLI
         model_local = check_local(model, "model")
         self.model_name, self.guide_name, self.batch_size, self.seed = model, guide, int(batch_size), seed
+        # compile=True: one Compiled for every batch, so each graph is compiled (and captured) once, not per call
+        self.compile = Compiled() if s["compile"] is True else s["compile"]
         self.chat_applied = False          # set once lm-eval asks for the chat template
         self._chat, self._net, self._guide = None, None, None
         self.said = set()                  # log lines said once
@@ -267,7 +269,7 @@ class FastDLLM(LM):
         generator = torch.Generator(self._device).manual_seed(self.seed)
         x, stats = generate(net, ids.to(self._device), attention_mask=am.to(self._device), generator=generator,
                             guide=self._guide, eos_ids=sorted(self.chat.stop_ids),
-                            **self.settings | {"gen_length": gen_length})
+                            **self.settings | {"gen_length": gen_length, "compile": self.compile})
         return x[:, ids.shape[1]:].tolist(), stats
 
     def say(self, line: str):

@@ -354,6 +354,31 @@ def test_local_completions_works_with_requirements_eval():
     assert "lm-eval[api]==0.4.13" in pins and all("==" in p and not p.startswith("torch") for p in pins)
 
 
+def test_compile_is_one_compiled_for_every_batch(monkeypatch):
+    """The bug: model_args compile=True reached generate() as True, so every batch compiled the model call
+    anew (on CUDA: captured its graphs again). Now one fastdllm.Compiled, made with the model, serves every
+    batch (generate() is stubbed: the test is about what it is given, not about compiling)."""
+    lm = harness.FastDLLM(model=DEMO_MODEL, block_length=8, device="cpu", compile=True)
+    given = []
+
+    def generate(net, ids, **kw):
+        given.append(kw["compile"])
+        return torch.cat([ids, ids], 1), {}
+    monkeypatch.setattr(harness, "generate", generate)
+    lm.decode(None, [[5, 6]], 8)
+    lm.decode(None, [[7]], 8)
+    assert isinstance(given[0], harness.Compiled) and given[1] is given[0]
+    assert lm.get_model_info()["fastdllm"]["compile"] is True      # reported as it was given
+
+
+def test_defaults_are_the_clis():
+    """DEFAULTS comes from fastdllm.CLI_DEFAULTS (block_length 32 is generate()'s own): the values docs/eval.md
+    states."""
+    d = harness.DEFAULTS
+    assert [d[k] for k in ("gen_length", "block_length", "cache", "threshold", "stop_at_eos")] == [256, 32, "dual",
+                                                                                                  0.9, True]
+
+
 def test_every_generate_setting_is_a_model_arg():
     import dataclasses
     names = {f.name for f in dataclasses.fields(harness.Settings)} - harness.SUPPLIED
