@@ -19,6 +19,7 @@ tokens equal to the *exact* decode (no cache, one token per step, the same steps
 where they differ, so an approximation's cost in quality sits next to its speed. Speed is only reported,
 never asserted; tests/test_bench.py checks that the numbers are computed right.
 """
+import contextlib
 import hashlib
 import json
 import os
@@ -125,12 +126,12 @@ def run_row(model, prompt, mode: dict, kw: dict, guide=None, eos_ids=None, repea
     # without early stop every generated token was committed by some call, and at batch 1 a call serves the row.
     committed = sum(st["committed"]) if "committed" in st else B * G
     row_calls = sum(st["row_nfe"]) if "row_nfe" in st else B * st["nfe"]
-    row = dict(cache=mode["cache"], rule=rule_name(mode, kw), stop=stop_name(mode["stop"]), batch=B,
-               gen_length=G, nfe=st["nfe"], calls_per_problem=row_calls / B, tokens_per_call=committed / row_calls,
-               fed_per_call=sum(st["fed"]) / st["nfe"], seconds=seconds, answer_tokens=answer,
-               answer_tokens_per_s=answer / seconds, all_tokens_per_s=B * G / seconds,
-               peak_mib=peak / MiB, calls_saved=st.get("calls_saved", 0), guide_calls=st.get("guide_calls", 0),
-               ids_sha1=hashlib.sha1(str(out.tolist()).encode()).hexdigest()[:12])
+    row = label(mode, kw, B) | dict(
+        nfe=st["nfe"], calls_per_problem=row_calls / B, tokens_per_call=committed / row_calls,
+        fed_per_call=sum(st["fed"]) / st["nfe"], seconds=seconds, answer_tokens=answer,
+        answer_tokens_per_s=answer / seconds, all_tokens_per_s=B * G / seconds, peak_mib=peak / MiB,
+        calls_saved=st.get("calls_saved", 0), guide_calls=st.get("guide_calls", 0),
+        ids_sha1=hashlib.sha1(str(out.tolist()).encode()).hexdigest()[:12])
     return out, row
 
 
@@ -152,28 +153,26 @@ def modes(caches, thresholds=(), factors=(), stops=(False,), guided=()):
     return out
 
 
-def rule_name(mode, kw) -> str:
+def label(mode, kw, batch: int) -> dict:
+    """What names a row (in the tables, and to `compare`): its cache, rule, early stop, batch and gen length."""
     if mode["guided"]:
-        return f"{'speculative' if kw.get('speculative') else 'guided'} {mode['guided']}"
-    if mode["threshold"] is not None:
-        return f"tau {mode['threshold']:g}"
-    if mode["factor"] is not None:
-        return f"factor {mode['factor']:g}"
-    return f"{kw['gen_length'] / (kw.get('steps') or kw['gen_length']):g} tok/step"
-
-
-def stop_name(stop) -> str:
-    return "-" if stop is False else "block" if stop is True else f"k={stop}"
+        rule = f"{'speculative' if kw.get('speculative') else 'guided'} {mode['guided']}"
+    elif mode["threshold"] is not None:
+        rule = f"tau {mode['threshold']:g}"
+    elif mode["factor"] is not None:
+        rule = f"factor {mode['factor']:g}"
+    else:
+        rule = f"{kw['gen_length'] / (kw.get('steps') or kw['gen_length']):g} tok/step"
+    stop = "-" if mode["stop"] is False else "block" if mode["stop"] is True else f"k={mode['stop']}"
+    return dict(cache=mode["cache"], rule=rule, stop=stop, batch=batch, gen_length=kw["gen_length"])
 
 
 def warm_up(model, prompt, caches, kw):
     """One block of each cache, untimed: first-call costs (allocator, kernel choice) stay out of the rows."""
     bl = kw.get("block_length") or kw["gen_length"]
     for cache in dict.fromkeys(caches):
-        try:
+        with contextlib.suppress(ValueError):    # a mode these settings forbid: its row will say so
             generate(model, prompt, **dict(kw, gen_length=bl, block_length=bl, steps=bl, cache=cache))
-        except ValueError:   # a mode these settings forbid: its row will say so
-            pass
 
 
 def run_modes(model, prompt, mode_list, kw, guide=None, eos_ids=None, repeat=1, seed=0, warmup=True, ref=None):
@@ -187,9 +186,8 @@ def run_modes(model, prompt, mode_list, kw, guide=None, eos_ids=None, repeat=1, 
     for mode in mode_list:
         try:
             out, row = run_row(model, prompt, mode, kw, guide, eos_ids, repeat, seed)
-        except ValueError as e:
-            rows.append(dict(cache=mode["cache"], rule=rule_name(mode, kw), stop=stop_name(mode["stop"]),
-                             batch=prompt.shape[0], gen_length=kw["gen_length"], error=str(e)))
+        except ValueError as e:     # the row says why
+            rows.append(label(mode, kw, prompt.shape[0]) | {"error": str(e)})
             continue
         ref = ref or (out, row["seconds"])
         row["agreement"], row["first_diff"] = agreement(out, ref[0], eos_ids)
@@ -214,9 +212,8 @@ def table(rows, columns) -> str:
 MODE_COLUMNS = [
     ("cache", lambda r: r["cache"]), ("rule", lambda r: r["rule"]), ("early stop", lambda r: r["stop"]),
     ("NFE", lambda r: str(r["nfe"])), ("NFE/problem", lambda r: f"{r['calls_per_problem']:.2f}"),
-    ("tokens/call", lambda r: f"{r['tokens_per_call']:.2f}"),
-    ("fed/call", lambda r: f"{r['fed_per_call']:.0f}"), ("wall s", lambda r: f"{r['seconds']:.3f}"),
-    ("answer tok/s", lambda r: f"{r['answer_tokens_per_s']:.1f}"),
+    ("tokens/call", lambda r: f"{r['tokens_per_call']:.2f}"), ("fed/call", lambda r: f"{r['fed_per_call']:.0f}"),
+    ("wall s", lambda r: f"{r['seconds']:.3f}"), ("answer tok/s", lambda r: f"{r['answer_tokens_per_s']:.1f}"),
     ("all tok/s", lambda r: f"{r['all_tokens_per_s']:.1f}"), ("speed-up", lambda r: f"{r['speedup']:.2f}x"),
     ("peak MiB", lambda r: f"{r['peak_mib']:.0f}"), ("agreement", lambda r: f"{r['agreement']:.3f}"),
     ("first diff", lambda r: "-" if r["first_diff"] is None else str(r["first_diff"])),
@@ -236,8 +233,7 @@ def environment(device, dtype) -> dict:
         commit = None
     return dict(date=time.strftime("%Y-%m-%d %H:%M %Z"), torch=torch.__version__, python=platform.python_version(),
                 device=str(device), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                cuda=torch.version.cuda,
-                dtype=str(dtype).replace("torch.", ""), threads=torch.get_num_threads(),
+                cuda=torch.version.cuda, dtype=str(dtype).replace("torch.", ""), threads=torch.get_num_threads(),
                 omp_num_threads=os.environ.get("OMP_NUM_THREADS"), cpu=cpu, cpu_count=os.cpu_count(), commit=commit)
 
 
@@ -323,15 +319,13 @@ def compare(a_path: str, b_path: str) -> str:
     """Two --json results of the same modes (e.g. two commits, two machines) row by row."""
     runs = [measured_rows(a_path), measured_rows(b_path)]
 
-    def key(r):
-        return r.get("family"), r.get("variant"), r["batch"], r["cache"], r["rule"], r["stop"]
+    key = lambda r: (r.get("family"), r.get("variant"), r["batch"], r["cache"], r["rule"], r["stop"])  # noqa: E731
     old = {key(r): r for r in runs[0]}
     rows = [dict(r, before=old[key(r)]) for r in runs[1] if key(r) in old]
     if not rows:
         raise ValueError(f"no row of {b_path} has the mode of a row of {a_path} (cache, rule, early stop, batch): "
                          f"compare results of the same modes")
-    return table(rows, [
-        ("cache", lambda r: r["cache"]), ("rule", lambda r: r["rule"]), ("early stop", lambda r: r["stop"]),
+    return table(rows, MODE_COLUMNS[:3] + [     # cache, rule, early stop
         ("NFE before", lambda r: str(r["before"]["nfe"])), ("NFE after", lambda r: str(r["nfe"])),
         ("wall s before", lambda r: f"{r['before']['seconds']:.2f}"), ("wall s after", lambda r: f"{r['seconds']:.2f}"),
         ("after / before", lambda r: f"{r['seconds'] / r['before']['seconds']:.2f}x"),
@@ -345,8 +339,7 @@ def run(args, rest):
     """bench.py run: the modes table on a real checkpoint and prompt, with fastdllm.py's decoding flags."""
     from chat import Chat
     a = F.parse_args(["--prompt", PROMPT if args.prompt is None else args.prompt] + rest)
-    kw = F.settings(a, cache="none", threshold=None)    # every row sets its own cache and rule
-    F.check_early(kw)
+    F.check_early(F.settings(a, cache="none", threshold=None))    # every row sets its own cache and rule
     device, dtype = F.pick_device_dtype(a.device, a.dtype)
     guide_dir = resolve_model_dir(a.guide, role="guide") if a.guide else None
     model_dir = resolve_model_dir(a.model)
@@ -372,14 +365,15 @@ def run(args, rest):
 def random_table(args):
     """bench.py modes / sweep: the table on a random checkpoint and random prompt ids."""
     hf, sweeping = shape_config(args), args.cmd == "sweep"
-    for G in args.lengths if sweeping else [args.gen_length]:
+    lengths = args.lengths if sweeping else [args.gen_length]
+    for G in lengths:
         try:
             check_settings(gen_length=G, block_length=args.block_length, steps=G if sweeping else args.steps or G,
                              cache="none", threshold=None, factor=None, temperature=0.0)
         except ValueError as e:
             raise ValueError(f"{'--lengths' if sweeping else '--gen-length'} {G}: {e}") from None
     top = ModelConfig.from_hf(hf).max_seq_len
-    if args.prompt_length + max(args.lengths if sweeping else [args.gen_length]) > top:
+    if args.prompt_length + max(lengths) > top:
         raise ValueError(f"--prompt-length {args.prompt_length} plus the gen length exceed the checkpoint's {top} "
                          "positions")
     if sweeping and len(args.thresholds) > 1:
