@@ -337,16 +337,10 @@ def compare(a_path: str, b_path: str) -> str:
 
 def run(args, rest):
     """bench.py run: the modes table on a real checkpoint and prompt, with fastdllm.py's decoding flags."""
-    from chat import Chat
     a = F.parse_args(["--prompt", PROMPT if args.prompt is None else args.prompt] + rest)
     F.check_early(F.settings(a, cache="none", threshold=None))    # every row sets its own cache and rule
-    device, dtype = F.pick_device_dtype(a.device, a.dtype)
-    guide_dir = resolve_model_dir(a.guide, role="guide") if a.guide else None
-    model_dir = resolve_model_dir(a.model)
-    cfg = read_config(model_dir)
-    chat = Chat(model_dir, cfg, chat=not a.no_chat)
-    guide = F.load_guide(guide_dir, a, cfg, chat, device, dtype)
-    model = load_model(model_dir, device=device, dtype=dtype)
+    model, chat, cfg, device = F.load_all(a)        # the CLI's checks and loading; one Compiled (--compile)
+    guide, dtype = a.guide_model, model.lm_head.weight.dtype
     ids = chat.encode(chat.render([{"role": "user", "content": a.prompt}]))
     a.gen_length = F.fit_gen_length(a, len(ids), cfg.max_seq_len)
     prompt = torch.tensor([ids] * args.batch, device=device)

@@ -69,9 +69,11 @@ class KVCache:
 class Feed:
     """The protocol, and its simplest policy: feed the whole canvas at every step, into the KV cache.
     keeps_cache: the model writes a KVCache (False: every call attends over its own chunk alone).
-    spare: discard slots the policy's per-row writes need (see slots)."""
+    spare: discard slots the policy's per-row writes need (see slots). fixed_width: False for a policy whose
+    span changes from step to step, which compile=True then leaves eager (a graph per step would not pay)."""
     keeps_cache = True
     spare = 0
+    fixed_width = True        # one span width per block at most: compile=True compiles a graph per width
 
     def span(self, at) -> tuple[int, int]:
         return 0, at.x.shape[1]

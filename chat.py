@@ -213,6 +213,14 @@ class Chat:
 # ----------------------------------------------------------------------------------------------------------
 # The CLI's text input and output
 
+def pad_prompts(rows: list[list[int]], pad_id: int):
+    """Prompts of different lengths -> (ids (B, P), attention_mask (B, P)), left-padded so that every answer
+    starts at the same canvas position."""
+    P = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (P - len(r)) + list(r) for r in rows])
+    return ids, (torch.arange(P) >= torch.tensor([[P - len(r)] for r in rows])).long()
+
+
 def check_text(text: str, what: str = "the prompt"):
     # Bytes that are not UTF-8 reach us as lone surrogates (Python's surrogateescape on argv, and on stdin
     # in a C locale), which the tokenizer refuses with a TypeError.
@@ -347,7 +355,10 @@ def load_guide(guide_dir, args, cfg, chat, device, dtype):
     except FileNotFoundError:
         guide_tok = None
     check_guide(cfg, read_config(guide_dir), chat.tok, guide_tok)
-    return load(f"the guide {args.guide}", guide_dir, device, dtype)
+    try:
+        return load(f"the guide {args.guide}", guide_dir, device, dtype)
+    except ValueError as e:     # a truncated or corrupt file: say it is the guide's
+        raise ValueError(f"the guide {args.guide}: {e}") from None
 
 
 def read_prompts(path: str) -> list[str]:

@@ -21,7 +21,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable, NamedTuple
 
 import torch
@@ -30,11 +29,11 @@ import torch.nn.functional as F
 import checks
 import sampler as S
 from cache import CACHE_POLICIES, Feed, KVCache, Refresh
-from chat import (Chat, check_text, checked, fit_gen_length, load, load_guide, optional_float, pick_device_dtype,
-                  read_prompts, read_turns, streamer)
+from chat import (Chat, check_text, checked, fit_gen_length, load, load_guide, optional_float, pad_prompts,
+                  pick_device_dtype, read_prompts, read_turns, streamer)
 from checks import CACHE_MODES, check_early
-from guided import ACCEPT_RULES, Guide, Guided, GuidedFreeCache, accept_drafts, check_accept
-from model import check_readable, read_config, resolve_model_dir
+from guided import ACCEPT_RULES, check_accept, guided_parts
+from model import Compiled, check_readable, logits_at, padding, read_config, resolve_model_dir
 
 
 @dataclass
@@ -91,72 +90,6 @@ class Step(NamedTuple):
     cols: torch.Tensor = None   # (n,) long: the block columns the logits are computed at (all N when compiled)
 
 
-def padding(attention_mask, gen_length: int, device):
-    """Left-padded prompts: real tokens count positions from 0, pads neither attend nor are attended to, so
-    every row decodes as it would alone. -> (pos (B, L), mask (B, 1, L, L)), or (None, None) without pads."""
-    if attention_mask is None or not (attention_mask == 0).any():
-        return None, None
-    m = F.pad(attention_mask.to(device).bool(), (0, gen_length), value=True)
-    return (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
-
-
-def pad_prompts(rows: list[list[int]], pad_id: int):
-    """Prompts of different lengths -> (ids (B, P), attention_mask (B, P)), left-padded so that every answer
-    starts at the same canvas position."""
-    P = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_id] * (P - len(r)) + list(r) for r in rows])
-    return ids, (torch.arange(P) >= torch.tensor([[P - len(r)] for r in rows])).long()
-
-
-def answer_tokens(answers: torch.Tensor, eos: torch.Tensor) -> int:
-    """Generated tokens before each row's first end token, summed over rows: what tokens/s counts everywhere
-    (the CLI, the server, the harness, bench.py), so that end-of-text filler is never counted as speed."""
-    end = torch.isin(answers, eos)
-    first = torch.where(end.any(-1), end.long().argmax(-1), answers.shape[1])
-    return int(first.sum())
-
-
-def logits_at(model, ids, pos, kv, slots, mask, rows):
-    """One model call -> (logits at the chunk rows `rows`, is any of them NaN/inf). The NaN/inf check reads the
-    logits' row sums (one reduction, into which any NaN/inf propagates) and stays on the device until the
-    step's one host read. compile=True compiles exactly this function."""
-    logits = model(ids, pos, kv, slots, mask, rows)
-    return logits, ~torch.isfinite(logits.sum(-1, dtype=torch.float32)).all()
-
-
-class Compiled:
-    """compile=True: logits_at through torch.compile, one graph per feed shape (fullgraph, static shapes: the
-    slots and rows are tensors, so one graph serves every block; the prefix and free caches feed one width per
-    block, so the recompile limit is raised for this function's calls only). On CUDA with CUDA graphs
-    ("reduce-overhead"): one launch per call instead of ~1,500. CUDA graphs write the KV cache in place at fixed
-    addresses, so this object keeps the last call's cache for the next call of the same shape: pass one instance
-    as compile= to every call (the CLI, serve.py and harness.py do) and each graph is captured once.
-    emulate_precision_casts rounds low-precision intermediates where eager does, so bf16 ids equal eager's on
-    the CPU (tests/test_compile.py)."""
-
-    def __init__(self):
-        self.fn, self.kv, self.key = None, None, None
-
-    def cache(self, model, B: int, L: int, spare: int) -> KVCache:
-        """A KV cache for this call: the previous call's when the shape is the same (every generation's first
-        call feeds the whole canvas, so nothing stale is ever read)."""
-        if self.key != (id(model), B, L, spare):
-            self.kv, self.key = KVCache.for_model(model, B, L, spare), (id(model), B, L, spare)
-            for t in self.kv.k + self.kv.v if self.kv.k[0].is_cuda else ():
-                torch._dynamo.mark_static_address(t, guard=False)     # written in place by the CUDA graphs
-        return self.kv
-
-    def __call__(self, model, *args):
-        cuda = model.lm_head.weight.is_cuda
-        if self.fn is None:
-            options = {"emulate_precision_casts": True} | ({"triton.cudagraphs": True} if cuda else {})
-            self.fn = torch.compile(logits_at, fullgraph=True, dynamic=False, options=options)
-        if cuda:
-            torch.compiler.cudagraph_mark_step_begin()   # the previous step's logits are no longer read
-        with torch._dynamo.config.patch(recompile_limit=256):
-            return self.fn(model, *args)
-
-
 @dataclass
 class Plan:
     """What one generate() call decided before its loop: the blocks and the parts the loop calls."""
@@ -177,6 +110,8 @@ class Plan:
     calls_per_block: int      # the fewest calls a block takes (for calls_saved)
     eos: torch.Tensor         # the end-of-text ids
     ar: torch.Tensor          # arange(L): slots and columns as views, no kernel
+    P: int                    # prompt length
+    gen_length: int
 
     def at(self, x, n: int, i: int, s: int, e: int, open_cols: list) -> Step:
         """Where this step stands: the cache policy's span (checked to cover every open position; for a shifted
@@ -195,28 +130,43 @@ class Plan:
         return self.call(self.model, x[:, a:b], self.pos[:, a:b], self.kv, slots,
                          None if self.mask is None else self.mask[:, :, a:b], rows)
 
-    def read(self, x, at: Step, p: S.Proposal, take, ended, bad, P: int):
-        """The step's one host read, which checks.check_step reads first -> (NaN/inf?, proposal opened a
-        committed position?, selection outside p.open?), then (every row ended?, tokens committed, masks left in
-        the answer, the block's open columns)."""
-        masks = x[:, at.s:at.e] == self.mask_id
+    def record(self, x, at: Step, p: S.Proposal, take, ended, bad, stats) -> tuple[bool, list]:
+        """The step's one host read: the values of the hooks' checks (NaN/inf logits, a proposal that opens a
+        committed position, a selection outside p.open), whether every row's answer has ended, the counts for
+        stats, and the block's open columns (the next step's LM head and span check). -> (ended, open cols)."""
+        stats["row_nfe"] = stats.get("row_nfe", 0) + at.cand.any(-1)          # device tensors until the end
+        stats["row_committed"] = stats.get("row_committed", 0) + take.sum(-1)
         head = torch.stack([bad, (p.open & ~at.cand).any(), (take & ~p.open).any(), ended.all(), take.sum(),
-                            (x[:, P:] == self.mask_id).sum()])
-        v = torch.cat([head, masks.any(0)]).tolist()
-        return v[:3], v[3:6] + [[c for c, m in enumerate(v[6:]) if m]]
+                            (x[:, self.P:] == self.mask_id).sum()])
+        v = torch.cat([head, (x[:, at.s:at.e] == self.mask_id).any(0)]).tolist()
+        checks.check_step(*v[:3], at, self.rule, self.select)
+        ended, committed, left = v[3:6]
+        stats["nfe"] += 1
+        stats["fed"].append(at.span[1] - at.span[0])
+        stats["committed"].append(committed)
+        stats["filled"].append(stats.get("left", x.shape[0] * self.gen_length) - left - committed)
+        stats["left"], stats["guide_calls"] = left, getattr(self.rule, "guide_calls", 0)
+        return bool(ended), [c for c, m in enumerate(v[6:]) if m]
+
+    def finish(self, x, stats: dict, t0: float) -> dict:
+        if x.device.type == "cuda":
+            torch.cuda.synchronize(x.device)
+        stats["seconds"] = time.perf_counter() - t0
+        stats["row_nfe"], stats["row_committed"] = stats["row_nfe"].tolist(), stats["row_committed"].tolist()
+        stats["answer_tokens"] = S.answer_tokens(x[:, self.P:], self.eos)
+        stats["tokens_per_s"] = stats["answer_tokens"] / max(stats["seconds"], 1e-9)
+        del stats["left"]
+        return stats
 
 
-def settings_of(options: dict) -> Settings:
-    names = {f.name for f in dataclasses.fields(Settings)}
-    unknown = sorted(set(options) - names)
-    if unknown:
-        raise ValueError(f"unknown setting {unknown[0]!r}: generate() takes {', '.join(sorted(names))}")
-    return Settings(**options)
-
-
-def resolve(model, prompt, st: Settings, attention_mask, generator):
+def resolve(model, prompt, options: dict, attention_mask, generator):
     """The settings with the family's and the method's defaults filled in, every check passed; -> (settings,
     whether this is Dream's own whole-canvas sampler)."""
+    names = {f.name for f in dataclasses.fields(Settings)}
+    if set(options) - names:
+        raise ValueError(f"unknown setting {sorted(set(options) - names)[0]!r}: generate() takes "
+                         f"{', '.join(sorted(names))}")
+    st = Settings(**options)
     dream, guided = model.config.family == "dream", st.guide is not None
     whole_canvas = dream and st.block_length is None and not guided     # Dream's own diffusion_generate
     st = dataclasses.replace(
@@ -227,11 +177,11 @@ def resolve(model, prompt, st: Settings, attention_mask, generator):
     return st, whole_canvas
 
 
-def make_plan(model, prompt, st: Settings, attention_mask, generator) -> Plan:
+def make_plan(model, prompt, options: dict, attention_mask, generator) -> Plan:
     """Turn (cache, family, selection, stop) into parts, once: everything here depends only on the call's
     settings, so the loop has no branch on a setting."""
     cfg, device = model.config, model.lm_head.weight.device
-    st, whole_canvas = resolve(model, prompt, st, attention_mask, generator)
+    st, whole_canvas = resolve(model, prompt, options, attention_mask, generator)
     guided = st.guide is not None
     B, P = prompt.shape
     L, n_blocks = P + st.gen_length, st.gen_length // st.block_length
@@ -239,28 +189,23 @@ def make_plan(model, prompt, st: Settings, attention_mask, generator) -> Plan:
     eos = torch.tensor(sorted(set(st.eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
     pos, mask = padding(attention_mask, st.gen_length, device)
     ar = torch.arange(L, device=device)
-    if guided:    # one block over the answer; "dual" is "prefix" there; a committed end token ends the answer
-        real = None if pos is None else F.pad(attention_mask.to(device).bool(), (0, st.gen_length), value=True)
-        accept = partial(accept_drafts, rule=st.accept, k=st.accept_k, ratio=st.accept_ratio,
-                         threshold=st.accept_threshold)
-        rule = Guided(Guide(st.guide, B, L, pos, real), accept, st.verify_chunk, eos, cfg.mask_id, st.speculative,
-                      prompt.to(device))
-        select, stop_run = S.Schedule(), 1
-        feed = {"free": GuidedFreeCache, "none": CACHE_POLICIES["none"]}.get(st.cache, CACHE_POLICIES["prefix"])()
+    if guided:    # one block over the answer; a committed end token ends the answer
+        (rule, select, feed), stop_run = guided_parts(st, prompt.to(device), attention_mask, pos, eos, cfg.mask_id), 1
     else:
         rule, select = S.family_rules(cfg, st, whole_canvas, n_blocks, generator, device)
         feed = st.cache if isinstance(st.cache, Feed) else CACHE_POLICIES[st.cache]()
         stop_run = st.stop_at_eos
     feed = Refresh(feed) if st.refresh_every_step else feed
     stop = st.stop or (S.EndOfText(P, eos, cfg.mask_id, stop_run) if stop_run else S.NoStop())
-    call = st.compile if isinstance(st.compile, Compiled) else Compiled() if st.compile else logits_at
-    cache = call.cache if st.compile else KVCache.for_model
+    compile_ = st.compile and feed.fixed_width
+    call = (st.compile if isinstance(st.compile, Compiled) else Compiled()) if compile_ else logits_at
+    cache = call.cache if compile_ else KVCache.for_model
     kv = cache(model, B, L, feed.spare) if feed.keeps_cache else None
     calls_per_block = 1 if getattr(select, "parallel", True) or guided else st.steps // n_blocks
     return Plan([(s, s + st.block_length) for s in range(P, L, st.block_length)], feed, rule,
                 *checks.checked_hooks(rule, select, stop, B, st.block_length), model,
                 call, kv, ar.expand(B, L) if pos is None else pos, mask, int(cfg.shift_logits), cfg.mask_id,
-                bool(st.compile), calls_per_block, eos, ar)
+                bool(compile_), calls_per_block, eos, ar, P, st.gen_length)
 
 
 @torch.inference_mode()
@@ -269,9 +214,10 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
     """
     Decode gen_length tokens after `prompt` (B, P). Returns (ids (B, P + gen_length), stats) with stats
     {"nfe": model calls, "row_nfe": the calls that served each row (a row's NFE alone, whatever the batch),
-    "row_committed": the tokens the selection committed in each row, "fed": tokens fed per call, "committed": tokens the selection committed per call (all rows), "filled":
-    tokens the stop rule filled per call, "calls_saved", "guide_calls", "seconds", "answer_tokens": generated
-    tokens before each row's first end token, summed, "tokens_per_s": answer_tokens per second}.
+    "row_committed": the tokens the selection committed in each row, "fed": tokens fed per call, "committed":
+    tokens the selection committed per call (all rows), "filled": tokens the stop rule filled per call,
+    "calls_saved", "guide_calls", "seconds", "answer_tokens": generated tokens before each row's first end
+    token, summed, "tokens_per_s": answer_tokens per second}.
 
     settings: the keywords of `Settings` (gen_length, block_length, steps, cache, threshold, factor, select,
         propose, stop, temperature, remasking, top_p, top_k, alg_temp, eps, refresh_every_step, stop_at_eos,
@@ -281,48 +227,30 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
     generator: the only source of randomness (default: a fresh one seeded 0). on_step(x, stats) is called
         after every step with the live canvas.
     """
-    st = settings_of(settings)
-    p = make_plan(model, prompt, st, attention_mask, generator)
+    p = make_plan(model, prompt, settings, attention_mask, generator)
     on_step = on_step or (lambda x, stats: None)
-    x = F.pad(prompt.to(p.ar.device), (0, st.gen_length), value=p.mask_id)
-    B, P = prompt.shape
+    x = F.pad(prompt.to(p.ar.device), (0, p.gen_length), value=p.mask_id)
     stats = {"nfe": 0, "fed": [], "committed": [], "filled": [], "calls_saved": 0, "guide_calls": 0}
-    row_nfe, row_committed = (torch.zeros(B, dtype=torch.long, device=x.device) for _ in range(2))
-    left = B * st.gen_length
     t0 = time.perf_counter()
     for bi, (s, e) in enumerate(p.blocks):
         p.rule.start_block(x, s, e)
-        i, open_cols, ended = 0, list(range(e - s)), False
-        while not ended:
+        i, open_cols = 0, list(range(e - s))
+        while True:
             at = p.at(x, stats["nfe"], i, s, e, open_cols)           # where this step stands; what it feeds
             logits, bad = p.forward(x, at)                            # 1. feed
             prop = p.propose(logits, at)                              # 2. propose
             take = p.select(prop, at)                                 # 3. select
             x[:, s:e] = torch.where(take, prop.x0, x[:, s:e])         # 4. commit
             done = p.stop(x, at, prop)                                # 5. stop
-            row_nfe += at.cand.any(-1)
-            row_committed += take.sum(-1)
-            errors, (ended, committed, now, open_cols) = p.read(x, at, prop, take, done, bad, P)   # one sync
-            checks.check_step(*errors, at, p.rule, p.select)
-            stats["nfe"] += 1
-            stats["fed"].append(at.span[1] - at.span[0])
-            stats["committed"].append(committed)
-            stats["filled"].append(left - now - committed)
-            stats["guide_calls"], left = getattr(p.rule, "guide_calls", 0), now
+            ended, open_cols = p.record(x, at, prop, take, done, bad, stats)   # the step's one host read
             on_step(x, stats)
-            if not p.rule.more(bool(open_cols), at):
+            if ended or not p.rule.more(bool(open_cols), at):
                 break
             i += 1
         if ended:                                                     # every row's answer has ended
             stats["calls_saved"] = (len(p.blocks) - bi - 1) * p.calls_per_block
             break
-    if x.device.type == "cuda":
-        torch.cuda.synchronize(x.device)
-    stats["seconds"] = time.perf_counter() - t0
-    stats["row_nfe"], stats["row_committed"] = row_nfe.tolist(), row_committed.tolist()
-    stats["answer_tokens"] = answer_tokens(x[:, P:], p.eos)
-    stats["tokens_per_s"] = stats["answer_tokens"] / max(stats["seconds"], 1e-9)
-    return x, stats
+    return x, p.finish(x, stats, t0)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -477,15 +405,14 @@ def answer_prompts(model, chat, args, device):
           f"{seconds:.2f} s")
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def load_all(args):
+    """What every command line of the project loads (this CLI, serve.py, bench.py run): the checks of the small
+    files first (config.json, tokenizer.json, the guide's), then the guide and the model. Sets args.stop_ids,
+    args.guide_model and args.compiled (one Compiled for the process). -> (model, chat, cfg, device)."""
     device, dtype = pick_device_dtype(args.device, args.dtype)
-    kw = settings(args)
-    check_early(kw)
     # The guide first: a typo in its path must not wait for the model's download.
     guide_dir = resolve_model_dir(args.guide, role="guide") if args.guide else None
     model_dir = resolve_model_dir(args.model)
-    # config.json and tokenizer.json are small: their checks come before gigabytes of weights are read.
     cfg = read_config(model_dir)
     if cfg.causal:
         raise ValueError(f"--model {args.model} is a causal LM (model_type qwen2), not a diffusion LM: it belongs to "
@@ -507,6 +434,13 @@ def main(argv=None):
     args.guide_model = load_guide(guide_dir, args, cfg, chat, device, dtype)
     model = load(args.model, model_dir, device, dtype)
     args.compiled = Compiled() if args.compile else None
+    return model, chat, cfg, device
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_early(settings(args))
+    model, chat, cfg, device = load_all(args)
     if args.prompt_file:
         return answer_prompts(model, chat, args, device)
     messages, ids = [], []

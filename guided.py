@@ -14,12 +14,14 @@ A guided generate() is the one decoding loop of fastdllm.py with these parts in 
 answer, the guide's verdicts as the proposal's open positions, and a committed end token ends the answer.
 """
 import numbers
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 
-from cache import FreeCache, KVCache
+from cache import FreeCache, KVCache, NoCache, PrefixCache
 from model import ModelConfig
-from sampler import NEG_INF, Proposal, StepRule, argmax_except, widen
+from sampler import NEG_INF, Proposal, Schedule, StepRule, argmax_except, widen
 
 ACCEPT_RULES = ("deterministic", "topk", "topk_relative", "dynamic_threshold", "aggressive")
 
@@ -244,7 +246,8 @@ class GuidedFreeCache(FreeCache):
     both families: each committed token is frozen with keys computed while it held its token, not while it
     was a mask. A batch feeds from the leftmost row's last committed token (one host read a step), and every
     other row keeps its own frozen prefix: its positions before its last committed token, and all of a
-    finished row, go to the discard slot."""
+    finished row, go to the discard slot. Its span changes every step: compile=True leaves it eager."""
+    fixed_width = False
 
     def last(self, at):
         """(B,) each row's last committed position; L for a row with nothing left to decode."""
@@ -363,3 +366,14 @@ def check_guide(model_cfg: ModelConfig, guide_cfg: ModelConfig, model_tok=None, 
         if theirs != token and (theirs is not None or i not in specials) and i != model_cfg.mask_id:
             raise ValueError(f"token id {i} is {token!r} to the diffusion model but {theirs!r} to the guide: "
                              f"the guide must use the diffusion model's tokenizer (the same token ids)")
+
+
+def guided_parts(st, prompt, attention_mask, pos, eos, mask_id: int):
+    """A guided call's step rule, selection rule and cache policy (fastdllm.make_plan): one block over the answer;
+    "dual" is "prefix" there (the only block has no suffix), "free" the aggressive caching."""
+    B, L = prompt.shape[0], prompt.shape[1] + st.gen_length
+    real = None if pos is None else F.pad(attention_mask.to(prompt.device).bool(), (0, st.gen_length), value=True)
+    accept = partial(accept_drafts, rule=st.accept, k=st.accept_k, ratio=st.accept_ratio, threshold=st.accept_threshold)
+    rule = Guided(Guide(st.guide, B, L, pos, real), accept, st.verify_chunk, eos, mask_id, st.speculative, prompt)
+    feed = GuidedFreeCache() if st.cache == "free" else NoCache() if st.cache == "none" else PrefixCache()
+    return rule, Schedule(), feed

@@ -24,6 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from cache import KVCache
+
 
 @dataclass
 class ModelConfig:
@@ -303,6 +305,59 @@ class Transformer(nn.Module):
         elif logits_range is not None:
             x = x[:, logits_range]
         return self.lm_head(self.norm(x))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One decoding step's model call (fastdllm.py): left padding, the call at fixed shapes, and its compiled form.
+
+def padding(attention_mask, gen_length: int, device):
+    """Left-padded prompts: real tokens count positions from 0, pads neither attend nor are attended to, so
+    every row decodes as it would alone. -> (pos (B, L), mask (B, 1, L, L)), or (None, None) without pads."""
+    if attention_mask is None or not (attention_mask == 0).any():
+        return None, None
+    m = F.pad(attention_mask.to(device).bool(), (0, gen_length), value=True)
+    return (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
+
+
+def logits_at(model, ids, pos, kv, slots, mask, rows):
+    """One model call -> (logits at the chunk rows `rows`, is any of them NaN/inf). The NaN/inf check reads the
+    logits' row sums (one reduction, into which any NaN/inf propagates) and stays on the device until the
+    step's one host read. compile=True compiles exactly this function."""
+    logits = model(ids, pos, kv, slots, mask, rows)
+    return logits, ~torch.isfinite(logits.sum(-1, dtype=torch.float32)).all()
+
+
+class Compiled:
+    """compile=True: logits_at through torch.compile, one graph per feed shape (fullgraph, static shapes: the
+    slots and rows are tensors, so one graph serves every block; the prefix and free caches feed one width per
+    block, so the recompile limit is raised for this function's calls only). On CUDA with CUDA graphs
+    ("reduce-overhead"): one launch per call instead of ~1,500. CUDA graphs write the KV cache in place at fixed
+    addresses, so this object keeps the last call's cache for the next call of the same shape: pass one instance
+    as compile= to every call (the CLI, serve.py and harness.py do) and each graph is captured once.
+    emulate_precision_casts rounds low-precision intermediates where eager does, so bf16 ids equal eager's on
+    the CPU (tests/test_compile.py)."""
+
+    def __init__(self):
+        self.fn, self.kv, self.key = None, None, None
+
+    def cache(self, model, B: int, L: int, spare: int) -> KVCache:
+        """A KV cache for this call: the previous call's when the shape is the same (every generation's first
+        call feeds the whole canvas, so nothing stale is ever read)."""
+        if self.key != (id(model), B, L, spare):
+            self.kv, self.key = KVCache.for_model(model, B, L, spare), (id(model), B, L, spare)
+            for t in self.kv.k + self.kv.v if self.kv.k[0].is_cuda else ():
+                torch._dynamo.mark_static_address(t, guard=False)     # written in place by the CUDA graphs
+        return self.kv
+
+    def __call__(self, model, *args):
+        cuda = model.lm_head.weight.is_cuda
+        if self.fn is None:
+            options = {"emulate_precision_casts": True} | ({"triton.cudagraphs": True} if cuda else {})
+            self.fn = torch.compile(logits_at, fullgraph=True, dynamic=False, options=options)
+        if cuda:
+            torch.compiler.cudagraph_mark_step_begin()   # the previous step's logits are no longer read
+        with torch._dynamo.config.patch(recompile_limit=256):
+            return self.fn(model, *args)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -428,6 +428,14 @@ def family_rules(cfg, st, whole_canvas: bool, n_blocks: int, generator, device):
 
 
 # ---------------------------------------------------------------------------------------- end of text
+def answer_tokens(answers: torch.Tensor, eos: torch.Tensor) -> int:
+    """Generated tokens before each row's first end token, summed over rows: what tokens/s counts everywhere
+    (the CLI, the server, the harness, bench.py), so that end-of-text filler is never counted as speed."""
+    end = torch.isin(answers, eos)
+    first = torch.where(end.any(-1), end.long().argmax(-1), answers.shape[1])
+    return int(first.sum())
+
+
 def eos_reached(x, P: int, e: int, eos: torch.Tensor, mask_id: int, run: int | bool):
     """(B,) rows whose answer has ended, so the rest can be filled with eos without another model call.
     run=True (at a block's end): the finished answer [P, e) holds an end token. run=k (FlashDLM's

@@ -36,8 +36,7 @@ import checks
 import fastdllm
 from api import (CLIENT_GONE, ApiError, JsonHandler, check_fields, check_text, choice, chunk, envelope, get,
                  json_object, prompt_fields, quoted, stop_scan, usage)
-from chat import Chat, decode
-from model import read_config, resolve_model_dir
+from chat import decode
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web", "index.html")
 # fastdllm.py flags that have no meaning for a server: its prompts come in requests.
@@ -645,17 +644,8 @@ def parse_args(argv=None):
 def build(args) -> App:
     """Load the model (and the guide) as the CLI's main() does, and the App around them; its worker not yet
     started."""
-    device, dtype = fastdllm.pick_device_dtype(args.device, args.dtype)
-    guide_dir = resolve_model_dir(args.guide, role="guide") if args.guide else None
-    model_dir = resolve_model_dir(args.model)
-    cfg = read_config(model_dir)
-    chat = Chat(model_dir, cfg, chat=not args.no_chat)
-    chat.stop_ids |= set(cfg.eos_ids)      # config.json may list several end-of-text ids
-    args.stop_ids = sorted(chat.stop_ids)
-    guide = args.guide_model = fastdllm.load_guide(guide_dir, args, cfg, chat, device, dtype)
-    model = fastdllm.load(args.model, model_dir, device, dtype)      # "loaded ... in s" on stderr
-    args.compiled = fastdllm.Compiled() if args.compile else None     # one for every batch: graphs made once
-    return App(args, model, chat, guide)
+    model, chat, _, _ = fastdllm.load_all(args)     # the CLI's checks and loading; "loaded ... in s" on stderr
+    return App(args, model, chat, args.guide_model)
 
 
 def make_server(app: App, host: str = "127.0.0.1", port: int = 0) -> Server:

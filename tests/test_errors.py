@@ -978,3 +978,57 @@ def test_api20_guided_settings_at_their_defaults_pass_without_a_guide(llada):
     out, _ = generate(llada, PROMPT, gen_length=8, block_length=4, accept="deterministic", accept_k=5,
                       accept_ratio=0.95, verify_chunk=32, speculative=False, accept_threshold=0.1)
     assert not (out == llada.config.mask_id).any()
+
+
+# ============================================================================================================
+# Issue 25, the CLI and loading: a causal LM given as the model, acceptance settings their rule never reads, a
+# truncated guide named as the guide, stdout closed, boolean settings typed. One line each, exit 2.
+CLI25_ERRORS = {
+    "a causal LM as --model": (["--model", GUIDE20, "--prompt", "w5"],
+                               r"^--model .*qwen2-arith is a causal LM \(model_type qwen2\), not a diffusion LM: it "
+                               r"belongs to --guide"),
+    "--accept-k with deterministic": ([*DEMO_RUN, "--prompt", Q20[0], "--guide", GUIDE20, "--accept-k", "3"],
+                                      r"^--accept-k only applies to --accept topk or topk_relative, not "
+                                      r"'deterministic'"),
+    "--accept-threshold with topk": ([*DEMO_RUN, "--prompt", Q20[0], "--guide", GUIDE20, "--accept", "topk",
+                                      "--accept-threshold", "0.2"], r"^--accept-threshold only applies to --accept "
+                                                                    r"dynamic_threshold, not 'topk'"),
+    "--accept-ratio with aggressive": ([*DEMO_RUN, "--prompt", Q20[0], "--guide", GUIDE20, "--accept", "aggressive",
+                                        "--accept-ratio", "0.5"], r"^--accept-ratio only applies to --accept "
+                                                                  r"topk_relative"),
+    "a truncated guide": ([*DEMO_RUN, "--prompt", Q20[0], "--guide", "{tmp}/guide"],
+                          r"^the guide .*guide: model\.safetensors is not a readable safetensors file .*truncated"),
+}
+
+
+@pytest.fixture(scope="module")
+def cli25(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli25")
+    shutil.copytree(GUIDE20, tmp / "guide")
+    with open(tmp / "guide" / "model.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(tmp / "guide" / "model.safetensors") // 2)
+    cases = {name: ([a.replace("{tmp}", str(tmp)) for a in argv], None) for name, (argv, _) in CLI25_ERRORS.items()}
+    kw = dict(cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+              text=True, timeout=240)
+    res = subprocess.run([sys.executable, "-c", CLI20_DRIVER], input=json.dumps(cases), **kw)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    closed = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "fastdllm.py", *DEMO_RUN, "--prompt",
+                             Q20[0]], **kw)
+    return json.loads(res.stdout) | {"stdout closed": (closed.returncode, closed.stdout, closed.stderr)}
+
+
+@pytest.mark.parametrize("case", [*CLI25_ERRORS, "stdout closed"])
+def test_cli25_error_is_one_line_and_exit_2(cli25, case):
+    code, out, err = cli25[case]
+    assert "Traceback" not in out + err and code == 2, (code, out, err)
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("loaded ")]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    pattern = CLI25_ERRORS[case][1] if case in CLI25_ERRORS else r"^standard output is closed: the answer has nowhere"
+    assert re.search(pattern, lines[0][len("error: "):]), lines[0]
+
+
+@pytest.mark.parametrize("name", ["refresh_every_step", "speculative", "compile"])
+def test_boolean_settings_are_typed(llada, name):
+    """refresh_every_step="no" used to run as True (a non-empty string is truthy)."""
+    with pytest.raises(ValueError, match=rf"{name} must be True"):
+        generate(llada, PROMPT, gen_length=8, block_length=8, **{name: "no"})

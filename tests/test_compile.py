@@ -1,0 +1,104 @@
+"""compile=True: the model call through torch.compile (inductor on the CPU here; CUDA graphs on a GPU). One graph
+per feed shape, no graph break, no recompilation across blocks or across calls of the same shapes, and in
+float32 the same ids as eager in every mode, both families, a padded batch. Compiling is slow on a small CPU
+(seconds per graph), so every test here shares one canvas shape: prompts of 12 tokens, 16 generated, blocks of 8."""
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from cache import KVCache
+from fastdllm import Compiled, generate, pad_prompts
+from model import load_model, logits_at
+from conftest import GOLDEN
+
+ROWS = {"llada": [[815, 723, 294, 53, 204, 372, 664, 1017, 655, 689, 279, 233], [44, 12, 907, 31, 5]],
+        "dream": [[775, 171, 806, 365, 316, 564, 432, 625, 575, 529, 17, 3], [12, 44, 907]]}
+KW = dict(gen_length=16, block_length=8, steps=16)
+MODES = [dict(cache=c, **r) for c in ("none", "prefix", "dual", "free") for r in ({}, {"threshold": 0.9})]
+
+
+def batch(model, family):
+    ids, am = pad_prompts(ROWS[family], model.config.pad_id or 0)
+    return ids, am
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_one_graph_and_no_break_for_each_kind_of_call(llada, dream, family):
+    """torch._dynamo.explain over the call a step makes: the refresh (the whole canvas) and a cached block
+    step (slots and rows as tensors), a padded batch with its mask: each one graph, no break."""
+    model = llada if family == "llada" else dream
+    ids, am = batch(model, family)
+    B, L = ids.shape[0], ids.shape[1] + 16
+    x = torch.nn.functional.pad(ids, (0, 16), value=model.config.mask_id)
+    m = torch.nn.functional.pad(am.bool(), (0, 16), value=True)
+    mask, pos = m[:, None, None, :] & m[:, None, :, None], (m.long().cumsum(-1) - 1).clamp(min=0)
+    kv, ar = KVCache.for_model(model, B, L), torch.arange(L)
+    s = ids.shape[1]
+    for args in [(x, pos, kv, ar, mask, ar[s:s + 8]), (x[:, s:s + 8], pos[:, s:s + 8], kv, ar[s:s + 8],
+                                                        mask[:, :, s:s + 8], ar[:8])]:
+        with torch.inference_mode():
+            ex = torch._dynamo.explain(logits_at)(model, *args)
+        assert ex.graph_count == 1 and ex.graph_break_count == 0, ex.break_reasons
+
+
+def test_one_graph_per_feed_shape_and_none_again(llada):
+    """DualCache feeds two shapes (the refresh, a block step): two graphs for both blocks, and a second call of
+    the same shapes compiles nothing, with a fresh Compiled too (the graphs live with the function). The prefix
+    cache's suffix shrinks each block: one graph more (its last block's step is DualCache's shape)."""
+    ids, am = batch(llada, "llada")
+    kw = dict(attention_mask=am, cache="dual", threshold=0.9, **KW)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    compiled = Compiled()
+    first, _ = generate(llada, ids, compile=compiled, **kw)
+    assert counters["stats"]["unique_graphs"] - before == 2
+    generate(llada, ids.flip(1), compile=compiled, **kw)
+    fresh, _ = generate(llada, ids, compile=True, **kw)
+    assert counters["stats"]["unique_graphs"] - before == 2 and torch.equal(fresh, first)
+    generate(llada, ids, compile=compiled, **(kw | dict(cache="prefix")))
+    assert counters["stats"]["unique_graphs"] - before == 2 + 1
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: "-".join(f"{k}={v}" for k, v in m.items()))
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_compiled_ids_equal_eager(llada, dream, family, mode):
+    model = llada if family == "llada" else dream
+    ids, am = batch(model, family)
+    eager, st = generate(model, ids, attention_mask=am, **mode, **KW)
+    compiled, st2 = generate(model, ids, attention_mask=am, compile=True, **mode, **KW)
+    assert torch.equal(compiled, eager) and st2["nfe"] == st["nfe"]
+
+
+def test_compiled_guided_ids_equal_eager(dream, qwen2):
+    ids, am = batch(dream, "dream")
+    for cache in ("prefix", "free"):
+        eager, st = generate(dream, ids, attention_mask=am, guide=qwen2, cache=cache, gen_length=16)
+        compiled, st2 = generate(dream, ids, attention_mask=am, guide=qwen2, cache=cache, gen_length=16, compile=True)
+        assert torch.equal(compiled, eager) and st2["guide_calls"] == st["guide_calls"]
+
+
+def test_bf16_compiled_equals_eager_bit_for_bit():
+    """In bfloat16, inductor with emulate_precision_casts rounds every intermediate where eager does: on the CPU
+    the compiled logits equal eager's bit for bit, so the ids do (on a GPU tools/gpu_check.py measures it)."""
+    model = load_model(f"{GOLDEN}/llada-tiny", device="cpu", dtype=torch.bfloat16)
+    ids, am = batch(model, "llada")
+    seen = []
+    eager, _ = generate(model, ids, attention_mask=am, cache="dual", threshold=0.9, **KW)
+    compiled, _ = generate(model, ids, attention_mask=am, cache="dual", threshold=0.9, compile=True,
+                           on_step=lambda x, st: seen.append(x.clone()), **KW)
+    assert torch.equal(compiled, eager)
+    x, L = torch.nn.functional.pad(ids, (0, 16), value=model.config.mask_id), ids.shape[1] + 16
+    m = torch.nn.functional.pad(am.bool(), (0, 16), value=True)
+    args = ((m.long().cumsum(-1) - 1).clamp(min=0), None, torch.arange(L), m[:, None, None, :] & m[:, None, :, None],
+            torch.arange(12, 20))
+    with torch.inference_mode():
+        a = logits_at(model, x, args[0], KVCache.for_model(model, 2, L), *args[2:])[0]
+        b = Compiled()(model, x, args[0], KVCache.for_model(model, 2, L), *args[2:])[0]
+    assert torch.equal(a, b)
+
+
+def test_compile_is_checked():
+    from fastdllm import generate as g  # noqa: F401  (the same entry point)
+    model = load_model(f"{GOLDEN}/llada-tiny", device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"compile must be True, False or a fastdllm.Compiled \(got 'yes'\)"):
+        generate(model, torch.tensor([[5, 6, 7]]), compile="yes", gen_length=8, block_length=8)
