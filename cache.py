@@ -19,6 +19,8 @@ mode it covers [s, e) and the suffix stays as the refresh left it (Fast-dLLM's `
 span a step feeds is the cache policy's `span`: the one place the caches differ. The storage never advances
 itself: every write names its slots, as tensors, so a step's shapes do not depend on where its block is.
 """
+from typing import NamedTuple
+
 import torch
 
 
@@ -57,6 +59,20 @@ class KVCache:
         """Keep the batch rows whose indices `keep` lists (one copy; the guide's finished rows leave)."""
         self.k, self.v = [k.index_select(0, keep) for k in self.k], [v.index_select(0, keep) for v in self.v]
         self.rows = self.rows[:len(keep)]
+
+
+class Step(NamedTuple):
+    """Where a decoding step stands: what every part of the plan receives ("at")."""
+    n: int                 # model calls so far in this generation (0 = the first)
+    i: int                 # steps so far in the current block
+    s: int                 # the block is canvas positions [s, e)
+    e: int
+    x: torch.Tensor        # (B, L) the canvas
+    cand: torch.Tensor     # (B, N) bool: the block's positions still masked (every one predicted by this call)
+    shift: int             # the family's logits shift: position p is predicted from hidden state p - shift
+    span: tuple = None     # (a, b): the canvas span this call feeds (the cache policy's answer; None while it is asked)
+    refresh: bool = False  # this call feeds the whole canvas
+    cols: torch.Tensor = None   # (n,) long: the block columns the logits are computed at (all N when compiled)
 
 
 # ---------------------------------------------------------------------------------------- cache policies

@@ -2,14 +2,12 @@
 fastdllm.py: fast inference for masked-diffusion LLMs (LLaDA-8B, Dream-7B): the one generation loop, the CLI.
 
 A diffusion LM generates by denoising: the answer starts as gen_length [MASK] tokens, and each model call
-("step", counted as NFE) predicts every masked position at once and commits some of them. generate() first
-decides, once, everything that depends only on the call's settings (`make_plan`), four parts a fork can
-replace: the cache policy (cache.py: none, Fast-dLLM's prefix cache and DualCache, arXiv 2505.22618 section
-3.2, FlashDLM's FreeCache, arXiv 2505.21467), the family's step rule (sampler.py: how LLaDA and Dream propose
-tokens and confidences; guided.py: FlashDLM's guided diffusion), the selection rule (sampler.py: the
-schedule, Fast-dLLM's threshold / factor decoding, section 3.3) and the stop rule (end of text). Then one loop
-over blocks, each step: feed -> propose -> select -> commit -> stop, at fixed shapes within a block and with
-one host sync (the loop's "go on?"), so `compile=True` can capture each step's model call as one graph.
+("step", counted as NFE) predicts every masked position at once and commits some. generate() decides once
+(`make_plan`) four parts a fork can replace: the cache policy (cache.py: Fast-dLLM's prefix and DualCache,
+arXiv 2505.22618 section 3.2, FlashDLM's FreeCache, arXiv 2505.21467), the step rule (sampler.py: how LLaDA and
+Dream propose; guided.py: FlashDLM's guided diffusion), the selection rule (Fast-dLLM's threshold and factor
+decoding, section 3.3) and the stop rule. Then one loop, each step feed -> propose -> select -> commit -> stop,
+at fixed shapes within a block and with one host sync, so compile=True captures each model call as one graph.
 
     python fastdllm.py --prompt "What is 7 * 8?"                    # LLaDA-8B-Instruct, dual cache, tau 0.9
     python fastdllm.py --model demo/llada-arith --gen-length 32 --prompt "Tom has 23 apples and buys 45 more. How many apples does he have?"
@@ -21,14 +19,14 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 import checks
 import sampler as S
-from cache import CACHE_POLICIES, Feed, KVCache, Refresh
+from cache import CACHE_POLICIES, Feed, KVCache, Refresh, Step
 from chat import (Chat, check_text, checked, fit_gen_length, load, load_guide, optional_float, pad_prompts,
                   pick_device_dtype, read_prompts, read_turns, streamer)
 from checks import CACHE_MODES, check_early
@@ -38,9 +36,8 @@ from model import Compiled, check_readable, logits_at, padding, read_config, res
 
 @dataclass
 class Settings:
-    """Every decoding setting of generate(), with its default (generate(model, prompt, **settings) takes
-    them as keywords). None means "the family's or the method's default". The four hooks (cache, propose,
-    select, stop) also take a fork's own part; README "Fork it" has their protocols."""
+    """Every setting of generate(model, prompt, **settings), with its default (None: the family's or the method's).
+    The four hooks (cache, propose, select, stop) also take a fork's own part (README "Fork it")."""
     gen_length: int = 128              # tokens to generate
     block_length: int | None = 32      # semi-autoregressive block; None = one block (Dream: its own sampler)
     steps: int | None = None           # denoising steps over the answer (default gen_length: 1 token/step)
@@ -71,25 +68,6 @@ class Settings:
     verify_chunk: int = 32             # guided: drafts verified per guide forward
 
 
-# The command line's defaults where they differ from generate()'s: the methods' headline setting (Fast-dLLM's
-# DualCache with threshold 0.9) and early stop at the end of text. serve.py and harness.py read them here.
-CLI_DEFAULTS = dict(gen_length=256, cache="dual", threshold=0.9, stop_at_eos=True)
-
-
-class Step(NamedTuple):
-    """Where a decoding step stands: what every part of the plan receives ("at")."""
-    n: int                 # model calls so far in this generation (0 = the first)
-    i: int                 # steps so far in the current block
-    s: int                 # the block is canvas positions [s, e)
-    e: int
-    x: torch.Tensor        # (B, L) the canvas
-    cand: torch.Tensor     # (B, N) bool: the block's positions still masked (every one predicted by this call)
-    shift: int             # the family's logits shift: position p is predicted from hidden state p - shift
-    span: tuple = None     # (a, b): the canvas span this call feeds (the cache policy's answer; None while it is asked)
-    refresh: bool = False  # this call feeds the whole canvas
-    cols: torch.Tensor = None   # (n,) long: the block columns the logits are computed at (all N when compiled)
-
-
 @dataclass
 class Plan:
     """What one generate() call decided before its loop: the blocks and the parts the loop calls."""
@@ -104,13 +82,12 @@ class Plan:
     kv: KVCache | None
     pos: torch.Tensor         # (B, L) RoPE positions
     mask: torch.Tensor | None # (B, 1, L, L) attention mask of padded rows
-    shift: int
+    shift: int                # the family's logits shift
     mask_id: int
-    fixed_head: bool          # the LM head on all N block columns (compiled) or on the open ones (eager)
     calls_per_block: int      # the fewest calls a block takes (for calls_saved)
     eos: torch.Tensor         # the end-of-text ids
     ar: torch.Tensor          # arange(L): slots and columns as views, no kernel
-    P: int                    # prompt length
+    P: int                    # the prompt's length, then gen_length positions to generate
     gen_length: int
 
     def at(self, x, n: int, i: int, s: int, e: int, open_cols: list) -> Step:
@@ -118,7 +95,8 @@ class Plan:
         family, widened by one to the position before the first open one), and the block columns to predict."""
         at = Step(n, i, s, e, x, x[:, s:e] == self.mask_id, self.shift)
         a, b = checks.check_span(self.feed, at, open_cols)
-        cols = self.ar[:e - s] if self.fixed_head else torch.tensor(open_cols, dtype=torch.long, device=x.device)
+        fixed = self.call is not logits_at        # compiled: the LM head on all N block columns; eager: the open ones
+        cols = self.ar[:e - s] if fixed else torch.tensor(open_cols, dtype=torch.long, device=x.device)
         return at._replace(span=(a, b), refresh=(a, b) == (0, x.shape[1]), cols=cols)
 
     def forward(self, x, at: Step):
@@ -131,9 +109,8 @@ class Plan:
                          None if self.mask is None else self.mask[:, :, a:b], rows)
 
     def record(self, x, at: Step, p: S.Proposal, take, ended, bad, stats) -> tuple[bool, list]:
-        """The step's one host read: the values of the hooks' checks (NaN/inf logits, a proposal that opens a
-        committed position, a selection outside p.open), whether every row's answer has ended, the counts for
-        stats, and the block's open columns (the next step's LM head and span check). -> (ended, open cols)."""
+        """The step's one host read: the hooks' checks (NaN/inf logits, a proposal opening a committed position, a
+        selection outside p.open), every row ended?, the stats' counts, the block's open columns."""
         stats["row_nfe"] = stats.get("row_nfe", 0) + at.cand.any(-1)          # device tensors until the end
         stats["row_committed"] = stats.get("row_committed", 0) + take.sum(-1)
         head = torch.stack([bad, (p.open & ~at.cand).any(), (take & ~p.open).any(), ended.all(), take.sum(),
@@ -149,14 +126,35 @@ class Plan:
         return bool(ended), [c for c, m in enumerate(v[6:]) if m]
 
     def finish(self, x, stats: dict, t0: float) -> dict:
-        if x.device.type == "cuda":
-            torch.cuda.synchronize(x.device)
-        stats["seconds"] = time.perf_counter() - t0
+        torch.cuda.synchronize(x.device) if x.is_cuda else None
+        stats["seconds"], _ = time.perf_counter() - t0, stats.pop("left")
         stats["row_nfe"], stats["row_committed"] = stats["row_nfe"].tolist(), stats["row_committed"].tolist()
-        stats["answer_tokens"] = S.answer_tokens(x[:, self.P:], self.eos)
+        end = torch.isin(x[:, self.P:], self.eos)     # tokens/s counts answers, never end-of-text filler
+        stats["answer_tokens"] = int(torch.where(end.any(-1), end.long().argmax(-1), end.shape[1]).sum())
         stats["tokens_per_s"] = stats["answer_tokens"] / max(stats["seconds"], 1e-9)
-        del stats["left"]
         return stats
+
+
+def family_rules(cfg, st, whole_canvas: bool, n_blocks: int, generator, device):
+    """The call's step rule and selection rule, decided once (fastdllm.make_plan): a fork's, or the family's."""
+    select = st.select or (S.Threshold(st.threshold) if st.threshold is not None else
+                           S.Factor(st.factor) if st.factor is not None else S.Schedule())
+    parallel = getattr(select, "parallel", True)
+    if st.propose is not None:
+        return st.propose, select
+    if cfg.family == "llada":
+        return S.LLaDA(st.steps // n_blocks, st.temperature, st.remasking, generator, cfg.mask_id), select
+    args = (st.steps, n_blocks, st.block_length, st.temperature, st.remasking, st.top_p, st.top_k, st.eps,
+            generator, cfg.mask_id, device, parallel)
+    origin, tau = st.remasking == "origin" and not parallel, st.threshold
+    rule = (S.DreamCanvas(*args, until_done=tau is not None, origin=origin) if whole_canvas else
+            (S.DreamFree if st.cache == "free" else S.Dream)(*args))
+    select = S.QuotaThreshold(tau) if whole_canvas and tau is not None else select
+    if st.alg_temp and not parallel and not origin:    # the official widths: the canvas, the fed chunk, the block
+        pad = ((lambda at: (at.s, 0)) if whole_canvas else (lambda at: (0, 0)) if st.cache == "free"
+               else (lambda at: (0, at.span[1] - at.e)))
+        select = S.SampledPositions(st.alg_temp, generator, pad)
+    return rule, S.FirstToken(select) if rule.first_token else select
 
 
 def resolve(model, prompt, options: dict, attention_mask, generator):
@@ -182,30 +180,28 @@ def make_plan(model, prompt, options: dict, attention_mask, generator) -> Plan:
     settings, so the loop has no branch on a setting."""
     cfg, device = model.config, model.lm_head.weight.device
     st, whole_canvas = resolve(model, prompt, options, attention_mask, generator)
-    guided = st.guide is not None
     B, P = prompt.shape
     L, n_blocks = P + st.gen_length, st.gen_length // st.block_length
     generator = generator or torch.Generator(device).manual_seed(0)
     eos = torch.tensor(sorted(set(st.eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
     pos, mask = padding(attention_mask, st.gen_length, device)
     ar = torch.arange(L, device=device)
-    if guided:    # one block over the answer; a committed end token ends the answer
+    if st.guide is not None:    # one block over the answer; a committed end token ends the answer
         (rule, select, feed), stop_run = guided_parts(st, prompt.to(device), attention_mask, pos, eos, cfg.mask_id), 1
     else:
-        rule, select = S.family_rules(cfg, st, whole_canvas, n_blocks, generator, device)
+        rule, select = family_rules(cfg, st, whole_canvas, n_blocks, generator, device)
         feed = st.cache if isinstance(st.cache, Feed) else CACHE_POLICIES[st.cache]()
         stop_run = st.stop_at_eos
     feed = Refresh(feed) if st.refresh_every_step else feed
     stop = st.stop or (S.EndOfText(P, eos, cfg.mask_id, stop_run) if stop_run else S.NoStop())
-    compile_ = st.compile and feed.fixed_width
-    call = (st.compile if isinstance(st.compile, Compiled) else Compiled()) if compile_ else logits_at
-    cache = call.cache if compile_ else KVCache.for_model
+    compiled = st.compile and feed.fixed_width and (st.compile if isinstance(st.compile, Compiled) else Compiled())
+    call, cache = (compiled, compiled.cache) if compiled else (logits_at, KVCache.for_model)
     kv = cache(model, B, L, feed.spare) if feed.keeps_cache else None
-    calls_per_block = 1 if getattr(select, "parallel", True) or guided else st.steps // n_blocks
+    calls_per_block = 1 if getattr(select, "parallel", True) else st.steps // n_blocks
     return Plan([(s, s + st.block_length) for s in range(P, L, st.block_length)], feed, rule,
                 *checks.checked_hooks(rule, select, stop, B, st.block_length), model,
                 call, kv, ar.expand(B, L) if pos is None else pos, mask, int(cfg.shift_logits), cfg.mask_id,
-                bool(compile_), calls_per_block, eos, ar, P, st.gen_length)
+                calls_per_block, eos, ar, P, st.gen_length)
 
 
 @torch.inference_mode()
@@ -219,10 +215,7 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
     "calls_saved", "guide_calls", "seconds", "answer_tokens": generated tokens before each row's first end
     token, summed, "tokens_per_s": answer_tokens per second}.
 
-    settings: the keywords of `Settings` (gen_length, block_length, steps, cache, threshold, factor, select,
-        propose, stop, temperature, remasking, top_p, top_k, alg_temp, eps, refresh_every_step, stop_at_eos,
-        eos_ids, compile, guide, speculative, accept, accept_k, accept_ratio, accept_threshold, verify_chunk);
-        see its field comments and the README's API table.
+    settings: the keywords of `Settings`; see its field comments and the README's API table.
     attention_mask: (B, P) 1/0 for left-padded prompts, both families: each row decodes as it would alone.
     generator: the only source of randomness (default: a fresh one seeded 0). on_step(x, stats) is called
         after every step with the live canvas.
@@ -255,6 +248,11 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
 
 # ----------------------------------------------------------------------------------------------------------
 # Command line (its helpers: chat.py)
+
+# The command line's defaults where they differ from generate()'s: the methods' headline setting (Fast-dLLM's
+# DualCache with threshold 0.9) and early stop at the end of text. serve.py and harness.py read them here.
+CLI_DEFAULTS = dict(gen_length=256, cache="dual", threshold=0.9, stop_at_eos=True)
+
 
 # Flags that only mean something beside another flag: given without it they are an error, never ignored.
 NEEDS = {"accept": "guide", "accept_k": "guide", "accept_ratio": "guide", "accept_threshold": "guide",

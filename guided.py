@@ -2,16 +2,13 @@
 guided.py: FlashDLM's guided diffusion (arXiv 2505.21467; spec/flashdlm.md 2), all of it: the diffusion model
 drafts every masked position, a small causal LM (the guide, Qwen2.5-1.5B-Instruct for Dream-7B) verifies the
 drafts left to right, and a step commits the accepted run.
-
 - `Guide`: the guide model and its KV cache of the committed text, for a whole batch;
-- `accept_drafts`: the five acceptance rules; `guide_token`, `guided_commit`: what a step commits, in the
-  assisted variant (the diffusion model's drafts) or the speculative one (the guide's own token at the first
-  rejection);
-- `Guided`: the step rule (sampler.StepRule) that does it, and `GuidedFreeCache`: FlashDLM's aggressive
-  caching as a cache policy (cache.Feed);
+- `accept_drafts`: the five acceptance rules; `guide_token`, `guided_commit`: what a step commits, assisted (the
+  diffusion model's drafts) or speculative (the guide's own token at the first rejection);
+- `Guided`: the step rule (sampler.StepRule); `GuidedFreeCache`: FlashDLM's aggressive caching (cache.Feed);
 - `check_guide`, `check_guided`: a guide that shares the model's token ids, and the guided settings.
-A guided generate() is the one decoding loop of fastdllm.py with these parts in its plan: one block over the
-answer, the guide's verdicts as the proposal's open positions, and a committed end token ends the answer.
+A guided generate() is fastdllm.py's one decoding loop with these parts in its plan (`guided_parts`): one block
+over the answer, the guide's verdicts as the proposal's open positions, and a committed end token ends it.
 """
 import numbers
 from functools import partial
@@ -24,25 +21,25 @@ from model import ModelConfig
 from sampler import NEG_INF, Proposal, Schedule, StepRule, argmax_except, widen
 
 ACCEPT_RULES = ("deterministic", "topk", "topk_relative", "dynamic_threshold", "aggressive")
+# The acceptance rules that read each setting: one given for another rule would change nothing, so is refused.
+ACCEPT_READS = {"accept_k": ("topk", "topk_relative"), "accept_ratio": ("topk_relative",),
+                "accept_threshold": ("dynamic_threshold",)}
 
 
 class Guide:
     """
-    A causal guide model and its KV cache of the committed text, for a batch of rows verified together: one
-    guide forward per verification chunk serves every row, although rows commit different numbers of tokens.
+    A causal guide model and its KV cache of the committed text, for a batch verified together: one guide
+    forward per verification chunk serves every row, though rows commit different numbers of tokens. Slot i of
+    row b holds the keys/values of canvas position i, so each row's text sits where the canvas has it, whatever
+    its length or left padding; RoPE positions are per row (`pos`: real tokens count from 0) and pads are never
+    attended (`real`), so each row gets the numbers it would get alone.
 
-    Slots are canvas positions: slot i of row b holds the keys/values of the token at canvas position i, so
-    each row's committed text sits where the canvas has it, whatever its length so far or its left padding.
-    RoPE positions are per row (real tokens count from 0, `pos`) and pads are never attended (`real`), so each
-    row's numbers are the ones it would get alone.
-
-    Invariant: row b's slots [0, length[b]) hold its committed text *except its last token*, at slot
-    length[b] (the last committed position, just before the first mask). A verification teacher-forces the
-    drafted canvas from there: the slot of the last committed token predicts the first draft, the slot of
-    draft i predicts draft i+1, so one forward scores a whole run of drafts at once (as in speculative
-    decoding). The slots a step then commits were computed on committed text, so keeping them is moving
-    `length` forward; a slot whose draft was replaced (speculative) lies past the new length and is fed again.
-    Rows that have finished are dropped from the guide's batch (`rows` maps the guide's rows to the batch's).
+    Invariant: row b's slots [0, length[b]) hold its committed text *except its last token*, at slot length[b]
+    (just before the first mask). A verification teacher-forces the drafted canvas from there: the last
+    committed token's slot predicts the first draft, draft i's slot predicts draft i+1, so one forward scores a
+    whole run of drafts (as in speculative decoding). Committed slots were computed on committed text, so
+    committing is moving `length` forward; a replaced draft's slot (speculative) lies past it and is fed again.
+    Finished rows leave the guide's batch (`rows` maps the guide's rows to the batch's).
     """
 
     def __init__(self, model, batch: int, max_len: int, pos=None, real=None):
@@ -82,23 +79,20 @@ class Guide:
         fed by the first verification, where its slot predicts the first draft). -> guide calls."""
         P = prompt.shape[1]
         self.length.fill_(P - 1)
-        if P < 2:
-            return 0
-        self.forward(prompt[self.rows, :-1], 0)
-        return 1
+        if P > 1:
+            self.forward(prompt[self.rows, :-1], 0)
+        return int(P > 1)
 
     def verify(self, drafted: torch.Tensor, accept, chunk: int = 32):
         """
-        Score each row's drafts: drafted (B, L) is the canvas with every open position drafted, row b's drafts
-        at [length[b] + 1, L). accept(logits (R, T, V), tokens (R, T)) -> bool (R, T) is the acceptance rule
-        (accept_drafts). A row's fed text [last, d0, ..., d_{N-2}] goes in chunks of `chunk` tokens, each
-        verifying `chunk` drafts (the official verify_batch_size, 32), up to its first chunk with a rejection:
-        a run of n < N accepted drafts takes n // chunk + 1 chunks, a fully accepted one ceil(N / chunk); the
-        last draft is never fed (no draft follows it). Batched, forward k feeds the span covering every
-        undecided row's chunk k (the guide is causal: re-feeding a row's already verified slots recomputes the
-        same keys/values), so a step costs the largest of the rows' chunk counts, and one host read per chunk.
-        -> (n (B,), at (B, V), calls): n = the accepted run from the first draft, at = the guide's logits at
-        the first rejected draft (zeros elsewhere), calls = guide forwards. Leaves `length` alone: `commit`.
+        Score each row's drafts. drafted (B, L): the canvas with every open position drafted, row b's drafts at
+        [length[b] + 1, L); accept(logits (R, T, V), tokens (R, T)) -> bool (R, T): the rule (accept_drafts).
+        A row's fed text [last, d0, ..., d_{N-2}] goes in chunks of `chunk` (the official verify_batch_size, 32)
+        up to its first chunk with a rejection: n < N accepted drafts take n // chunk + 1 chunks, all N take
+        ceil(N / chunk). Batched, forward k feeds the span covering every undecided row's chunk k (the guide is
+        causal: re-fed verified slots get the same keys/values), so a step costs the most chunks of any row, one
+        host read each. -> (n (B,), at (B, V), calls): the accepted run from the first draft, the guide's logits
+        at the first rejected draft (zeros elsewhere), guide forwards. Leaves `length` alone (`commit`).
         """
         y = drafted[self.rows]                                      # (R, L)
         R, L = y.shape
@@ -124,43 +118,37 @@ class Guide:
             at = torch.where(hit[:, None], logits.gather(1, row).squeeze(1), at)
             n = torch.where(hit, first - start, n)
             n = torch.where(undecided & ~hit & (hi >= L - 1), L - 1 - start, n)      # every draft accepted
-        B = drafted.shape[0]
-        n_all = torch.zeros(B, dtype=torch.long, device=y.device).index_copy_(0, self.rows, n)
-        at_all = at.new_zeros(B, at.shape[-1]).index_copy_(0, self.rows, at)
-        return n_all, at_all, calls
+        n_all, at_all = n.new_zeros(len(drafted)), at.new_zeros(len(drafted), at.shape[-1])   # every batch row
+        return n_all.index_copy_(0, self.rows, n), at_all.index_copy_(0, self.rows, at), calls
 
     def commit(self, n: torch.Tensor, done: torch.Tensor):
-        """Row b committed n[b] tokens this step (the accepted run, d0 when the guide rejected it, the guide's
-        token in place of a rejected draft, or a run cut at an end token): keep the slots of `last` and the
-        first n - 1 of them, i.e. the committed text minus its (new) last token again. Slots past `length`
-        hold stale drafts; the next verification overwrites them and the causal mask never reads past the
-        chunk. done (B,): rows whose answer is complete leave the guide's batch, so they cost no more guide
-        work (one copy of the cache, when a row finishes; one host read a step)."""
+        """Row b committed n[b] tokens: keep the slots of `last` and the first n - 1 (the text minus its new last
+        token). Slots past `length` hold stale drafts: the next verification overwrites them, and the causal mask
+        never reads past its chunk. done (B,): finished rows leave the guide's batch, so they cost no more guide
+        work (one host read a step; one copy of the cache when a row finishes)."""
         self.length += n[self.rows]
         keep = ~done[self.rows]
         if not self.check(keep.all())[0]:
             keep = keep.nonzero().squeeze(1)                        # one more read, then indices: no sync per layer
             self.rows, self.length = self.rows[keep], self.length[keep]
             self.cache.keep_rows(keep)
-            self.pos = None if self.pos is None else self.pos[keep]
-            self.real = None if self.real is None else self.real[keep]
+            self.pos, self.real = (None if t is None else t[keep] for t in (self.pos, self.real))
 
 
 def accept_drafts(logits, drafts, rule: str = "deterministic", k: int = 5, ratio: float = 0.95,
                   threshold: float = 0.1):
     """
-    FlashDLM's verification: does the causal guide agree with each draft? logits (..., V): the guide's
-    next-token logits at each draft's position; drafts (...) -> bool (...).
-    - deterministic: the draft is the guide's argmax (the token greedy decoding with the guide would write).
+    FlashDLM's verification, the verdicts only (the step commits the accepted run): does the causal guide agree
+    with each draft? logits (..., V): the guide's next-token logits at each draft's position; drafts (...) -> bool.
+    - deterministic: the draft is the guide's argmax (what greedy decoding with the guide would write).
     - topk: the draft is among the guide's k most likely tokens (the official default k = 5).
-    - topk_relative: among the top k *and* p(draft) >= ratio * p(top-1), so a flat top-k does not let an
-      unlikely token through (their evaluator: k = 5, ratio = 0.95).
+    - topk_relative: in the top k *and* p(draft) >= ratio * p(top-1), so a flat top-k does not let an unlikely
+      token through (their evaluator: k = 5, ratio = 0.95).
     - dynamic_threshold: p(draft) > threshold (the official `confidence_threshold`, default 0.1).
-    - aggressive: in the guide's top 5, or p(draft) > 0.05, or inside its top-p 0.95 set (ids sorted by p,
-      kept while their cumulative probability is <= 0.95); the official constants.
-    Decided on float32 probabilities, as the official code decides (softmax, then argmax / topk / sort), so
-    that ties and underflow to 0 fall the same way. The step commits the accepted *run* from the first draft;
-    this function only gives the verdicts.
+    - aggressive (the official constants): in the guide's top 5, or p(draft) > 0.05, or in its top-p 0.95 set
+      (ids sorted by p, kept while their cumulative probability is <= 0.95).
+    Decided on float32 probabilities, as the official code does (softmax, then argmax / topk / sort), so that
+    ties and underflow to 0 fall the same way.
     """
     if rule not in ACCEPT_RULES:
         raise ValueError(f"unknown acceptance rule {rule!r}: use one of {', '.join(ACCEPT_RULES)}")
@@ -177,16 +165,13 @@ def accept_drafts(logits, drafts, rule: str = "deterministic", k: int = 5, ratio
         return top5 | (p_draft > 0.05) | nucleus.gather(-1, drafts[..., None]).squeeze(-1)
     top_p, top_ids = p.topk(min(k, p.shape[-1]), dim=-1)                      # (..., k)
     ok = (top_ids == drafts[..., None]).any(-1)
-    if rule == "topk_relative":
-        ok &= p_draft >= ratio * top_p[..., 0]
-    return ok
+    return ok & (p_draft >= ratio * top_p[..., 0]) if rule == "topk_relative" else ok
 
 
 def guide_token(logits, mask_id: int):
-    """The guide's own choice where it rejected a draft: the argmax of its float32 probabilities (the token the
-    official code writes for deterministic, topk and topk_relative; for dynamic_threshold and aggressive it
-    samples one instead, which we do not replay). Never the diffusion model's mask id (the tiny test guide
-    has that row; a committed mask would leave its position open)."""
+    """The guide's own token where it rejected a draft: the argmax of its float32 probabilities (what the official
+    code writes for deterministic, topk and topk_relative; for the other rules it samples, which we do not
+    replay). Never the mask id (the tiny test guide has that row; a committed mask would leave its position open)."""
     return argmax_except(logits.float().softmax(-1), mask_id)
 
 
@@ -195,11 +180,9 @@ def guided_commit(drafts, cand, n, fix, speculative: bool, eos):
     What a guided step commits, per row. drafts (B, N): the diffusion model's argmax at the open columns cand
     (B, N), which run to the block's end (guided commits go left to right); n (B,): the accepted run from the
     first draft (Guide.verify); fix (B,): the guide's own token at the first rejected draft (guide_token).
-    - assisted (FlashDLM's default): the accepted run, and at least the first draft (the diffusion model's
-      own token), so the output is the diffusion model's text wherever the guide agrees.
-    - speculative (speculative decoding with the diffusion model as the drafter): the accepted run, then the
-      guide's token in place of the rejected draft. Every committed token is one the rule lets the guide
-      write; with `deterministic` the answer is the guide's own greedy text.
+    - assisted (FlashDLM's default): the accepted run, at least one draft: the model's text where the guide agrees.
+    - speculative (the diffusion model as the drafter): the accepted run, then the guide's token for the rejected
+      draft, so every committed token is one the rule lets the guide write (`deterministic`: its greedy text).
     Cut after the first end token (eos ids). -> (x0 (B, N), take (B, N), ended (B,)).
     """
     N = cand.shape[1]
@@ -216,16 +199,13 @@ def guided_commit(drafts, cand, n, fix, speculative: bool, eos):
 
 
 class Guided(StepRule):
-    """The guided step rule, for the whole batch: the drafts are the argmax at every open position; the guide
-    verifies each row's drafts (one guide forward per verification chunk for the whole batch); guided_commit
-    decides what to commit, which this proposal's `open` holds (k = all of it: the plan's selection is the
-    schedule). Drafts are limited to the ids the guide has (Dream-7B's 152064 rows vs Qwen2.5's 151936: the
-    rows past the tokenizer are padding, never text). A finished row leaves the guide's batch."""
+    """The guided step rule, for the whole batch: drafts are the argmax at every open position over the guide's
+    ids (Dream-7B has 152064 rows, Qwen2.5 151936: rows past the tokenizer are padding); the guide verifies them,
+    and what guided_commit takes is the proposal's `open` (k = all: the plan's selection is the schedule)."""
 
     def __init__(self, guide: Guide, accept, chunk: int, eos, mask_id: int, speculative: bool, prompt):
         self.guide, self.accept, self.chunk, self.eos, self.mask_id = guide, accept, chunk, eos, mask_id
-        self.speculative = speculative
-        self.guide_calls = guide.prefill(prompt)
+        self.speculative, self.guide_calls = speculative, guide.prefill(prompt)
 
     def propose(self, logits, at) -> Proposal:
         N = at.cand.shape[1]
@@ -242,11 +222,10 @@ class Guided(StepRule):
 
 
 class GuidedFreeCache(FreeCache):
-    """Guided FreeCache (FlashDLM's aggressive caching): each row's feed starts at its last committed token, for
-    both families: each committed token is frozen with keys computed while it held its token, not while it
-    was a mask. A batch feeds from the leftmost row's last committed token (one host read a step), and every
-    other row keeps its own frozen prefix: its positions before its last committed token, and all of a
-    finished row, go to the discard slot. Its span changes every step: compile=True leaves it eager."""
+    """Guided FreeCache (FlashDLM's aggressive caching, both families): a row's feed starts at its last committed
+    token, so a committed token is frozen with keys computed while it held its token, not a mask. A batch feeds
+    from the leftmost row's (one host read a step); every other row keeps its frozen prefix (its earlier
+    positions, and all of a finished row, go to the discard slot). The span changes, so compile=True stays eager."""
     fixed_width = False
 
     def last(self, at):
@@ -254,8 +233,7 @@ class GuidedFreeCache(FreeCache):
         return torch.where(at.cand.any(-1), at.s + at.cand.long().argmax(-1) - 1, at.x.shape[1])
 
     def span(self, at) -> tuple[int, int]:
-        L = at.x.shape[1]
-        return (0, L) if at.n == 0 else (int(self.last(at).min()), L)
+        return (0 if at.n == 0 else int(self.last(at).min()), at.x.shape[1])
 
     def slots(self, at, a: int, b: int):
         if at.n == 0 or at.x.shape[0] == 1:      # the first call writes everything; one row feeds from its own
@@ -282,7 +260,8 @@ def check_guided(model, st, defaults):
             raise ValueError(f"pass a guide or {name}, not both: with a guide the guide decides how many drafts "
                              f"each step commits")
     if st.temperature:
-        raise ValueError(f"guided drafts are the diffusion model's argmax: temperature must be 0 (got {st.temperature})")
+        raise ValueError(f"guided drafts are the diffusion model's argmax: temperature must be 0 "
+                         f"(got {st.temperature})")
     if st.accept not in ACCEPT_RULES:
         raise ValueError(f"unknown accept rule {st.accept!r}: use one of {', '.join(ACCEPT_RULES)}")
     if type(st.accept_k) is not int or st.accept_k < 1:
@@ -301,11 +280,6 @@ def check_guided(model, st, defaults):
     check_accept(st.accept, {k for k in ACCEPT_READS if getattr(st, k) != getattr(defaults, k)})
 
 
-# The acceptance rules that read each setting: one given for another rule would change nothing, so is refused.
-ACCEPT_READS = {"accept_k": ("topk", "topk_relative"), "accept_ratio": ("topk_relative",),
-                "accept_threshold": ("dynamic_threshold",)}
-
-
 def check_accept(accept: str, given, name=lambda key: key):
     """given: the acceptance settings the caller chose (the API: those not at their default; the CLI: the flags
     on its command line); name(key) words a setting as the caller knows it (`--accept-k`)."""
@@ -318,21 +292,20 @@ def check_accept(accept: str, given, name=lambda key: key):
 
 def check_guide(model_cfg: ModelConfig, guide_cfg: ModelConfig, model_tok=None, guide_tok=None):
     """
-    Refuse a guide that does not share the diffusion model's token ids, in one line that says why. The
-    guide is fed the diffusion model's ids as they are and its verdicts are compared id for id, so the two
-    must mean the same token by the same id; re-tokenising through text (the official fallback) is not
-    one-to-one and is not done here.
-    Rules, on the configs (and, when given, the two `tokenizers.Tokenizer`s, which the real models need):
+    Refuse, in one line that says why, a guide that does not share the diffusion model's token ids: the guide is
+    fed the model's ids as they are and its verdicts are compared id for id (re-tokenising through text, the
+    official fallback, is not one-to-one and is not done here). Rules, on the configs and, when given, the two
+    `tokenizers.Tokenizer`s (the real models need them):
     - the guide is a causal LM and the model a diffusion LM;
-    - the guide has a row for every id the diffusion model can write: all ids of its tokenizer (without
-      one, all its rows) except the mask, which is never written. Rows past the tokenizer are padding, never
-      text: Dream-7B has 152064 rows and Qwen2.5-1.5B 151936, but both tokenizers end below 151936;
-    - the end-of-text id means the same token to both (the loop ends on the diffusion model's eos, and the
-      guide must see that same token to agree with it). Without tokenizers it must be one of the guide's
-      special ids (bos or eos); with them the token behind the id must be the same (Qwen2.5-Instruct's eos is <|im_end|>,
-      Dream's <|endoftext|>, and both tokenizers put <|endoftext|> at 151643);
-    - with tokenizers, every id both tokenizers define is the same token, and an id only the diffusion
-      tokenizer defines is one of its special tokens (Dream adds <|beginoftext|> and <|mask|>).
+    - the guide has a row for every id the model can write: all ids of its tokenizer (without one, all its rows)
+      but the mask, never written. Rows past the tokenizer are padding, never text: Dream-7B has 152064 rows
+      and Qwen2.5-1.5B 151936, but both tokenizers end below 151936;
+    - the end-of-text id is the same token to both (the loop ends on the model's eos; the guide must see that
+      token to agree): without tokenizers, one of the guide's special ids (bos or eos); with them, the same
+      token behind the id. Dream ends with <|endoftext|>, 151643 in both tokenizers, which Qwen2.5-1.5B-Instruct's
+      config names as its bos (its eos is <|im_end|>);
+    - with tokenizers, every id both define is the same token, and an id only the diffusion tokenizer defines
+      is one of its special tokens (Dream adds <|beginoftext|> and <|mask|>).
     """
     if not guide_cfg.causal:
         raise ValueError(f"the guide is a {guide_cfg.family} model, not a causal LM: pass a Qwen2-format "
@@ -350,8 +323,6 @@ def check_guide(model_cfg: ModelConfig, guide_cfg: ModelConfig, model_tok=None, 
                          f"to {top}: the guide must use the diffusion model's tokenizer (the same token ids)")
     eos = model_cfg.eos_id
     if model_tok is None or guide_tok is None:
-        # Configs alone: the diffusion model's end of text must be one of the guide's special ids. Dream-7B
-        # ends with 151643, which Qwen2.5-1.5B-Instruct's config names as its bos (its eos is <|im_end|>).
         guide_ids = [*guide_cfg.eos_ids, guide_cfg.bos_id]
         if eos not in guide_ids:
             raise ValueError(f"the diffusion model's end-of-text id {eos} is none of the guide's special ids "

@@ -1,21 +1,10 @@
 """
-sampler.py: the decoding policies, logits -> tokens: how each family proposes (step rules), which proposals a
-step commits (selection rules), and when an answer has ended (stop rules). Randomness only through an explicit
-torch.Generator. The KV cache and what each step feeds are cache.py's; guided diffusion is guided.py's.
-
-Shapes: a step works on the current block of N positions at a fixed width. logits (B, n, V) at the block
-columns `at.cols` (all N when compiled; the still-open ones in eager mode, see fastdllm.py), widened to a
-`Proposal` of (B, N) tensors, with `open` (B, N) the positions this step may commit; confidences are -inf
-elsewhere so they can never be chosen.
-
-- LLaDA (ML-GSAI/LLaDA, Fast-dLLM `v1/llada/generate.py`): Gumbel-max sampling, confidence = the un-tempered
-  probability of the chosen token (`low_confidence`) or uniform noise (`random`), and a per-step token budget
-  from `num_transfer_tokens` (spec/llada.md section 3).
-- Dream (`diffusion_generate`): top-p/top-k/temperature sampling, confidence = max prob (`maskgit_plus`),
-  top1-top2 margin (`topk_margin`) or negative entropy (`entropy`), a linear schedule in float32
-  (`dream_num_transfer`), or MaskGIT-style random unmasking (`origin`) (spec/dream.md section 5).
-- Fast-dLLM's parallel decoding (paper section 3.3): `select_threshold` (Theorem 1: unmask every token
-  whose confidence clears tau, and always the most confident) and `select_factor`.
+sampler.py: logits -> tokens. How each family proposes (step rules: LLaDA's Gumbel-max sampler and budget,
+spec/llada.md 3; Dream's sampler, confidences and float32 schedule, spec/dream.md 5), which proposals a step
+commits (selection rules: the schedule, Fast-dLLM's threshold and factor decoding, section 3.3), when an answer
+has ended (stop rules). Randomness only through an explicit torch.Generator. A step works at a fixed width: logits
+(B, n, V) at the block columns `at.cols` become a `Proposal` of (B, N) tensors, confidences -inf where it may
+not commit. What each step feeds is cache.py's; guided diffusion is guided.py's.
 """
 from typing import NamedTuple
 
@@ -36,12 +25,10 @@ class Proposal(NamedTuple):
 
 # ---------------------------------------------------------------------------------------- sampling
 def add_gumbel_noise(logits, temperature: float, generator=None):
-    """Scores whose argmax is a sample from softmax(l/T): the official argmax(exp(l) / (-log u)^T), taken in
-    log space as argmax(l - T log(-log u)) (== argmax(l/T + Gumbel)), so it never overflows. float32, not the
-    official float64: a (B, n, V) float64 tensor is ~1 GB per step at batch 16. The cost: float32 uniforms have
-    24 bits, so no Gumbel draw exceeds ~16.6 (float64: ~36.7); a token whose draw would have is sampled with
-    probability off by at most V * e^-16.6 (<1% at a 126k vocabulary, and only for near-flat distributions).
-    T == 0 draws nothing."""
+    """Scores whose argmax samples softmax(l/T): the official argmax(exp(l) / (-log u)^T) in log space, l - T log(-log u),
+    which never overflows. float32, not the official float64 ((B, n, V) float64 is ~1 GB a step at batch 16): no
+    float32 Gumbel draw exceeds ~16.6 (float64: ~36.7), which moves a sample's probability by at most V e^-16.6
+    (<1% at a 126k vocabulary, near-flat distributions only). T == 0 draws nothing."""
     if temperature == 0:
         return logits
     u = torch.rand(logits.shape, dtype=torch.float32, device=logits.device, generator=generator)
@@ -77,20 +64,14 @@ def dream_sample(logits, temperature: float = 0.0, top_p=None, top_k=None, gener
     if top_p is not None and top_p < 1:
         # nucleus: drop tokens once the cumulative prob exceeds top_p, always keeping the first
         sorted_logits, order = logits.sort(-1, descending=True)
-        drop = sorted_logits.softmax(-1).cumsum(-1) > top_p
-        drop[..., 1:] = drop[..., :-1].clone()
-        drop[..., 0] = False
+        drop = F.pad((sorted_logits.softmax(-1).cumsum(-1) > top_p)[..., :-1], (1, 0), value=False)
         logits = logits.masked_fill(drop.scatter(-1, order, drop), torch.finfo(logits.dtype).min)
     if top_k is not None:
         kth = logits.topk(min(top_k, logits.shape[-1]))[0][..., -1:]
         logits = logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
     probs = logits.softmax(-1)
-    if temperature > 0:
-        # what torch.distributions.Categorical(probs).sample() does, with our generator
-        flat = probs.reshape(-1, probs.shape[-1])
-        if mask_id is not None:
-            flat = flat.clone()
-            flat[:, mask_id] = 0
+    if temperature > 0:    # what torch.distributions.Categorical(probs).sample() does, with our generator
+        flat = probs.reshape(-1, probs.shape[-1]).index_fill(-1, torch.tensor([mask_id], device=probs.device), 0)
         x0 = torch.multinomial(flat / flat.sum(-1, keepdim=True), 1, True, generator=generator).view(probs.shape[:-1])
     else:
         x0 = probs.argmax(-1) if mask_id is None else argmax_except(probs, mask_id)
@@ -99,10 +80,9 @@ def dream_sample(logits, temperature: float = 0.0, top_p=None, top_k=None, gener
 
 
 def dream_confidence(alg: str, conf, probs, cols, open_):
-    """Rank score for Dream's confidence algorithms (higher = decode sooner), at the block columns `cols`
-    (n,) of the open mask open_ (B, n). FlashDLM's `position_weighted`: max prob x (1 - col / the row's last
-    open col), so left positions go first (FlashDLM's own version crashes on its 2-D positions; this is what
-    it meant)."""
+    """Rank score for Dream's confidence algorithms (higher = decode sooner) at block columns cols (n,), open_
+    (B, n). FlashDLM's `position_weighted`, max prob x (1 - col / the row's last open col), is what its crashing
+    official version meant."""
     if alg == "maskgit_plus":
         return conf
     if alg == "position_weighted":
@@ -117,14 +97,10 @@ def dream_confidence(alg: str, conf, probs, cols, open_):
 
 
 def dream_num_transfer(num_mask: torch.Tensor, t: torch.Tensor, s: torch.Tensor, last: bool, total=None):
-    """(B,) tokens to unmask going from time t to s: the expected share (1 - s/t) of the masks left,
-    everything at the last step. Kept in float32 tensors on purpose: the official floors come from float32
-    rounding (64 masks, 64 steps: step 0 decodes 0 tokens since 64 * (1 - s/t) = 0.999...).
-    total: the masks the share is taken of, when more than the block's (FlashDLM counts every later block)."""
-    if last:
-        return num_mask.long()
-    total = num_mask if total is None else total
-    return (total.float() * (1 - s / t)).long()
+    """(B,) tokens to unmask from time t to s: the share (1 - s/t) of `total` masks (the block's, or FlashDLM's
+    count of every later block's too), all left at the last step. float32 on purpose: the official floors are
+    float32 rounding (64 masks, 64 steps: step 0 decodes 0 tokens, 64 * (1 - s/t) = 0.999...)."""
+    return num_mask.long() if last else ((num_mask if total is None else total).float() * (1 - s / t)).long()
 
 
 def widen(values, cols, width: int, fill):
@@ -150,10 +126,9 @@ def select_threshold(conf, open_, threshold: float):
 
 
 def select_factor(conf, open_, factor: float):
-    """Fast-dLLM factor decoding: sort the N open positions by confidence c(1) >= ... >= c(N) and take the top
-    n-1, where n is the first rank with c(n) < 1 - f/(n+1), i.e. (n+1)(1-c(n)) >= f (paper section 3.3);
-    rank 1 always passes, and all N if none fails. Official quirk kept for parity: a first failure at the
-    very last candidate still takes all N. The bar is compared in float64, as the official code compares."""
+    """Fast-dLLM factor decoding (paper section 3.3): by confidence c(1) >= ... >= c(N) over the N open positions,
+    the top n-1, n the first rank with c(n) < 1 - f/(n+1) (rank 1 always passes; all N if none fails; a first
+    failure at the very last candidate still takes all N, an official quirk kept). Compared in float64, as there."""
     N = open_.sum(-1, keepdim=True)                                         # (B, 1)
     sorted_conf, order = conf.sort(-1, descending=True)
     n = torch.arange(1, conf.shape[-1] + 1, device=conf.device)             # 1-based rank
@@ -166,10 +141,9 @@ def select_factor(conf, open_, factor: float):
     return open_ & (rank < count)
 
 
-# A selection rule answers "which of the proposed tokens does this step commit?": rule(p: Proposal, at) ->
-# (B, N) bool, inside p.open (fastdllm.py checks both at every step). `parallel` (default True for a rule
-# without the attribute): the rule decides the count itself (Fast-dLLM 3.3), so a block takes as many steps
-# as it needs; False: it follows the family's schedule p.k. A fork's rule is one more small class like these.
+# A selection rule answers "which proposals does this step commit?": rule(p: Proposal, at) -> (B, N) bool inside
+# p.open (checked every step). parallel (True without the attribute): it decides the count itself, so a block
+# takes the steps it needs; False: it follows the family's schedule p.k. A fork's rule is one more such class.
 class Schedule:
     """The k[b] most confident open positions: LLaDA's and Dream's fixed step schedules."""
     parallel = False
@@ -201,12 +175,11 @@ class Factor:
 
 
 class QuotaThreshold(Threshold):
-    """Fast-dLLM's Dream `confidence_threshold` without blocks (spec/dream.md 7.2): offer the k[b] + carry[b]
-    most confident open positions; the first is always taken, the others only if confidence >= tau; what was
-    offered and refused is offered again at the next step (the carry). One instance per generate() call."""
+    """Fast-dLLM's Dream `confidence_threshold` without blocks (spec/dream.md 7.2): offer the k + carry most
+    confident; take the first, the others at confidence >= tau; offer the refused again (the carry)."""
 
     def __call__(self, p: Proposal, at):
-        carry = getattr(self, "carry", 0) if at.n else 0
+        carry = getattr(self, "carry", 0) if at.n else 0       # a new generation starts without one
         offered = select_topk(p.conf, p.open, p.k + carry)
         take = offered & select_threshold(p.conf, p.open, self.tau)
         self.carry = (offered & ~take).sum(-1)
@@ -214,20 +187,18 @@ class QuotaThreshold(Threshold):
 
 
 class SampledPositions:
-    """Dream's `alg_temp` > 0: draw the schedule's k positions without replacement from softmax(conf / alg_temp).
-    pad(at) -> (left, right): the official code draws over a wider tensor (Dream's sampler: the whole canvas;
-    Fast-dLLM's prefix mode: the fed chunk), the extra columns at -inf; drawing over the same width makes the
-    same generator state pick the same positions. Reads k on the host (one sync: a drawn count is a shape)."""
+    """Dream's `alg_temp` > 0: draw the schedule's k positions without replacement from softmax(conf / alg_temp),
+    over the official code's width (pad(at) -> (left, right) columns at -inf: the canvas, or the fed chunk) so
+    a seeded run picks the same positions. Reads k on the host (one sync: a drawn count is a shape)."""
     parallel = False
 
     def __init__(self, alg_temp: float, generator, pad):
         self.alg_temp, self.generator, self.pad = alg_temp, generator, pad
 
     def __call__(self, p: Proposal, at):
-        k = int(p.k.max())
+        k, (left, right) = int(p.k.max()), self.pad(at)
         if k == 0:
             return torch.zeros_like(p.open)
-        left, right = self.pad(at)
         scores = F.pad(p.conf / self.alg_temp, (left, right), value=NEG_INF).softmax(-1)
         picked = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
         picked.scatter_(-1, torch.multinomial(scores, k, generator=self.generator), True)
@@ -248,18 +219,17 @@ class FirstToken:
 
 
 # ---------------------------------------------------------------------------------------- step rules
-# A step rule is one family's way to propose, with its state (the schedule, Dream's clock):
-# start_block(x, s, e) at a block's start; propose(logits, at) -> Proposal for the step `at` (fastdllm.Step:
-# what this call fed); more(masks_left, at) -> does the block need another step (masks_left: does it still
-# hold masks, read once per step on the host).
 class StepRule:
+    """A family's way to propose, with its state (the schedule, Dream's clock): start_block(x, s, e) at a block's
+    start; propose(logits, at) -> Proposal for the step `at` (cache.Step: what this call fed); more(masks_left,
+    at): another step in this block? (masks_left: does it still hold masks, read once a step on the host)."""
+
     def start_block(self, x, s: int, e: int):
         pass
 
     def more(self, masks_left: bool, at) -> bool:
-        """A block is decoded until no mask is left. Past its schedule (steps per block) every built-in rule commits
-        at least one token a step, so a block of N positions never needs more than spb + N steps: more is a bug,
-        not slowness."""
+        """Until no mask is left in the block. Past its schedule (spb steps) every built-in rule commits at least
+        one token a step: more than spb + N steps is a rule that commits nothing, not slowness."""
         if at.i > getattr(self, "spb", 0) + at.cand.shape[1]:
             raise RuntimeError(f"{type(self).__name__}: the block [{at.s}, {at.e}) made no progress in {at.i + 1} "
                                f"steps: a step rule or selection rule that commits nothing never ends a block")
@@ -267,9 +237,8 @@ class StepRule:
 
 
 class LLaDA(StepRule):
-    """LLaDA (Fast-dLLM v1/llada/generate.py): Gumbel-max proposals, confidence = the chosen token's
-    probability (or uniform noise for `random`); the schedule spreads each block's masks evenly over its
-    steps_per_block steps (num_transfer_tokens)."""
+    """LLaDA (Fast-dLLM v1/llada/generate.py): Gumbel-max proposals, confidence = the chosen token's probability
+    (`random`: uniform noise); the schedule spreads a block's masks evenly over its steps (num_transfer_tokens)."""
 
     def __init__(self, steps_per_block: int, temperature: float, remasking: str, generator, mask_id: int):
         self.spb, self.temperature, self.remasking = steps_per_block, temperature, remasking
@@ -281,32 +250,22 @@ class LLaDA(StepRule):
     def propose(self, logits, at) -> Proposal:
         x0 = argmax_except(add_gumbel_noise(logits, self.temperature, self.generator), self.mask_id)
         if self.remasking == "low_confidence":
-            # The *un-tempered, noise-free* probability of the chosen token, even when sampling. float32 over the
-            # vocabulary (the official float64 softmax is a (B, n, V) float64 tensor); the golden ids are equal.
+            # The un-tempered, noise-free probability of the chosen token, in float32 over the vocabulary (the
+            # official float64 softmax is a (B, n, V) float64 tensor; the golden ids are equal).
             conf = F.log_softmax(logits.float(), -1).gather(-1, x0[..., None]).squeeze(-1).exp()
         else:   # `random`: uniforms over the whole fed chunk, as the official code draws them (same seeded stream)
-            a, b = at.span
-            conf = torch.rand((x0.shape[0], b - a), dtype=torch.float64, device=x0.device,
-                              generator=self.generator)[:, at.s - a + at.cols]
+            (a, b), B = at.span, x0.shape[0]
+            conf = torch.rand((B, b - a), dtype=torch.float64, device=x0.device, generator=self.generator)[:, at.s - a + at.cols]
         N = at.cand.shape[1]
         conf = widen(conf, at.cols, N, NEG_INF).masked_fill(~at.cand, NEG_INF)
         k = self.budget[:, min(at.i, self.spb - 1)]   # parallel steps past the schedule never read it
         return Proposal(widen(x0, at.cols, N, 0), conf, at.cand, k, logits)
 
 
-class DreamClock(NamedTuple):
-    """Where a Dream step stands on its schedule (spec/dream.md 5 and 7, spec/flashdlm.md 1)."""
-    t: torch.Tensor           # the step goes from time t to t_next on Dream's float32 grid
-    t_next: torch.Tensor
-    last: bool                # the block's (or canvas's) last scheduled step takes every mask left
-    later: int                # masks of later blocks counted into the schedule (FreeCache)
-
-
 class Dream(StepRule):
     """Dream, Fast-dLLM's block sampler (spec/dream.md 7.3): Dream's sampler proposes (top-p/top-k/temperature,
-    float32); tokens are ranked by `alg` (entropy) and counted by Dream's schedule over the block's steps, or
-    chosen by a parallel rule on the max probability (the block's first token at its first step: FirstToken).
-    The clock is the one thing the subclasses change."""
+    float32), ranked by `alg` (entropy) and counted by Dream's schedule, or by a parallel rule on the max prob
+    (FirstToken takes a block's first position at its first step). Subclasses change only the clock."""
     first_token = True
 
     def __init__(self, steps: int, n_blocks: int, block_length: int, temperature, remasking, top_p, top_k,
@@ -320,9 +279,12 @@ class Dream(StepRule):
     def grid_steps(self) -> int:
         return self.spb                         # the time grid runs over one block's steps
 
-    def clock(self, at) -> DreamClock:
-        i = min(at.i, self.spb - 1)             # parallel steps past the schedule never read the clock
-        return DreamClock(self.timesteps[i], self.timesteps[i + 1], at.i == self.spb - 1, 0)
+    def clock(self, at):
+        """Where the step stands on the schedule (spec/dream.md 5 and 7, spec/flashdlm.md 1) -> (t, t_next: the
+        step goes from t to t_next on the float32 grid; last: the block's last scheduled step takes every mask
+        left; later: masks of later blocks counted in, for FreeCache). Parallel steps past it never read it."""
+        i = min(at.i, self.spb - 1)
+        return self.timesteps[i], self.timesteps[i + 1], at.i == self.spb - 1, 0
 
     def start_block(self, x, s: int, e: int):
         self.block = (s - (x.shape[1] - self.n_blocks * self.block_length)) // self.block_length
@@ -331,9 +293,8 @@ class Dream(StepRule):
         open_ = at.cand if open_ is None else open_                     # (B, N) the positions this step may commit
         N, narrow = open_.shape[1], open_[:, at.cols]                   # (B, n) at the logits' columns
         if self.temperature > 0:
-            # Sampling draws one token per open position in the official row-major order (the block's first
-            # position alone at its first step), so a seeded run draws the same numbers; the gather reads
-            # the count on the host (one sync: only when sampling).
+            # One draw per open position in the official row-major order (the first position alone at a block's
+            # first step), so a seeded run draws the same numbers: a gather, one host sync, only when sampling.
             if self.first_token and at.i == 0:
                 narrow = narrow & (at.cols == 0)
             conf, x0, probs = dream_sample(logits[narrow], **self.opts)
@@ -344,9 +305,8 @@ class Dream(StepRule):
         else:
             conf, x0, probs = dream_sample(logits, **self.opts)
         score = widen(dream_confidence(self.alg, conf, probs, at.cols, narrow), at.cols, N, NEG_INF)
-        c = self.clock(at)
-        n = at.cand.sum(-1)
-        k = dream_num_transfer(n, c.t, c.t_next, c.last, n + c.later)
+        t, t_next, last, later = self.clock(at)
+        k = dream_num_transfer(n := at.cand.sum(-1), t, t_next, last, n + later)
         return Proposal(widen(x0, at.cols, N, 0), score.masked_fill(~open_, NEG_INF), open_, k, logits)
 
 
@@ -359,18 +319,16 @@ class DreamFree(Dream):
     def grid_steps(self) -> int:
         return self.steps
 
-    def clock(self, at) -> DreamClock:
+    def clock(self, at):
         i = min(self.block * self.spb + at.i, self.steps - 1)
         later = (self.n_blocks - self.block - 1) * self.block_length
-        return DreamClock(self.timesteps[i], self.timesteps[i + 1], at.i == self.spb - 1, later)
+        return self.timesteps[i], self.timesteps[i + 1], at.i == self.spb - 1, later
 
 
 class DreamCanvas(Dream):
-    """Dream's own `diffusion_generate` (spec/dream.md 5): one block over the whole answer, exactly `steps`
-    calls on a grid over all of them (k = the schedule's count; with QuotaThreshold, Fast-dLLM's variant,
-    spec/dream.md 7.2: gen/steps tokens offered a step until no mask is left). `origin` (MaskGIT-style):
-    each open position may be committed with probability 1 - s/t, one uniform per masked position drawn
-    row-major before any token, as the official code draws them."""
+    """Dream's own `diffusion_generate` (spec/dream.md 5): one block, exactly `steps` calls on one grid (with
+    QuotaThreshold, Fast-dLLM's variant, 7.2: gen/steps offered a step until no mask is left). `origin`: each mask
+    committed with probability 1 - s/t, one uniform per mask drawn row-major before any token, as officially."""
     first_token = False
 
     def __init__(self, *args, until_done: bool = False, origin: bool = False):
@@ -380,19 +338,18 @@ class DreamCanvas(Dream):
     def grid_steps(self) -> int:
         return self.steps
 
-    def clock(self, at) -> DreamClock:
+    def clock(self, at):
         i = min(at.i, self.steps - 1)
-        return DreamClock(self.timesteps[i], self.timesteps[i + 1], at.i == self.steps - 1, 0)
+        return self.timesteps[i], self.timesteps[i + 1], at.i == self.steps - 1, 0
 
     def more(self, masks_left: bool, at) -> bool:
         return super().more(masks_left, at) if self.until_done else at.i + 1 < self.steps
 
     def propose(self, logits, at) -> Proposal:
         if self.origin:      # draw the positions first (one host sync: one uniform per masked position)
-            c = self.clock(at)
+            t, t_next, last, _ = self.clock(at)
             rows, cols = at.cand.nonzero(as_tuple=True)
-            take = torch.rand(rows.numel(), device=rows.device, generator=self.generator) < (
-                1 if c.last else 1 - c.t_next / c.t)
+            take = torch.rand(rows.numel(), device=rows.device, generator=self.generator) < (1 if last else 1 - t_next / t)
             drawn = torch.zeros_like(at.cand)
             drawn[rows[take], cols[take]] = True
             return super().propose(logits, at, drawn)._replace(k=drawn.sum(-1))   # every drawn one is committed
@@ -402,45 +359,11 @@ class DreamCanvas(Dream):
         return p
 
 
-def family_rules(cfg, st, whole_canvas: bool, n_blocks: int, generator, device):
-    """The family's step rule and the call's selection rule, decided once (fastdllm.make_plan): a fork's own
-    propose= / select=, or LLaDA's and Dream's samplers with the schedule, threshold or factor."""
-    select = st.select or (Threshold(st.threshold) if st.threshold is not None else
-                           Factor(st.factor) if st.factor is not None else Schedule())
-    parallel = getattr(select, "parallel", True)
-    if st.propose is not None:
-        return st.propose, select
-    if cfg.family == "llada":
-        return LLaDA(st.steps // n_blocks, st.temperature, st.remasking, generator, cfg.mask_id), select
-    args = (st.steps, n_blocks, st.block_length, st.temperature, st.remasking, st.top_p, st.top_k, st.eps,
-            generator, cfg.mask_id, device, parallel)
-    origin = st.remasking == "origin" and not parallel
-    if whole_canvas:
-        rule = DreamCanvas(*args, until_done=st.threshold is not None, origin=origin)
-        select = QuotaThreshold(st.threshold) if st.threshold is not None else select
-    else:
-        rule = (DreamFree if st.cache == "free" else Dream)(*args)
-    if st.alg_temp and not parallel and not origin:    # the official widths: the canvas, the fed chunk, the block
-        pad = ((lambda at: (at.s, 0)) if whole_canvas else (lambda at: (0, 0)) if st.cache == "free"
-               else (lambda at: (0, at.span[1] - at.e)))
-        select = SampledPositions(st.alg_temp, generator, pad)
-    return rule, FirstToken(select) if rule.first_token else select
-
-
 # ---------------------------------------------------------------------------------------- end of text
-def answer_tokens(answers: torch.Tensor, eos: torch.Tensor) -> int:
-    """Generated tokens before each row's first end token, summed over rows: what tokens/s counts everywhere
-    (the CLI, the server, the harness, bench.py), so that end-of-text filler is never counted as speed."""
-    end = torch.isin(answers, eos)
-    first = torch.where(end.any(-1), end.long().argmax(-1), answers.shape[1])
-    return int(first.sum())
-
-
 def eos_reached(x, P: int, e: int, eos: torch.Tensor, mask_id: int, run: int | bool):
-    """(B,) rows whose answer has ended, so the rest can be filled with eos without another model call.
-    run=True (at a block's end): the finished answer [P, e) holds an end token. run=k (FlashDLM's
-    `_check_early_stop`, any step): the right-most decoded token r and the k-1 canvas tokens before it are end
-    tokens (prompt tokens included, as FlashDLM counts them) and no mask lies before r."""
+    """(B,) rows whose answer has ended. run=True: the finished answer [P, e) holds an end token. run=k (FlashDLM's
+    `_check_early_stop`): the right-most decoded token r and the k-1 canvas tokens before it (prompt included,
+    as FlashDLM counts) are end tokens and no mask lies before r."""
     ans = x[:, P:e]
     if run is True:
         return torch.isin(ans, eos).any(-1) & (ans != mask_id).all(-1)
@@ -453,9 +376,8 @@ def eos_reached(x, P: int, e: int, eos: torch.Tensor, mask_id: int, run: int | b
     return (r >= 0) & (r + 1 >= run) & no_gap & tail
 
 
-# A stop rule decides after every step which rows' answers have ended: rule(x, at, p) -> (B,) bool; it may
-# fill masks of x in place (the filled tokens are counted in stats["filled"], not "committed"). When every
-# row has ended, generation stops (stats["calls_saved"]).
+# A stop rule decides after every step which rows' answers have ended: rule(x, at, p) -> (B,) bool; it may fill
+# masks of x in place (stats["filled"], not "committed"). When every row has ended, generation stops.
 class NoStop:
     """Decode every block."""
 
@@ -464,10 +386,8 @@ class NoStop:
 
 
 class EndOfText:
-    """A row whose answer has ended gets its remaining masks filled with the first end token. run=True
-    (stop_at_eos=True): once its finished answer up to the current block's end holds an end token. run=k
-    (FlashDLM's rule, and guided diffusion's committed end token with k = 1): k end tokens in a row at the
-    decoding frontier, after any step."""
+    """An ended answer's masks become the first end token. run=True (stop_at_eos=True): once the finished answer
+    up to the block's end holds an end token; run=k (FlashDLM's rule; guided, k = 1): k at the frontier."""
 
     def __init__(self, prompt_length: int, eos, mask_id: int, run: int | bool):
         self.P, self.eos, self.mask_id, self.run = prompt_length, eos, mask_id, run

@@ -885,8 +885,8 @@ def bench_cases(tmp):
                                                "--thresholds"),
         "compare a file that is not JSON": (["bench.py", "compare", os.path.join(ROOT, "README.md"), "x"], "README.md"),
         "checkpoint --layers 0": (["tools/checkpoint.py", os.path.join(tmp, "ck"), "--layers", "0"], "--layers"),
-        "gpu_check --batches 0": (["tools/gpu_check.py", "--out", os.path.join(tmp, "g.json"), "--batches", "1,0"],
-                                  "--batches"),
+        "gpu_check --batch 0": (["tools/gpu_check.py", "--out", os.path.join(tmp, "g.json"), "--batch", "0"],
+                                "--batch"),
     }
 
 
