@@ -72,7 +72,7 @@ class Step(NamedTuple):
     shift: int             # the family's logits shift: position p is predicted from hidden state p - shift
     span: tuple = None     # (a, b): the canvas span this call feeds (the cache policy's answer; None while it is asked)
     refresh: bool = False  # this call feeds the whole canvas
-    cols: torch.Tensor = None   # (n,) long: the block columns the logits are computed at (all N when compiled)
+    cols: torch.Tensor = None   # (n,) long: the block columns the logits are computed at (the open ones)
 
 
 # ---------------------------------------------------------------------------------------- cache policies

@@ -95,8 +95,7 @@ class Plan:
         family, widened by one to the position before the first open one), and the block columns to predict."""
         at = Step(n, i, s, e, x, x[:, s:e] == self.mask_id, self.shift)
         a, b = checks.check_span(self.feed, at, open_cols)
-        fixed = self.call is not logits_at        # compiled: the LM head on all N block columns; eager: the open ones
-        cols = self.ar[:e - s] if fixed else torch.tensor(open_cols, dtype=torch.long, device=x.device)
+        cols = torch.tensor(open_cols, dtype=torch.long, device=x.device)   # the LM head: the open columns only
         return at._replace(span=(a, b), refresh=(a, b) == (0, x.shape[1]), cols=cols)
 
     def forward(self, x, at: Step):

@@ -285,6 +285,11 @@ class Transformer(nn.Module):
         Returns logits (B, T', vocab) where row i predicts the token *at* position i, for both diffusion
         families; for the causal guide row i predicts the token *after* position i (next-token logits).
         """
+        return self.logits(self.hidden(idx, pos, cache, start, mask), logits_range)
+
+    def hidden(self, idx, pos=None, cache=None, start=0, mask=None):
+        """The chunk through every layer -> hidden states (B, T, dim), before the final norm (forward's arguments).
+        compile=True compiles this part: its shapes are the fed span's, whatever the block."""
         B, T = idx.shape
         slots = start if isinstance(start, torch.Tensor) else torch.arange(start, start + T, device=idx.device)
         if pos is None:
@@ -293,17 +298,21 @@ class Transformer(nn.Module):
         x = self.embed(idx)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, None if cache is None else (cache, i, slots), start, mask)
-        if isinstance(logits_range, tuple):
-            logits_range = torch.arange(*logits_range, device=idx.device)
+        return x
+
+    def logits(self, x, rows=None):
+        """Hidden states (B, T, dim) -> logits at the chunk rows `rows` (a 1-D tensor, (a, b), or None: all)."""
+        if isinstance(rows, tuple):
+            rows = torch.arange(*rows, device=x.device)
         if self.config.shift_logits:
             # Dream's logits shift, the one place it happens: the prediction for position i comes from hidden
             # state i-1; position 0 keeps its own (spec/dream.md section 4). Applied within the fed chunk, as
             # Fast-dLLM does in its cached calls: a chunk that starts at position a > 0 has no prediction for a
             # (fastdllm.py's plan never commits one from it).
-            rows = torch.arange(T, device=idx.device) if logits_range is None else logits_range
+            rows = torch.arange(x.shape[1], device=x.device) if rows is None else rows
             x = x[:, (rows - 1).clamp(min=0)]
-        elif logits_range is not None:
-            x = x[:, logits_range]
+        elif rows is not None:
+            x = x[:, rows]
         return self.lm_head(self.norm(x))
 
 
@@ -319,23 +328,28 @@ def padding(attention_mask, gen_length: int, device):
     return (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
 
 
-def logits_at(model, ids, pos, kv, slots, mask, rows):
+def logits_at(model, ids, pos, kv, slots, mask, rows, hidden=None):
     """One model call -> (logits at the chunk rows `rows`, is any of them NaN/inf). The NaN/inf check reads the
     logits' row sums (one reduction, into which any NaN/inf propagates) and stays on the device until the
-    step's one host read. compile=True compiles exactly this function."""
-    logits = model(ids, pos, kv, slots, mask, rows)
+    step's one host read. hidden: model.hidden, or its compiled form (Compiled)."""
+    logits = model.logits((hidden or model.hidden)(ids, pos, kv, slots, mask), rows)
     return logits, ~torch.isfinite(logits.sum(-1, dtype=torch.float32)).all()
 
 
+def hidden_states(model, ids, pos, kv, slots, mask):
+    return model.hidden(ids, pos, kv, slots, mask)
+
+
 class Compiled:
-    """compile=True: logits_at through torch.compile, one graph per feed shape (fullgraph, static shapes: the
-    slots and rows are tensors, so one graph serves every block; the prefix and free caches feed one width per
-    block, so the recompile limit is raised for this function's calls only). On CUDA with CUDA graphs
-    ("reduce-overhead"): one launch per call instead of ~1,500. CUDA graphs write the KV cache in place at fixed
-    addresses, so this object keeps the last call's cache for the next call of the same shape: pass one instance
-    as compile= to every call (the CLI, serve.py and harness.py do) and each graph is captured once.
-    emulate_precision_casts rounds low-precision intermediates where eager does, so bf16 ids equal eager's on
-    the CPU (tests/test_compile.py)."""
+    """compile=True: the model's layers (model.hidden) through torch.compile, one graph per feed shape
+    (fullgraph, static shapes: the slots are tensors, so one graph serves every block; the prefix and free
+    caches feed one width per block, so the recompile limit is raised for these calls only). On CUDA with CUDA
+    graphs ("reduce-overhead"): one launch for the layers instead of ~1,150 kernels. The LM head stays outside,
+    on the block's open columns only (eager's work, measured: on a CPU the head on every block column cost up to
+    1.7x; on a GPU it is one matmul either way). CUDA graphs write the KV cache in place at fixed addresses, so
+    this object keeps the last call's cache for the next call of the same shape: pass one instance as compile= to
+    every call (the CLI, serve.py and harness.py do) and each graph is captured once. emulate_precision_casts
+    rounds low-precision intermediates where eager does: bf16 ids equal eager's on the CPU (tests/test_compile.py)."""
 
     def __init__(self):
         self.fn, self.kv, self.key = None, None, None
@@ -349,15 +363,18 @@ class Compiled:
                 torch._dynamo.mark_static_address(t, guard=False)     # written in place by the CUDA graphs
         return self.kv
 
-    def __call__(self, model, *args):
+    def __call__(self, model, ids, pos, kv, slots, mask, rows):
         cuda = model.lm_head.weight.is_cuda
         if self.fn is None:
             options = {"emulate_precision_casts": True} | ({"triton.cudagraphs": True} if cuda else {})
-            self.fn = torch.compile(logits_at, fullgraph=True, dynamic=False, options=options)
+            self.fn = torch.compile(hidden_states, fullgraph=True, dynamic=False, options=options)
         if cuda:
-            torch.compiler.cudagraph_mark_step_begin()   # the previous step's logits are no longer read
-        with torch._dynamo.config.patch(recompile_limit=256):
-            return self.fn(model, *args)
+            torch.compiler.cudagraph_mark_step_begin()   # the previous step's hidden states are no longer read
+
+        def hidden(*args):
+            with torch._dynamo.config.patch(recompile_limit=256):
+                return self.fn(model, *args)
+        return logits_at(model, ids, pos, kv, slots, mask, rows, hidden)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@ sampler.py: logits -> tokens. How each family proposes (step rules: LLaDA's Gumb
 spec/llada.md 3; Dream's sampler, confidences and float32 schedule, spec/dream.md 5), which proposals a step
 commits (selection rules: the schedule, Fast-dLLM's threshold and factor decoding, section 3.3), when an answer
 has ended (stop rules). Randomness only through an explicit torch.Generator. A step works at a fixed width: logits
-(B, n, V) at the block columns `at.cols` become a `Proposal` of (B, N) tensors, confidences -inf where it may
+(B, n, V) at the block's open columns `at.cols` become a `Proposal` of (B, N) tensors, confidences -inf where it may
 not commit. What each step feeds is cache.py's; guided diffusion is guided.py's.
 """
 from typing import NamedTuple
