@@ -9,11 +9,12 @@ rule and a stop rule return (host metadata, no sync), and their values inside th
 import inspect
 import math
 import numbers
+from types import SimpleNamespace
 
 import torch
 
 from cache import Feed
-from guided import check_guided
+from guided import check_guided, check_guided_settings
 
 CACHE_MODES = ("none", "prefix", "dual", "free")
 LLADA_REMASKING = ("low_confidence", "random")
@@ -77,14 +78,30 @@ def check_settings(gen_length, block_length, steps, cache, threshold, factor, te
         bad(f"alg_temp must be >= 0 (got {alg_temp})")
 
 
-def check_early(kw: dict):
-    """check_settings on generate() keywords, before any model is loaded (the CLI, the benchmark, the server,
-    the harness): block_length None is one block and steps None one token a step, as generate() fills them in;
-    the settings that need the model are left to check_call."""
+def check_early(kw: dict, defaults, name=lambda key: key):
+    """Every check of generate() keywords that needs no model, before any is loaded (the CLI, the benchmark, the
+    server, the harness all call it; generate() runs them all again, and the model's): block_length None is one
+    block and steps None one token a step, as generate() fills them in; a `guide` of any value (a path, say)
+    means a guide is coming. defaults: fastdllm.Settings; name(key) words a setting as the caller knows it."""
+    st = SimpleNamespace(**vars(defaults) | kw)
     names = inspect.signature(check_settings).parameters
-    given = {k: v for k, v in kw.items() if k in names}
-    check_settings(**given | {"block_length": kw.get("block_length") or kw["gen_length"],
-                              "steps": kw["gen_length"] if kw.get("steps") is None else kw["steps"]})
+    check_settings(**{k: getattr(st, k) for k in names if hasattr(st, k)} |
+                   {"block_length": st.block_length or st.gen_length,
+                    "steps": st.gen_length if st.steps is None else st.steps})
+    check_hooks(st)
+    check_stop(None, st.stop_at_eos, None)
+    if st.remasking is not None and st.remasking not in LLADA_REMASKING + DREAM_REMASKING:
+        bad(f"unknown remasking {st.remasking!r}: use one of {', '.join(LLADA_REMASKING + DREAM_REMASKING)} "
+            f"(LLaDA: the first {len(LLADA_REMASKING)}, Dream: the others)")
+    check_guided_settings(st, defaults, name) if st.guide is not None else check_unguided(st, defaults)
+
+
+def check_unguided(st, defaults):
+    """A guided setting at its default changes nothing without a guide (callers that pass every keyword keep
+    working); any other value would be silently ignored: refuse it."""
+    given = [k for k in GUIDED_ONLY if getattr(st, k) != getattr(defaults, k)]
+    if given:
+        bad(f"{', '.join(given)} only apply to guided diffusion: pass guide= too, or leave them out")
 
 
 def check_prompt(cfg, prompt, gen_length, remasking, top_p, top_k, alg_temp, attention_mask=None):
@@ -196,14 +213,7 @@ def check_call(model, prompt, st, attention_mask, generator, whole_canvas, defau
     check_prompt(cfg, prompt, st.gen_length, st.remasking, st.top_p, st.top_k, st.alg_temp, attention_mask)
     check_stop(cfg, st.stop_at_eos, st.eos_ids)
     check_hooks(st)
-    if st.guide is not None:
-        check_guided(model, st, defaults)
-    else:
-        # A guided setting at its default changes nothing without a guide (callers that pass every keyword keep
-        # working); any other value would be silently ignored: refuse it.
-        given = [k for k in GUIDED_ONLY if getattr(st, k) != getattr(defaults, k)]
-        if given:
-            bad(f"{', '.join(given)} only apply to guided diffusion: pass guide= too, or leave them out")
+    check_guided(model, st, defaults) if st.guide is not None else check_unguided(st, defaults)
     if cfg.family == "dream" and st.guide is None and st.propose is None:
         n_blocks = st.gen_length // st.block_length
         check_dream_modes(whole_canvas, st.cache, st.remasking, st.threshold is not None or st.factor is not None

@@ -27,11 +27,12 @@ import torch.nn.functional as F
 import checks
 import sampler as S
 from cache import CACHE_POLICIES, Feed, KVCache, Refresh, Step
-from chat import (Chat, check_text, checked, fit_gen_length, load, load_guide, optional_float, pad_prompts,
-                  pick_device_dtype, read_prompts, read_turns, streamer)
-from checks import CACHE_MODES, check_early
+from chat import check_text, streamer
+from cli import (CLI_DEFAULTS, NEEDS, NOT_GIVEN, checked, fit_gen_length, flag_name, load, load_all,  # noqa: F401
+                 load_guide, optional_float, pad_prompts, pick_device_dtype, read_prompts, read_turns, settings)
+from checks import CACHE_MODES
 from guided import ACCEPT_RULES, check_accept, guided_parts
-from model import Compiled, check_readable, logits_at, padding, read_config, resolve_model_dir
+from model import Compiled, logits_at, padding  # noqa: F401  (Compiled: fastdllm.Compiled for callers)
 
 
 @dataclass
@@ -246,18 +247,7 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Command line (its helpers: chat.py)
-
-# The command line's defaults where they differ from generate()'s: the methods' headline setting (Fast-dLLM's
-# DualCache with threshold 0.9) and early stop at the end of text. serve.py and harness.py read them here.
-CLI_DEFAULTS = dict(gen_length=256, cache="dual", threshold=0.9, stop_at_eos=True)
-
-
-# Flags that only mean something beside another flag: given without it they are an error, never ignored.
-NEEDS = {"accept": "guide", "accept_k": "guide", "accept_ratio": "guide", "accept_threshold": "guide",
-         "speculative": "guide", "batch_size": "prompt_file"}
-NOT_GIVEN = object()   # what a NEEDS flag holds after parsing when it was not on the command line
-
+# Command line (its helpers: cli.py)
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Fast-dLLM inference for LLaDA and Dream. The defaults are the "
@@ -327,7 +317,7 @@ def parse_args(argv=None):
         elif not getattr(args, need):
             flag, need = flag.replace("_", "-"), need.replace("_", "-")
             raise ValueError(f"--{flag} only applies with --{need}: add --{need}, or drop --{flag}")
-    check_accept(args.accept, given, lambda name: "--" + name.replace("_", "-"))
+    check_accept(args.accept, given, flag_name)
     for flag in ("model", "guide", "prompt_file"):
         if getattr(args, flag) is not None and not getattr(args, flag).strip():
             raise ValueError(f"--{flag.replace('_', '-')} is empty: pass a path (or leave the flag out)")
@@ -341,12 +331,6 @@ def parse_args(argv=None):
         raise ValueError("pass one of --prompt, --prompt-file, --interactive")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1 (got {args.batch_size})")
-    # generate() refuses these with a guide too, but only once both models are loaded.
-    clash = next((f for f, v in (("threshold", args.threshold), ("factor", args.factor),
-                                 ("temperature", args.temperature)) if v), None)
-    if args.guide and clash:
-        raise ValueError(f"--{clash} does not apply with --guide: the guide decides how many drafts each step "
-                         f"commits, and drafts are the argmax; drop --{clash}")
     unused = next((f for f in ("steps", "remasking", "top_p", "top_k", "alg_temp") if getattr(args, f) is not None),
                   "no_early_stop" if args.no_early_stop else None)
     if args.guide and unused:   # accepted and without effect would be a silent lie: refuse
@@ -362,18 +346,9 @@ def parse_args(argv=None):
     return args
 
 
-def settings(args, **override):
-    """The CLI's flags as generate() keywords. --compile: the Compiled that main() (or serve.py) made once, so
-    every call of the process reuses its graphs."""
-    kw = dict(gen_length=args.gen_length, block_length=args.block_length or None, steps=args.steps,
-              cache=args.cache, threshold=args.threshold, factor=args.factor, temperature=args.temperature,
-              remasking=args.remasking, top_p=args.top_p, top_k=args.top_k, alg_temp=args.alg_temp,
-              compile=getattr(args, "compiled", None) or args.compile)
-    if args.guide:
-        kw.update(accept=args.accept, accept_k=args.accept_k, accept_ratio=args.accept_ratio,
-                  accept_threshold=args.accept_threshold, speculative=args.speculative)
-    kw.update(override)
-    return kw
+def check_early(kw: dict, name=lambda key: key):
+    """checks.check_early with generate()'s defaults (Settings): every check that needs no model, once."""
+    checks.check_early(kw, Settings(), name)
 
 
 def run_batch(model, rows, args, device, on_step=None, **override):
@@ -391,52 +366,19 @@ def answer_prompts(model, chat, args, device):
     """--prompt-file: every line a prompt, decoded in batches of --batch-size; answers in input order."""
     rows = [chat.encode(chat.render([{"role": "user", "content": q}])) for q in args.prompts]
     args.gen_length = fit_gen_length(args, max(map(len, rows)), model.config.max_seq_len)
-    nfe, seconds = 0, 0.0
+    nfe, seconds, tokens = 0, 0.0, 0
     for i in range(0, len(rows), args.batch_size):
         batch = rows[i:i + args.batch_size]
         outs, stats = run_batch(model, batch, args, device)
         for ids, out in zip(batch, outs):
             print(chat.answer(out[len(ids):]))
-        nfe, seconds = nfe + stats["nfe"], seconds + stats["seconds"]
-    print(f"{len(rows)} prompts | NFE {nfe} | {len(rows) * args.gen_length / max(seconds, 1e-9):.1f} tokens/s | "
-          f"{seconds:.2f} s")
-
-
-def load_all(args):
-    """What every command line of the project loads (this CLI, serve.py, bench.py run): the checks of the small
-    files first (config.json, tokenizer.json, the guide's), then the guide and the model. Sets args.stop_ids,
-    args.guide_model and args.compiled (one Compiled for the process). -> (model, chat, cfg, device)."""
-    device, dtype = pick_device_dtype(args.device, args.dtype)
-    # The guide first: a typo in its path must not wait for the model's download.
-    guide_dir = resolve_model_dir(args.guide, role="guide") if args.guide else None
-    model_dir = resolve_model_dir(args.model)
-    cfg = read_config(model_dir)
-    if cfg.causal:
-        raise ValueError(f"--model {args.model} is a causal LM (model_type qwen2), not a diffusion LM: it belongs to "
-                         f"--guide; pass a LLaDA or Dream checkpoint as --model")
-    if cfg.family == "dream" and not args.block_length and (args.cache != "none" or args.threshold is not None
-                                                          or args.factor is not None):
-        raise ValueError("--block-length 0 selects Dream's own whole-canvas sampler, which has no cache and no "
-                         "parallel decoding: add --cache none --threshold none, or pass a --block-length")
-    check_readable(os.path.join(model_dir, "tokenizer.json"))
-    chat = Chat(model_dir, cfg, chat=not args.no_chat)
-    # The mask id must be a special token: an ordinary word means config.json does not match the tokenizer
-    # (blame the config, not a prompt that happens to use the word).
-    word = chat.tok.id_to_token(cfg.mask_id)
-    if word is not None and not getattr(chat.tok.get_added_tokens_decoder().get(cfg.mask_id), "special", False):
-        raise ValueError(f"config.json's mask_token_id {cfg.mask_id} is the ordinary token {word!r} of "
-                         f"tokenizer.json, not a special mask token: fix config.json or re-download the checkpoint")
-    chat.stop_ids |= set(cfg.eos_ids)     # config.json may list several end-of-text ids
-    args.stop_ids = sorted(chat.stop_ids)
-    args.guide_model = load_guide(guide_dir, args, cfg, chat, device, dtype)
-    model = load(args.model, model_dir, device, dtype)
-    args.compiled = Compiled() if args.compile else None
-    return model, chat, cfg, device
+        nfe, seconds, tokens = nfe + stats["nfe"], seconds + stats["seconds"], tokens + stats["answer_tokens"]
+    print(f"{len(rows)} prompts | NFE {nfe} | {tokens / max(seconds, 1e-9):.1f} tokens/s | {seconds:.2f} s")
 
 
 def main(argv=None):
     args = parse_args(argv)
-    check_early(settings(args))
+    check_early(settings(args) | {"guide": args.guide}, flag_name)
     model, chat, cfg, device = load_all(args)
     if args.prompt_file:
         return answer_prompts(model, chat, args, device)
@@ -490,17 +432,15 @@ def main(argv=None):
 
 if __name__ == "__main__":
     if sys.stdout is None:   # started with stdout closed (`>&-`): the answers would go nowhere
-        print("error: standard output is closed: the answer has nowhere to go (drop `>&-`, or redirect to a "
-              "file or /dev/null)", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(print("error: standard output is closed: the answer has nowhere to go (drop `>&-`, or redirect "
+                       "to a file or /dev/null)", file=sys.stderr) or 2)
     try:
         status = main()
         sys.stdout.flush()     # here, so that a closed pipe is caught below, not at the interpreter's exit
         sys.exit(status)
     except BrokenPipeError:
-        # The reader stopped reading (`| head -1`): quiet, as Unix tools are (they die of SIGPIPE, which the
-        # shell reports as 128 + 13). stdout goes to devnull so the final flush does not fail again (the
-        # Python docs' recipe, "Note on SIGPIPE").
+        # The reader stopped reading (`| head -1`): quiet, as Unix tools are (128 + SIGPIPE); stdout goes to
+        # devnull so the final flush does not fail again (the Python docs' "Note on SIGPIPE").
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(141)
     except (ValueError, OSError) as e:   # OSError: FileNotFoundError and any file error we did not foresee

@@ -243,9 +243,7 @@ class GuidedFreeCache(FreeCache):
 
 
 def check_guided(model, st, defaults):
-    """Guided diffusion's own settings: the guide decides how many drafts to commit, so no other parallel rule
-    applies, and drafts are the argmax (no sampling); a setting that the chosen acceptance rule never reads is
-    refused unless it is at its default (`defaults`: fastdllm.Settings)."""
+    """A loaded causal guide sharing the model's token ids, then check_guided_settings."""
     guide = st.guide
     if isinstance(guide, str):
         raise ValueError(f"guide must be a loaded causal model, not the path {guide!r}: load it with "
@@ -254,14 +252,21 @@ def check_guided(model, st, defaults):
         raise ValueError(f"guide must be a causal LM loaded with model.load_model (a Qwen2-format checkpoint, e.g. "
                          f"Qwen/Qwen2.5-1.5B-Instruct for Dream), not {type(guide).__name__}")
     check_guide(model.config, guide.config)
-    for name, given in (("threshold/factor", st.threshold is not None or st.factor is not None),
-                        ("a select rule", st.select is not None), ("a propose rule", st.propose is not None)):
-        if given:
-            raise ValueError(f"pass a guide or {name}, not both: with a guide the guide decides how many drafts "
-                             f"each step commits")
+    check_guided_settings(st, defaults)
+
+
+def check_guided_settings(st, defaults, name=lambda key: key):
+    """Guided diffusion's own settings, needing no model (checks.check_early runs it before any is loaded): the
+    guide decides how many drafts to commit, so no other parallel rule applies, and drafts are the argmax (no
+    sampling); a setting the chosen acceptance rule never reads is refused unless at its default (`defaults`:
+    fastdllm.Settings). name(key) words a setting as the caller knows it (the CLI: `--accept-k`)."""
+    clash = next((k for k in ("threshold", "factor", "select", "propose") if getattr(st, k) is not None), None)
+    if clash:
+        raise ValueError(f"pass {name('guide')} or {name(clash)}, not both: with a guide the guide decides how many "
+                         f"drafts each step commits")
     if st.temperature:
-        raise ValueError(f"guided drafts are the diffusion model's argmax: temperature must be 0 "
-                         f"(got {st.temperature})")
+        raise ValueError(f"{name('temperature')} must be 0 with {name('guide')}: guided drafts are the diffusion "
+                         f"model's argmax (got {st.temperature})")
     if st.accept not in ACCEPT_RULES:
         raise ValueError(f"unknown accept rule {st.accept!r}: use one of {', '.join(ACCEPT_RULES)}")
     if type(st.accept_k) is not int or st.accept_k < 1:
@@ -277,7 +282,7 @@ def check_guided(model, st, defaults):
     if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 <= t < 1:
         raise ValueError(f"accept_threshold must be a number in [0, 1) (got {t!r}): the guide accepts a draft "
                          f"whose probability exceeds it")
-    check_accept(st.accept, {k for k in ACCEPT_READS if getattr(st, k) != getattr(defaults, k)})
+    check_accept(st.accept, {k for k in ACCEPT_READS if getattr(st, k) != getattr(defaults, k)}, name)
 
 
 def check_accept(accept: str, given, name=lambda key: key):

@@ -51,9 +51,8 @@ except ImportError as e:
     raise ImportError(f"harness.py needs lm-eval ({e}): pip install -r requirements-eval.txt") from None
 
 from chat import Chat
-from checks import BOOLEANS, DREAM_REMASKING, GUIDED_ONLY, LLADA_REMASKING, check_stop
 from fastdllm import CLI_DEFAULTS, Compiled, Settings, check_early, generate, pad_prompts, pick_device_dtype
-from guided import ACCEPT_RULES, check_guide
+from guided import check_guide
 from model import load_model, read_config, resolve_model_dir
 
 log = logging.getLogger("lm_eval.fastdllm")   # under lm-eval's logger, so it prints with lm-eval's lines
@@ -108,8 +107,7 @@ class FastDLLM(LM):
         self.settings["block_length"] = self.settings["block_length"] or None
         s = self.settings     # what needs no model is checked now, not after reading gigabytes of weights
         try:
-            check_early(s)
-            check_without_model(s, guided=guide is not None)
+            check_early(s | ({"guide": guide} if guide is not None else {}))
         except TypeError as e:      # checks.py's line for a value of the wrong type (cache=3): one line here too
             raise ValueError(str(e)) from None
         self._rank, self._world_size, device = distributed(device)
@@ -303,31 +301,6 @@ def off(default, value):
     if isinstance(value, str) and value.strip().lower() in ("none", "off") and not isinstance(default, str):
         return False if isinstance(default, bool) else None
     return value
-
-
-def check_without_model(s: dict, guided: bool):
-    """generate()'s checks that need no model, beyond check_early's: a wrong value fails before any download
-    or weight is read, not after (generate() checks them all again)."""
-    check_stop(None, s["stop_at_eos"], None)     # the config is needed only for eos_ids, which are ours
-    for k in BOOLEANS:
-        if k in s and type(s[k]) is not bool:
-            raise ValueError(f"{k} must be True or False (got {s[k]!r})")
-    names = LLADA_REMASKING + DREAM_REMASKING
-    if s["remasking"] is not None and s["remasking"] not in names:
-        raise ValueError(f"unknown remasking {s['remasking']!r}: use one of {', '.join(names)} (LLaDA: the first "
-                         f"{len(LLADA_REMASKING)}, Dream: the others)")
-    if not guided:
-        given = [k for k in GUIDED_ONLY if s[k] != SETTINGS[k]]
-        if given:
-            raise ValueError(f"{', '.join(given)} only apply to guided diffusion: pass guide= too, or leave them out")
-    elif s["threshold"] is not None or s["factor"] is not None:
-        raise ValueError("pass a guide or threshold/factor, not both: with a guide the guide decides how many "
-                         "drafts each step commits")
-    elif s["temperature"]:
-        raise ValueError(f"guided drafts are the diffusion model's argmax: temperature must be 0 (got "
-                         f"{s['temperature']})")
-    elif s["accept"] is not None and s["accept"] not in ACCEPT_RULES:
-        raise ValueError(f"unknown accept rule {s['accept']!r}: use one of {', '.join(ACCEPT_RULES)}")
 
 
 def check_local(name, role: str):

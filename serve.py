@@ -32,7 +32,6 @@ import traceback
 import uuid
 from http.server import ThreadingHTTPServer
 
-import checks
 import fastdllm
 from api import (CLIENT_GONE, ApiError, JsonHandler, check_fields, check_text, choice, chunk, envelope, get,
                  json_object, prompt_fields, quoted, stop_scan, usage)
@@ -336,13 +335,10 @@ class App:
             max_tokens, gen = self.gen_length(len(ids), body, kw, guided, param)
             k = kw | {"gen_length": gen}
             try:   # the model-free checks of generate(), here so that a bad setting is a 400 before any batch
-                checks.check_early(k)
+                fastdllm.check_early(k | ({"guide": True} if guided else {}))
                 if (k["steps"] or 0) > self.cfg.max_seq_len:     # (a tensor of that many steps is allocated)
                     raise ValueError(f"steps must be at most the model's {self.cfg.max_seq_len} positions (got "
                                      f"{k['steps']}); every step commits at least one token")
-                if guided and (k["threshold"] is not None or k["factor"] is not None):
-                    raise ValueError("pass guide or threshold/factor, not both: with a guide the guide decides how "
-                                     "many drafts each step commits (send \"threshold\": null)")
             except ValueError as e:
                 raise ApiError(400, str(e), None, "invalid_value") from None
             key = ("sampled", group, i) if sampled else (guided, *sorted(k.items()))

@@ -116,10 +116,13 @@ class FullHead(torch.nn.Module):
         super().__init__()
         self.inner, self.config, self.lm_head, self.rows = model, model.config, model.lm_head, []
 
-    def forward(self, idx, pos=None, cache=None, start=0, mask=None, logits_range=None):
-        logits = self.inner(idx, pos, cache, start, mask)
-        self.rows.append(len(logits_range))
-        return logits[:, logits_range]
+    def hidden(self, *args):
+        return self.inner.hidden(*args)
+
+    def logits(self, x, rows):
+        logits = self.inner.logits(x)                   # every fed position
+        self.rows.append(len(rows))
+        return logits[:, rows]
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import GOLDEN, ROOT, write_tokenizer
 import fastdllm
-import chat
+import cli
 from chat import Chat
 from fastdllm import generate
 from model import load_model
@@ -497,7 +497,7 @@ BEFORE_RESOLVING = {   # argv: the error, said before the model is even looked u
 
 @pytest.mark.parametrize("case", BEFORE_RESOLVING)
 def test_cli_checks_arguments_before_the_model(monkeypatch, case):
-    monkeypatch.setattr(fastdllm, "resolve_model_dir", lambda *a: pytest.fail("resolved the model first"))
+    monkeypatch.setattr(cli, "resolve_model_dir", lambda *a, **kw: pytest.fail("resolved the model first"))
     argv, pattern = BEFORE_RESOLVING[case]
     with pytest.raises(ValueError) as e:
         fastdllm.main(argv)
@@ -521,7 +521,7 @@ BEFORE_LOADING = {   # a bad checkpoint folder: the error, said from config.json
 @pytest.mark.parametrize("case", BEFORE_LOADING)
 def test_cli_checks_the_small_files_before_the_weights(tmp_path, monkeypatch, case):
     make, argv, pattern = BEFORE_LOADING[case]
-    monkeypatch.setattr(chat, "load_model", lambda *a, **kw: pytest.fail("loaded the weights first"))
+    monkeypatch.setattr(cli, "load_model", lambda *a, **kw: pytest.fail("loaded the weights first"))
     with pytest.raises(ValueError) as e:
         fastdllm.main(["--model", make(tmp_path), *RUN, *argv])
     assert re.search(pattern, one_line(e)), str(e.value)
@@ -608,8 +608,8 @@ CLI20_ERRORS = {   # argv: the pattern of the one error line (after "error: ")
                                        r"^--accept-ratio only applies with --guide"),
     "--batch-size without --prompt-file": ([*MISSING, "--prompt", "w5", "--batch-size", "2"],
                                            r"^--batch-size only applies with --prompt-file"),
-    "--guide with --threshold": ([*GUIDED, "--threshold", "0.5"], r"^--threshold does not apply with --guide"),
-    "--guide with --temperature": ([*GUIDED, "--temperature", "0.5"], r"^--temperature does not apply with --guide"),
+    "--guide with --threshold": ([*GUIDED, "--threshold", "0.5"], r"^pass --guide or --threshold, not both"),
+    "--guide with --temperature": ([*GUIDED, "--temperature", "0.5"], r"^--temperature must be 0 with --guide"),
     "--prompt-file missing": ([*MISSING, "--prompt-file", "{tmp}/none.txt"],
                               r"^cannot read --prompt-file .*none\.txt: No such file or directory$"),
     "--prompt-file a folder": ([*MISSING, "--prompt-file", "{tmp}"], r"^cannot read --prompt-file .*: Is a directory$"),

@@ -63,10 +63,13 @@ class Uncached(torch.nn.Module):
         super().__init__()
         self.inner, self.config, self.lm_head = model, model.config, model.lm_head
 
-    def forward(self, idx, pos=None, cache=None, start=0, mask=None, logits_range=None):
+    def hidden(self, idx, pos=None, cache=None, start=0, mask=None):
         first = start if isinstance(start, int) else int(start.reshape(-1)[0])   # an int or the chunk's slots
         assert first == 0, "a step that feeds less than the canvas cannot run without a cache"
-        return self.inner(idx, pos, None, 0, mask, logits_range)
+        return self.inner.hidden(idx, pos, None, 0, mask)
+
+    def logits(self, x, rows=None):
+        return self.inner.logits(x, rows)
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
@@ -105,10 +108,13 @@ class Recorder(torch.nn.Module):
         super().__init__()
         self.inner, self.config, self.lm_head, self.calls = model, model.config, model.lm_head, []
 
-    def forward(self, idx, pos=None, cache=None, start=0, mask=None, logits_range=None):
-        out = self.inner(idx, pos, cache, start, mask, logits_range)
-        where = start[logits_range] if isinstance(start, torch.Tensor) else start + logits_range   # canvas positions
-        self.calls.append((where, out))
+    def hidden(self, idx, pos=None, cache=None, start=0, mask=None):
+        self.start = start                                          # the chunk's canvas slots
+        return self.inner.hidden(idx, pos, cache, start, mask)
+
+    def logits(self, x, rows):
+        out = self.inner.logits(x, rows)
+        self.calls.append((self.start[rows], out))                 # the canvas positions it decided
         return out
 
 

@@ -200,7 +200,7 @@ def test_guided_llada(llada, guide, tmp_path):
 
 def test_guided_settings_are_checked(dream, guide, llada):
     prompt = torch.tensor([FLASH["prompts"]["p10"]])
-    with pytest.raises(ValueError, match="guide or threshold/factor, not both"):
+    with pytest.raises(ValueError, match="pass guide or threshold, not both"):
         generate(dream, prompt, gen_length=8, guide=guide, threshold=0.9)
     with pytest.raises(ValueError, match="unknown accept rule 'best'"):
         generate(dream, prompt, gen_length=8, guide=guide, accept="best")

@@ -250,7 +250,7 @@ DEMO_MODEL = os.path.join(ROOT, "demo", "llada-arith")
     (dict(remasking="lowest"), "unknown remasking 'lowest'"),
     (dict(accept="topk"), "accept only apply to guided diffusion"),
     (dict(accept_k=3, speculative=True), "speculative, accept_k only apply to guided diffusion"),
-    (dict(guide="demo/qwen2-arith", threshold=0.9), "pass a guide or threshold/factor, not both"),
+    (dict(guide="demo/qwen2-arith", threshold=0.9), "pass guide or threshold, not both"),
     (dict(guide="demo/qwen2-arith", temperature=0.5), "temperature must be 0"),
     (dict(guide="demo/qwen2-arith", accept="best"), "unknown accept rule 'best'"),
     (dict(model=None), "the model must be a folder path or a Hugging Face repo id, not None"),
