@@ -432,8 +432,9 @@ def main(argv=None):
 
 if __name__ == "__main__":
     if sys.stdout is None:   # started with stdout closed (`>&-`): the answers would go nowhere
-        sys.exit(print("error: standard output is closed: the answer has nowhere to go (drop `>&-`, or redirect "
-                       "to a file or /dev/null)", file=sys.stderr) or 2)
+        print("error: standard output is closed: the answer has nowhere to go (drop `>&-`, or redirect to a "
+              "file or /dev/null)", file=sys.stderr)
+        sys.exit(2)
     try:
         status = main()
         sys.stdout.flush()     # here, so that a closed pipe is caught below, not at the interpreter's exit
