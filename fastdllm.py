@@ -282,8 +282,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default: %(default)s)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model call, one graph per feed shape "
-                   "(CUDA: CUDA graphs; the first call of each shape compiles, a few seconds to minutes)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model's layers, one graph per shape fed")
     p.add_argument("--no-chat", action="store_true", help="raw prompt, no chat template (base models)")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin, until exit, quit or its "
                    "end (a model without a chat template, like the demo, answers each question alone)")
@@ -346,14 +345,13 @@ def parse_args(argv=None):
     return args
 
 
-def check_early(kw: dict, name=lambda key: key):
-    """checks.check_early with generate()'s defaults (Settings): every check that needs no model, once."""
+def check_early(kw: dict, name=lambda key: key):     # every check that needs no model, with Settings' defaults
     checks.check_early(kw, Settings(), name)
 
 
 def run_batch(model, rows, args, device, on_step=None, **override):
-    """generate() on prompts of any lengths (left-padded), with the CLI's settings -> (prompt + answer ids per
-    row, pads dropped; stats). Early stop at the end of text is on unless --no-early-stop."""
+    """generate() on prompts of any lengths (left-padded), with the CLI's settings (early stop on unless
+    --no-early-stop) -> (prompt + answer ids per row, pads dropped; stats)."""
     ids, am = pad_prompts(rows, model.config.pad_id if model.config.pad_id is not None else model.config.eos_id)
     gen = torch.Generator(device).manual_seed(args.seed)
     kw = dict(stop_at_eos=not args.no_early_stop, eos_ids=getattr(args, "stop_ids", None), guide=args.guide_model)

@@ -6,9 +6,9 @@ drafts left to right, and a step commits the accepted run.
 - `accept_drafts`: the five acceptance rules; `guide_token`, `guided_commit`: what a step commits, assisted (the
   diffusion model's drafts) or speculative (the guide's own token at the first rejection);
 - `Guided`: the step rule (sampler.StepRule); `GuidedFreeCache`: FlashDLM's aggressive caching (cache.Feed);
-- `check_guide`, `check_guided`: a guide that shares the model's token ids, and the guided settings.
-A guided generate() is fastdllm.py's one decoding loop with these parts in its plan (`guided_parts`): one block
-over the answer, the guide's verdicts as the proposal's open positions, and a committed end token ends it.
+- `check_guide`, `check_guided`: a guide sharing the model's token ids, and the guided settings.
+A guided generate() is fastdllm.py's one loop with these parts in its plan (`guided_parts`): one block, the
+guide's verdicts as the proposal's open positions, a committed end token ends the answer.
 """
 import numbers
 from functools import partial
@@ -212,13 +212,11 @@ class Guided(StepRule):
         drafts = widen(argmax_except(logits[..., :self.guide.model.config.vocab_size], self.mask_id), at.cols, N, 0)
         drafted = torch.cat([at.x[:, :at.s], torch.where(at.cand, drafts, at.x[:, at.s:])], 1)   # every mask drafted
         n, rejected, calls = self.guide.verify(drafted, self.accept, self.chunk)
-        x0, take, ended = guided_commit(drafts, at.cand, n, guide_token(rejected, self.mask_id), self.speculative,
-                                        self.eos)
-        count = take.sum(-1)
-        self.guide.commit(count, ended | (count == at.cand.sum(-1)))         # finished rows leave
+        fix = guide_token(rejected, self.mask_id)
+        x0, take, ended = guided_commit(drafts, at.cand, n, fix, self.speculative, self.eos)
+        self.guide.commit(count := take.sum(-1), ended | (count == at.cand.sum(-1)))     # finished rows leave
         self.guide_calls += calls
-        return Proposal(x0, torch.zeros(take.shape, device=take.device).masked_fill(~take, NEG_INF), take, count,
-                        logits)
+        return Proposal(x0, torch.where(take, 0.0, NEG_INF), take, count, logits)
 
 
 class GuidedFreeCache(FreeCache):
@@ -244,8 +242,7 @@ class GuidedFreeCache(FreeCache):
 
 def check_guided(model, st, defaults):
     """A loaded causal guide sharing the model's token ids, then check_guided_settings."""
-    guide = st.guide
-    if isinstance(guide, str):
+    if isinstance(guide := st.guide, str):
         raise ValueError(f"guide must be a loaded causal model, not the path {guide!r}: load it with "
                          f"model.load_model(path)")
     if not isinstance(guide, torch.nn.Module) or not getattr(getattr(guide, "config", None), "causal", False):
@@ -259,7 +256,7 @@ def check_guided_settings(st, defaults, name=lambda key: key):
     """Guided diffusion's own settings, needing no model (checks.check_early runs it before any is loaded): the
     guide decides how many drafts to commit, so no other parallel rule applies, and drafts are the argmax (no
     sampling); a setting the chosen acceptance rule never reads is refused unless at its default (`defaults`:
-    fastdllm.Settings). name(key) words a setting as the caller knows it (the CLI: `--accept-k`)."""
+    fastdllm.Settings). name(key) words a setting as its caller knows it (`--accept-k`)."""
     clash = next((k for k in ("threshold", "factor", "select", "propose") if getattr(st, k) is not None), None)
     if clash:
         raise ValueError(f"pass {name('guide')} or {name(clash)}, not both: with a guide the guide decides how many "
@@ -271,15 +268,13 @@ def check_guided_settings(st, defaults, name=lambda key: key):
         raise ValueError(f"unknown accept rule {st.accept!r}: use one of {', '.join(ACCEPT_RULES)}")
     if type(st.accept_k) is not int or st.accept_k < 1:
         raise ValueError(f"accept_k must be an integer >= 1 (got {st.accept_k!r})")
-    ratio = st.accept_ratio
-    if not isinstance(ratio, numbers.Real) or isinstance(ratio, bool) or not 0 < ratio <= 1:
+    if not isinstance(ratio := st.accept_ratio, numbers.Real) or isinstance(ratio, bool) or not 0 < ratio <= 1:
         raise ValueError(f"accept_ratio must be in (0, 1] (got {st.accept_ratio!r})")
     if type(st.verify_chunk) is not int or st.verify_chunk < 1:
         raise ValueError(f"verify_chunk must be an integer >= 1 (got {st.verify_chunk!r})")
     if type(st.speculative) is not bool:
         raise ValueError(f"speculative must be True or False (got {st.speculative!r})")
-    t = st.accept_threshold
-    if isinstance(t, bool) or not isinstance(t, numbers.Real) or not 0 <= t < 1:
+    if isinstance(t := st.accept_threshold, bool) or not isinstance(t, numbers.Real) or not 0 <= t < 1:
         raise ValueError(f"accept_threshold must be a number in [0, 1) (got {t!r}): the guide accepts a draft "
                          f"whose probability exceeds it")
     check_accept(st.accept, {k for k in ACCEPT_READS if getattr(st, k) != getattr(defaults, k)}, name)
