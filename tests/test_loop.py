@@ -3,6 +3,7 @@ families (every row as it would be alone), and Fast-dLLM's Dream threshold over 
 import pytest
 import torch
 
+from conftest import ROOT
 from fastdllm import generate
 from test_flashdlm import eos_bias
 
@@ -97,3 +98,30 @@ def test_eos_reached_rules():
     assert eos_reached(x, 3, 8, eos, M, 3).tolist() == [False, False, False, False]
     block = torch.tensor([[5, 6, 7, 1, 0, 4, M, M], [5, 6, 7, 1, 4, M, M, M], [5, 6, 7, 1, 2, 4, M, M]])
     assert eos_reached(block, 3, 6, eos, M, True).tolist() == [True, False, False]   # block [3, 6) done, holds eos
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual", "free"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_one_host_sync_per_cached_step(family, cache, batch):
+    """A GPU waits for the host whenever a step reads a device value back (.item(), bool(t), .tolist(),
+    nonzero, boolean indexing): counted by a dispatch mode (tools/step_count.py), every cached step reads once,
+    its "go on?" (there were 5 to 7, and 134 for FreeCache's diverged rows at 32 layers)."""
+    import sys
+    sys.path.insert(0, ROOT)
+    from tools.step_count import counted, random_model
+    model = random_model(family, "small", torch.float32)
+    prompt = torch.randint(0, 3000, (batch, 12), generator=torch.Generator().manual_seed(batch))
+    steps, _ = counted(model, prompt, cache=cache, threshold=0.9, gen_length=32, block_length=8, steps=32)
+    assert steps and max(c["syncs"] for _, c in steps) == 1
+
+
+@pytest.mark.parametrize("cache", ["prefix", "free"])
+def test_guided_steps_read_the_host_at_most_eight_times(cache):
+    import sys
+    sys.path.insert(0, ROOT)
+    from tools.step_count import counted, random_model
+    model, guide = random_model("dream", "small", torch.float32), random_model("qwen2", "small", torch.float32)
+    prompt = torch.randint(0, 3000, (2, 12), generator=torch.Generator().manual_seed(0))
+    steps, _ = counted(model, prompt, guide=guide, cache=cache, gen_length=32)
+    assert steps and max(c["syncs"] for _, c in steps) <= 8

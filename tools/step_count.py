@@ -47,9 +47,21 @@ class StepCounter(TorchDispatchMode):
 
     def __init__(self, model, guide=None):
         super().__init__()
-        self.where, self.steps, self.bucket = "loop", [], Counter()
-        self.hooks = [model.register_forward_pre_hook(lambda *a: self.go("call")),
+        self.where, self.steps, self.bucket, self.model = "loop", [], Counter(), model
+        self.hooks = [model.register_forward_pre_hook(lambda *a: self.go("call")),    # an older checkout's call
                       model.register_forward_hook(lambda *a: self.go("loop"))]
+        hidden, logits = getattr(model, "hidden", None), getattr(model, "logits", None)
+
+        def call(*args):                     # this checkout's step calls model.hidden, then model.logits
+            self.go("call")
+            return hidden(*args)
+
+        def head(*args):
+            out = logits(*args)
+            self.go("loop")
+            return out
+        if hidden is not None:
+            model.hidden, model.logits = call, head
         for layer in model.layers:
             self.hooks += [layer.register_forward_pre_hook(lambda *a: self.go("layer")),
                            layer.register_forward_hook(lambda *a: self.go("call"))]
@@ -75,6 +87,7 @@ class StepCounter(TorchDispatchMode):
     def __exit__(self, *exc):
         for h in self.hooks:
             h.remove()
+        self.model.__dict__.pop("hidden", None), self.model.__dict__.pop("logits", None)
         return super().__exit__(*exc)
 
 
