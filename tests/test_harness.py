@@ -402,18 +402,12 @@ def test_two_gloo_processes_share_the_requests(tmp_path):
     script.write_text(TWO_PROCESSES.format(root=ROOT))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # its own session, so that a hang kills torchrun's workers too, not only torchrun
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    proc = run_group([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                              str(script), str(tmp_path / "datasets"), "--model", "fastdllm",
                              "--model_args", "model=demo/llada-arith,gen_length=32,block_length=8",
                              "--include_path", "demo", "--tasks", "demo_arith", "--batch_size", "4",
-                             "--output_path", str(tmp_path / "out"), "--log_samples"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
+                             "--output_path", str(tmp_path / "out"), "--log_samples"], env)
+    stdout, stderr = proc.stdout, proc.stderr
     assert proc.returncode == 0, stderr[-3000:]
     samples = [json.loads(line) for path in glob.glob(str(tmp_path / "out" / "*" / "samples_*.jsonl"))
                for line in open(path)]
@@ -425,6 +419,18 @@ def test_two_gloo_processes_share_the_requests(tmp_path):
     assert results["results"]["demo_arith"]["exact_match,final-number"] == 1.0     # as one process (dual, 0.9)
 
 
+def run_group(cmd, env):
+    """A launcher and its worker processes, as one process group killed whole after 180 s."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def test_accelerate_cpu_launch_of_two_processes_is_refused(tmp_path):
     """The bug: `accelerate launch --cpu --num_processes 2 harness.py ...` starts one process (accelerate runs
     several on CPUs only through MPI) and the run went on silently as one. It now stops in one line naming
@@ -433,18 +439,12 @@ def test_accelerate_cpu_launch_of_two_processes_is_refused(tmp_path):
     script.write_text(TWO_PROCESSES.format(root=ROOT))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
-    proc = subprocess.Popen([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
+    proc = run_group([sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "2",
                              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                              str(script), str(tmp_path / "datasets"), "--model", "fastdllm",
                              "--model_args", "model=demo/llada-arith,gen_length=32,block_length=8",
-                             "--include_path", "demo", "--tasks", "demo_arith", "--output_path", str(tmp_path / "out")],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
+                             "--include_path", "demo", "--tasks", "demo_arith", "--output_path", str(tmp_path / "out")], env)
+    stdout, stderr = proc.stdout, proc.stderr
     assert proc.returncode != 0 and "|demo_arith|" not in stdout
     assert "error: accelerate launch asked for several processes but started one" in stderr
     assert "use torchrun --nproc_per_node N harness.py" in stderr
