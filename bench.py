@@ -32,7 +32,7 @@ import time
 
 import torch
 
-import fastdllm as F
+import cli
 from checks import GUIDED_ONLY, check_settings
 from fastdllm import generate
 from guided import check_guide
@@ -337,16 +337,16 @@ def compare(a_path: str, b_path: str) -> str:
 
 def run(args, rest):
     """bench.py run: the modes table on a real checkpoint and prompt, with fastdllm.py's decoding flags."""
-    a = F.parse_args(["--prompt", PROMPT if args.prompt is None else args.prompt] + rest)
-    F.check_early(F.settings(a, cache="none", threshold=None))    # every row sets its own cache and rule
-    model, chat, cfg, device = F.load_all(a)        # the CLI's checks and loading; one Compiled (--compile)
+    a = cli.parse_args(["--prompt", PROMPT if args.prompt is None else args.prompt] + rest)
+    cli.check_early(cli.settings(a, cache="none", threshold=None))    # every row sets its own cache and rule
+    model, chat, cfg, device = cli.load_all(a)        # the CLI's checks and loading; one Compiled (--compile)
     guide, dtype = a.guide_model, model.lm_head.weight.dtype
     ids = chat.encode(chat.render([{"role": "user", "content": a.prompt}]))
-    a.gen_length = F.fit_gen_length(a, len(ids), cfg.max_seq_len)
+    a.gen_length = cli.fit_gen_length(a, len(ids), cfg.max_seq_len)
     prompt = torch.tensor([ids] * args.batch, device=device)
     factors = args.factors + ([args.factor] if args.factor is not None and args.factor not in args.factors else [])
     mode_list = modes(args.caches, args.thresholds, factors, args.stops, [a.accept] if guide is not None else [])
-    kw = {k: v for k, v in F.settings(a).items() if k not in ("cache", "threshold", "factor")}
+    kw = {k: v for k, v in cli.settings(a).items() if k not in ("cache", "threshold", "factor")}
     rows, _ = run_modes(model, prompt, mode_list, kw, guide, sorted(chat.stop_ids | set(cfg.eos_ids)), args.repeat,
                         a.seed)
     env = environment(device, dtype)
@@ -372,7 +372,7 @@ def random_table(args):
                          "positions")
     if sweeping and len(args.thresholds) > 1:
         raise ValueError("--thresholds: a sweep measures one rule, so pass at most one value")
-    device, dtype = F.pick_device_dtype(args.device, args.dtype)
+    device, dtype = cli.pick_device_dtype(args.device, args.dtype)
     if not reusable(args, hf):      # --dir: refused now if it holds anything but this tool's checkpoint
         check_fits(hf, args.dir or tempfile.gettempdir(), device, dtype)
     guide = None

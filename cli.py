@@ -1,24 +1,23 @@
 """
-cli.py: the command line's helpers, shared by fastdllm.py's CLI, serve.py, bench.py and harness.py: flag types,
-the device and dtype, the CLI's flags as generate() keywords, left-padded batches, interactive turns and prompt
-files, and loading (the small files' checks first, then the guide and the model, with progress on stderr).
-The CLI itself (parse_args, main) is in fastdllm.py, after generate().
+cli.py: the command line (`python fastdllm.py --prompt ...` runs `main` here) and what serve.py, bench.py and
+harness.py share with it: the flags (parse_args) and their types, the device and dtype, the flags as generate()
+keywords, batches of prompts, interactive turns and prompt files, and loading (the small files' checks first,
+then the guide and the model, with progress on stderr). The method itself is in fastdllm.py.
 """
 import argparse
+import math
 import os
 import sys
 import time
 
 import torch
 
-from chat import Chat, check_text, load_tokenizer
-from guided import check_guide
+import checks
+from chat import Chat, check_text, load_tokenizer, streamer
+from checks import CACHE_MODES
+from fastdllm import CLI_DEFAULTS, Settings, generate, pad_prompts
+from guided import ACCEPT_RULES, check_accept, check_guide
 from model import Compiled, check_readable, load_model, read_config, resolve_model_dir
-
-
-# The command line's defaults where they differ from generate()'s: the methods' headline setting (Fast-dLLM's
-# DualCache with threshold 0.9) and early stop at the end of text. serve.py and harness.py read them too.
-CLI_DEFAULTS = dict(gen_length=256, cache="dual", threshold=0.9, stop_at_eos=True)
 
 
 # Flags that only mean something beside another flag: given without it they are an error, never ignored.
@@ -29,14 +28,6 @@ NOT_GIVEN = object()   # what a NEEDS flag holds after parsing when it was not o
 
 def flag_name(key: str) -> str:
     return "--" + key.replace("_", "-")
-
-
-def pad_prompts(rows: list[list[int]], pad_id: int):
-    """Prompts of different lengths -> (ids (B, P), attention_mask (B, P)), left-padded so that every answer
-    starts at the same canvas position."""
-    P = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_id] * (P - len(r)) + list(r) for r in rows])
-    return ids, (torch.arange(P) >= torch.tensor([[P - len(r)] for r in rows])).long()
 
 
 def settings(args, **override):
@@ -217,3 +208,212 @@ def load_all(args):
     model = load(args.model, model_dir, device, dtype)
     args.compiled = Compiled() if args.compile else None
     return model, chat, cfg, device
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The command line
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Fast-dLLM inference for LLaDA and Dream. The defaults are the "
+                                "method's headline setting; the plain baseline is --cache none --threshold none.")
+
+    def error(message):   # argparse would print its usage too: our errors are one line (see __main__)
+        raise ValueError(f"{message} (see --help)")
+    p.error = error
+    # SUPPRESS: --gen-length and --threshold are absent unless given, so we can tell a default from a choice.
+    p.add_argument("--model", default="GSAI-ML/LLaDA-8B-Instruct", help="Hugging Face repo id or local folder "
+                   "(default: %(default)s)")
+    p.add_argument("--prompt", help="the user message (required unless --prompt-file; with --interactive: the "
+                   "first turn)")
+    p.add_argument("--gen-length", type=int, default=argparse.SUPPRESS, help=f"tokens to generate (default: "
+                   f"{CLI_DEFAULTS['gen_length']}, or the largest multiple of --block-length that fits the model)")
+    p.add_argument("--block-length", type=int, default=Settings.block_length, help="semi-autoregressive block "
+                   "size; 0 = one block (for Dream: Dream's own whole-canvas sampler) (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: gen-length)")
+    p.add_argument("--cache", default=CLI_DEFAULTS["cache"], help=f"KV cache: {' | '.join(CACHE_MODES)} "
+                   f"(default: %(default)s)")
+    p.add_argument("--threshold", type=optional_float, default=argparse.SUPPRESS, help="parallel decoding: "
+                   f"unmask every token with confidence >= this; none = off (default: {CLI_DEFAULTS['threshold']}; "
+                   f"none with --factor)")
+    p.add_argument("--factor", type=float, default=None, help="factor-based parallel decoding (default: off)")
+    p.add_argument("--temperature", type=checked(float, math.isfinite, "a finite number"), default=0.0,
+                   help="0 = greedy (default: %(default)s)")
+    p.add_argument("--remasking", default=None, help="LLaDA: low_confidence (default) | random; Dream: entropy "
+                   "(default) | maskgit_plus | topk_margin | origin")
+    p.add_argument("--top-p", type=float, default=None, help="Dream only (default: off)")
+    p.add_argument("--top-k", type=int, default=None, help="Dream only (default: off)")
+    p.add_argument("--alg-temp", type=float, default=None, help="Dream only: randomness of the position choice")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default: %(default)s)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model's layers, one graph per shape fed")
+    p.add_argument("--no-chat", action="store_true", help="raw prompt, no chat template (base models)")
+    p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin, until exit, quit or its "
+                   "end (a model without a chat template, like the demo, answers each question alone)")
+    p.add_argument("--prompt-file", help="one prompt per line, decoded in batches (answers in input order)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per batch with --prompt-file "
+                   "(default: %(default)s)")
+    p.add_argument("--no-early-stop", action="store_true", help="decode every block even after the answer "
+                   "ended (default: stop once a finished block holds an end token)")
+    p.add_argument("--no-stream", action="store_true", help="print the answer at the end, not block by block")
+    p.add_argument("--trace", action="store_true", help="print which tokens each step unmasked")
+    p.add_argument("--guide", help="a causal LM sharing the model's tokenizer (Qwen2 format, repo id or folder): "
+                   "FlashDLM's guided diffusion (default: off)")
+    p.add_argument("--accept", default=Settings.accept, choices=ACCEPT_RULES, metavar="RULE",
+                   help="guided: deterministic | topk | topk_relative | dynamic_threshold | aggressive "
+                   "(default: %(default)s)")
+    p.add_argument("--accept-k", type=checked(int, lambda k: k >= 1, "an integer >= 1"), default=Settings.accept_k,
+                   help="guided topk and topk_relative: the guide's top k (default: %(default)s)")
+    p.add_argument("--accept-ratio", type=checked(float, lambda r: 0 < r <= 1, "a number in (0, 1]"),
+                   default=Settings.accept_ratio, help="guided topk_relative ratio (default: %(default)s)")
+    p.add_argument("--accept-threshold", type=checked(float, lambda t: 0 <= t < 1, "a number in [0, 1)"),
+                   default=Settings.accept_threshold, help="guided dynamic_threshold: accept a draft whose guide "
+                   "probability exceeds this (default: %(default)s)")
+    p.add_argument("--speculative", action="store_true", default=False, help="guided: commit the guide's token "
+                   "in place of the first rejected draft, i.e. the guide's quality (default: the diffusion "
+                   "model's first draft)")
+    args = p.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(NEEDS, NOT_GIVEN)))
+    given = {flag for flag in NEEDS if getattr(args, flag) is not NOT_GIVEN}
+    for flag, need in NEEDS.items():
+        if flag not in given:
+            setattr(args, flag, p.get_default(flag))
+        elif not getattr(args, need):
+            flag, need = flag.replace("_", "-"), need.replace("_", "-")
+            raise ValueError(f"--{flag} only applies with --{need}: add --{need}, or drop --{flag}")
+    check_accept(args.accept, given, flag_name)
+    for flag in ("model", "guide", "prompt_file"):
+        if getattr(args, flag) is not None and not getattr(args, flag).strip():
+            raise ValueError(f"--{flag.replace('_', '-')} is empty: pass a path (or leave the flag out)")
+    args.fit_gen_length = "gen_length" not in vars(args)
+    args.gen_length = getattr(args, "gen_length", CLI_DEFAULTS["gen_length"])
+    if "threshold" not in vars(args):   # --factor or --guide replaces the default; both given is an error
+        args.threshold = None if args.factor is not None or args.guide else CLI_DEFAULTS["threshold"]
+    if not args.prompt and not args.interactive and not args.prompt_file:
+        raise ValueError("no prompt: pass --prompt \"...\" (or --prompt-file, --interactive)")
+    if args.prompt_file and (args.prompt or args.interactive):
+        raise ValueError("pass one of --prompt, --prompt-file, --interactive")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1 (got {args.batch_size})")
+    unused = next((f for f in ("steps", "remasking", "top_p", "top_k", "alg_temp") if getattr(args, f) is not None),
+                  "no_early_stop" if args.no_early_stop else None)
+    if args.guide and unused:   # accepted and without effect would be a silent lie: refuse
+        raise ValueError(f"--{unused.replace('_', '-')} does not apply with --guide: a guided answer is one block "
+                         f"of argmax drafts, decoded until a committed end token or no mask is left; drop it")
+    if args.trace and args.prompt_file:
+        raise ValueError("--trace shows the steps of one answer: use it with --prompt or --interactive, "
+                         "not --prompt-file")
+    args.prompts = read_prompts(args.prompt_file) if args.prompt_file else None
+    check_text(args.prompt or "")
+    if not -2**63 <= args.seed < 2**64:   # torch's seed is 64-bit: say so before loading, not after
+        raise ValueError(f"--seed {args.seed} does not fit in 64 bits: use a seed between 0 and 2**64 - 1")
+    return args
+
+
+def check_early(kw: dict, name=lambda key: key):     # every check that needs no model, with Settings' defaults
+    checks.check_early(kw, Settings(), name)
+
+
+def run_batch(model, rows, args, device, on_step=None, **override):
+    """generate() on prompts of any lengths (left-padded), with the CLI's settings (early stop on unless
+    --no-early-stop) -> (prompt + answer ids per row, pads dropped; stats)."""
+    ids, am = pad_prompts(rows, model.config.pad_id if model.config.pad_id is not None else model.config.eos_id)
+    gen = torch.Generator(device).manual_seed(args.seed)
+    kw = dict(stop_at_eos=not args.no_early_stop, eos_ids=getattr(args, "stop_ids", None), guide=args.guide_model)
+    x, stats = generate(model, ids.to(device), attention_mask=am.to(device), generator=gen, on_step=on_step,
+                        **kw | settings(args, **override))
+    return [row[ids.shape[1] - len(r):] for row, r in zip(x.tolist(), rows)], stats
+
+
+def answer_prompts(model, chat, args, device):
+    """--prompt-file: every line a prompt, decoded in batches of --batch-size; answers in input order."""
+    rows = [chat.encode(chat.render([{"role": "user", "content": q}])) for q in args.prompts]
+    args.gen_length = fit_gen_length(args, max(map(len, rows)), model.config.max_seq_len)
+    nfe, seconds, tokens = 0, 0.0, 0
+    for i in range(0, len(rows), args.batch_size):
+        batch = rows[i:i + args.batch_size]
+        outs, stats = run_batch(model, batch, args, device)
+        for ids, out in zip(batch, outs):
+            print(chat.answer(out[len(ids):]))
+        nfe, seconds, tokens = nfe + stats["nfe"], seconds + stats["seconds"], tokens + stats["answer_tokens"]
+    print(f"{len(rows)} prompts | NFE {nfe} | {tokens / max(seconds, 1e-9):.1f} tokens/s | {seconds:.2f} s")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_early(settings(args) | {"guide": args.guide}, flag_name)
+    model, chat, cfg, device = load_all(args)
+    if args.prompt_file:
+        return answer_prompts(model, chat, args, device)
+    messages, ids = [], []
+    if args.interactive and sys.stdin is not None and sys.stdin.isatty():   # no banner for piped questions
+        print("interactive chat: type a question and press Enter; exit, quit or Ctrl-D ends it", file=sys.stderr)
+    for text in read_turns(args.prompt) if args.interactive else [args.prompt]:
+        # Without a chat template there are no turns to keep (the demo model was trained on one question
+        # each, and earlier questions would only fill its 64 positions): each question is a new prompt.
+        messages = (messages if chat.chat else []) + [{"role": "user", "content": text}]
+        if ids and chat.chat and chat.family == "llada":
+            # LLaDA's chat.py keeps the previous turns as ids, with every <|endoftext|> filler removed, and
+            # appends the new turn without its bos.
+            ids = [t for t in ids if t != cfg.eos_id] + chat.encode(chat.render(messages[-1:]))[1:]
+        else:
+            ids = chat.encode(chat.render(messages))
+        gen_length = fit_gen_length(args, len(ids), cfg.max_seq_len)
+        live, steps = {}, []
+        stream = None if args.no_stream or args.trace else streamer(chat, len(ids), cfg.mask_id)
+
+        def on_step(x, st):
+            live.update(x=x, nfe=st["nfe"])
+            if args.trace:
+                steps.append(x[0, len(ids):].tolist())
+            if stream:
+                stream(x, st)
+        if args.compiled and not args.compiled.fn:    # gpt-fast: the compile warm-up is not timed
+            t0 = time.perf_counter()
+            run_batch(model, [ids], args, device, gen_length=gen_length)
+            print(f"compiled in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        if args.interactive:
+            print("assistant> ", end="", flush=True)
+        try:
+            (out,), stats = run_batch(model, [ids], args, device, on_step, gen_length=gen_length)
+        except KeyboardInterrupt:
+            partial = live["x"][0, len(ids):].tolist() if "x" in live else []
+            partial = [t for t in partial if t != cfg.mask_id]
+            print(f"\n[interrupted after {live.get('nfe', 0)} steps] {chat.answer(partial)}")
+            return 130
+        answer = chat.answer(out[len(ids):])
+        if args.trace:
+            from chat import render_trace
+            print("\n".join(render_trace(steps, chat.tok, cfg.mask_id, chat.stop_ids)))
+        print("" if stream else answer)
+        peak = f" | peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else ""
+        guided = f" | guide calls {stats['guide_calls']}" if args.guide else ""
+        print(f"NFE {stats['nfe']} | {stats['tokens_per_s']:.1f} tokens/s | {stats['seconds']:.2f} s{guided}{peak}")
+        messages.append({"role": "assistant", "content": answer})
+        ids = out
+
+
+def run():
+    """`python fastdllm.py ...`: main() with one-line errors and Unix exit statuses."""
+    if sys.stdout is None:   # started with stdout closed (`>&-`): the answers would go nowhere
+        print("error: standard output is closed: the answer has nowhere to go (drop `>&-`, or redirect to a "
+              "file or /dev/null)", file=sys.stderr)
+        sys.exit(2)
+    try:
+        status = main()
+        sys.stdout.flush()     # here, so that a closed pipe is caught below, not at the interpreter's exit
+        sys.exit(status)
+    except BrokenPipeError:
+        # The reader stopped reading (`| head -1`): quiet, as Unix tools are (128 + SIGPIPE); stdout goes to
+        # devnull so the final flush does not fail again (the Python docs' "Note on SIGPIPE").
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(141)
+    except (ValueError, OSError) as e:   # OSError: FileNotFoundError and any file error we did not foresee
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    run()

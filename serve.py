@@ -1,6 +1,6 @@
 """
 serve.py: fastdllm behind an OpenAI-compatible HTTP API, plus a live web page that shows a decode step by
-step. Python's standard library only (http.server, json, queue, threading) on top of fastdllm.run_batch(),
+step. Python's standard library only (http.server, json, queue, threading) on top of cli.run_batch(),
 the CLI's own decoding path.
 
     python serve.py --model demo/llada-arith --gen-length 32 --block-length 8
@@ -32,6 +32,7 @@ import traceback
 import uuid
 from http.server import ThreadingHTTPServer
 
+import cli
 import fastdllm
 from api import (CLIENT_GONE, ApiError, JsonHandler, check_fields, check_text, choice, chunk, envelope, get,
                  json_object, prompt_fields, quoted, stop_scan, usage)
@@ -89,7 +90,7 @@ class Request:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The worker: batches of jobs with the same settings, decoded by fastdllm.run_batch
+# The worker: batches of jobs with the same settings, decoded by cli.run_batch
 
 class Engine:
     """The one thread that owns the model. Handler threads submit() a request's jobs; each job gets ("step",
@@ -210,7 +211,7 @@ class Engine:
         guided = {} if first.guided else {"guide": None, "guide_model": None}     # "guide": false
         args = argparse.Namespace(**vars(self.args) | {"seed": first.seed} | guided)
         floats = {n: float(k[n]) for n in ("threshold", "factor") if k[n] is not None}     # 2**64 fits no tensor
-        outs, stats = fastdllm.run_batch(self.model, rows, args, self.device, on_step, **k | floats)
+        outs, stats = cli.run_batch(self.model, rows, args, self.device, on_step, **k | floats)
         self.batches += 1
         for i, (job, out) in enumerate(zip(batch, outs)):
             # The "fastdllm" field of its answer: what its decode cost (docs/serve.md).
@@ -335,7 +336,7 @@ class App:
             max_tokens, gen = self.gen_length(len(ids), body, kw, guided, param)
             k = kw | {"gen_length": gen}
             try:   # the model-free checks of generate(), here so that a bad setting is a 400 before any batch
-                fastdllm.check_early(k | ({"guide": True} if guided else {}))
+                cli.check_early(k | ({"guide": True} if guided else {}))
                 if (k["steps"] or 0) > self.cfg.max_seq_len:     # (a tensor of that many steps is allocated)
                     raise ValueError(f"steps must be at most the model's {self.cfg.max_seq_len} positions (got "
                                      f"{k['steps']}); every step commits at least one token")
@@ -362,7 +363,7 @@ class App:
     def info(self) -> dict:
         a = self.args
         return {"model": self.name, "family": self.cfg.family, "max_positions": self.cfg.max_seq_len,
-                "chat_template": self.chat.chat, "guide": a.guide, "cache_modes": list(fastdllm.CACHE_MODES),
+                "chat_template": self.chat.chat, "guide": a.guide, "cache_modes": list(cli.CACHE_MODES),
                 "mask": self.token_text(self.cfg.mask_id),
                 "defaults": {"max_tokens": None if a.fit_gen_length else a.gen_length, "block_length": a.block_length,
                              "steps": a.steps, "cache": a.cache, "threshold": a.threshold, "factor": a.factor,
@@ -604,7 +605,7 @@ def close(server: Server, grace: float = 5.0):
 
 def parse_args(argv=None):
     """The server's own flags, and every decoding flag of fastdllm.py as the server's defaults (parsed by
-    fastdllm.parse_args itself, so the names, defaults and checks are the CLI's)."""
+    cli.parse_args itself, so the names, defaults and checks are the CLI's)."""
     p = argparse.ArgumentParser(
         description="Serve a LLaDA / Dream checkpoint with Fast-dLLM decoding: an OpenAI-compatible API and a live "
         "page of the decode (docs/serve.md).", allow_abbrev=False,
@@ -631,8 +632,8 @@ def parse_args(argv=None):
                          f"prompts come in requests")
     if own.max_batch < 1 or own.batch_window < 0 or own.max_body < 1 or not 0 <= own.port < 65536:
         raise ValueError("--max-batch and --max-body must be >= 1, --batch-window >= 0, --port in [0, 65535]")
-    # fastdllm.parse_args insists on a prompt; the server's prompts come in requests, so it gets a placeholder.
-    args = fastdllm.parse_args(rest + ["--prompt", "(requests)"])
+    # cli.parse_args insists on a prompt; the server's prompts come in requests, so it gets a placeholder.
+    args = cli.parse_args(rest + ["--prompt", "(requests)"])
     args.prompt = None
     return argparse.Namespace(**vars(args) | vars(own))
 
@@ -640,7 +641,7 @@ def parse_args(argv=None):
 def build(args) -> App:
     """Load the model (and the guide) as the CLI's main() does, and the App around them; its worker not yet
     started."""
-    model, chat, _, _ = fastdllm.load_all(args)     # the CLI's checks and loading; "loaded ... in s" on stderr
+    model, chat, _, _ = cli.load_all(args)     # the CLI's checks and loading; "loaded ... in s" on stderr
     return App(args, model, chat, args.guide_model)
 
 

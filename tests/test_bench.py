@@ -13,7 +13,7 @@ import torch
 
 import bench
 from conftest import GOLDEN, ROOT, copy_checkpoint, write_tokenizer
-import fastdllm
+import cli
 from fastdllm import generate
 from model import load_model
 from test_cache import PROMPT_DREAM, PROMPT_LLADA
@@ -249,7 +249,7 @@ def test_the_library_never_imports_the_benchmark(capsys):
         imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert not imported & {"bench", "tools"}, name
     with pytest.raises(SystemExit):
-        fastdllm.parse_args(["--help"])
+        cli.parse_args(["--help"])
     assert "bench" not in capsys.readouterr().out.lower()
 
 

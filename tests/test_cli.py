@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-import fastdllm
+import cli as command_line
 from conftest import ROOT, copy_checkpoint, write_tokenizer
 
 LLADA_CHAT = {1000: "<|mdm_mask|>", 1022: "<|endoftext|>", 1019: "<|startoftext|>",
@@ -81,7 +81,7 @@ def test_cli_default_gen_length_fits_the_model():
 
 def test_help_shows_the_defaults(capsys):
     with pytest.raises(SystemExit):
-        fastdllm.parse_args(["--help"])
+        command_line.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())     # argparse wraps lines
     for default in ("(default: 256,", "(default: 32)", "(default: dual)", "(default: 0.9;", "(default: 0.0)",
                     "(default: gen-length)", "(default: 0)"):
@@ -89,9 +89,9 @@ def test_help_shows_the_defaults(capsys):
 
 
 def recording_generate(monkeypatch):
-    """fastdllm.generate, recording each call's prompt and keyword arguments."""
-    calls, real = [], fastdllm.generate
-    monkeypatch.setattr(fastdllm, "generate", lambda model, prompt, **kw: calls.append((prompt, kw)) or
+    """command_line.generate (fastdllm.generate), recording each call's prompt and keyword arguments."""
+    calls, real = [], command_line.generate
+    monkeypatch.setattr(command_line, "generate", lambda model, prompt, **kw: calls.append((prompt, kw)) or
                         real(model, prompt, **kw))
     return calls
 
@@ -103,7 +103,7 @@ def test_cli_interactive_without_chat_template_answers_each_question_alone(tmp_p
     write_tokenizer(d, {1000: "<|mdm_mask|>", 1022: "<|endoftext|>"})     # no chat tokens
     calls = recording_generate(monkeypatch)
     monkeypatch.setattr("sys.stdin", io.StringIO("w1 w2 w3\nw4\nexit\n"))
-    fastdllm.main(["--model", d, "--interactive", "--gen-length", "8", "--block-length", "8"])
+    command_line.main(["--model", d, "--interactive", "--gen-length", "8", "--block-length", "8"])
     assert [prompt[0].tolist() for prompt, _ in calls] == [[1, 2, 3], [4]]
     assert capsys.readouterr().out.count("assistant>") == 2
 
@@ -116,7 +116,7 @@ QUESTIONS = ["Tom has 23 apples and buys 45 more. How many apples does he have?"
 
 def run_main(capsys, *args):
     """main() in this process (no subprocess: these tests only read what it prints)."""
-    assert fastdllm.main(list(args)) is None
+    assert command_line.main(list(args)) is None
     return capsys.readouterr().out.splitlines()
 
 

@@ -22,7 +22,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import GOLDEN, ROOT, write_tokenizer
-import fastdllm
 import cli
 from chat import Chat
 from fastdllm import generate
@@ -344,14 +343,14 @@ def test_unreadable_tokenizer_json_is_not_called_missing(tmp_path, monkeypatch):
     d = checkpoint(tmp_path, tokenizer=True)
     deny(monkeypatch, os.path.join(d, "tokenizer.json"))
     with pytest.raises(ValueError) as e:
-        fastdllm.main(["--model", d, "--prompt", "w5", "--gen-length", "8", "--block-length", "8"])
+        cli.main(["--model", d, "--prompt", "w5", "--gen-length", "8", "--block-length", "8"])
     assert re.search(r"cannot read .*tokenizer\.json: permission denied", one_line(e)), str(e.value)
 
 
 def test_interactive_ends_on_ctrl_d(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO(""))      # input() sees the end of input at once
     d = checkpoint(tmp_path, tokenizer=True)
-    assert fastdllm.main(["--model", d, "--interactive", "--gen-length", "8", "--block-length", "8"]) is None
+    assert cli.main(["--model", d, "--interactive", "--gen-length", "8", "--block-length", "8"]) is None
 
 
 # ---------------------------------------------------------------------------------- reproducibility
@@ -500,7 +499,7 @@ def test_cli_checks_arguments_before_the_model(monkeypatch, case):
     monkeypatch.setattr(cli, "resolve_model_dir", lambda *a, **kw: pytest.fail("resolved the model first"))
     argv, pattern = BEFORE_RESOLVING[case]
     with pytest.raises(ValueError) as e:
-        fastdllm.main(argv)
+        cli.main(argv)
     assert re.search(pattern, one_line(e)), str(e.value)
 
 
@@ -523,7 +522,7 @@ def test_cli_checks_the_small_files_before_the_weights(tmp_path, monkeypatch, ca
     make, argv, pattern = BEFORE_LOADING[case]
     monkeypatch.setattr(cli, "load_model", lambda *a, **kw: pytest.fail("loaded the weights first"))
     with pytest.raises(ValueError) as e:
-        fastdllm.main(["--model", make(tmp_path), *RUN, *argv])
+        cli.main(["--model", make(tmp_path), *RUN, *argv])
     assert re.search(pattern, one_line(e)), str(e.value)
 
 
@@ -737,7 +736,7 @@ def test_cli20_interactive_banner_on_a_terminal(monkeypatch, capsys):
         def isatty(self):
             return True
     monkeypatch.setattr("sys.stdin", Terminal(f"{Q20[0]}\n"))
-    fastdllm.main([*DEMO_RUN, "--interactive"])
+    cli.main([*DEMO_RUN, "--interactive"])
     out, err = capsys.readouterr()
     assert "exit, quit or Ctrl-D ends it" in err and "Ctrl-D" not in out
     assert out.startswith("user> assistant> ") and answers(out.replace("user> assistant>", "")) == []   # typed, not echoed
@@ -763,7 +762,7 @@ def test_load_progress(monkeypatch, capsys):
     assert capsys.readouterr() == ("", "")
     assert [c[0] for c in calls] == sorted(c[0] for c in calls) and {c[:2] for c in calls} == {(1, 2), (2, 2)}
     assert all(0 < done <= total for _, _, done, total in calls) and calls[-1][2] > 0.9 * calls[-1][3]
-    fastdllm.load("tiny", path, "cpu", torch.float32)
+    cli.load("tiny", path, "cpu", torch.float32)
     out, err = capsys.readouterr()
     assert out == "" and re.fullmatch(r"loaded tiny in \d+\.\d\d s \(0\.\d MB\)\n", err), err
 
@@ -771,7 +770,7 @@ def test_load_progress(monkeypatch, capsys):
         def isatty(self):
             return True
     monkeypatch.setattr("sys.stderr", Terminal())
-    fastdllm.load("tiny", path, "cpu", torch.float32)
+    cli.load("tiny", path, "cpu", torch.float32)
     err = sys.stderr.getvalue()
     assert err.startswith("\rloading tiny: shard 1 of 2, 0.0 of 0.0 GB") and "\r\x1b[Kloaded tiny in " in err, err
 
@@ -948,12 +947,12 @@ def test_bad_guided_settings(guided_pair, kw, pattern):
 @pytest.mark.parametrize("value", ["high", "1.5", "nan"])
 def test_cli_bad_accept_threshold_is_one_line(value):
     with pytest.raises(ValueError, match=rf"argument --accept-threshold: expected a number in \[0, 1\), got '{value}'"):
-        fastdllm.parse_args(["--prompt", "hi", "--guide", "g", "--accept-threshold", value])
+        cli.parse_args(["--prompt", "hi", "--guide", "g", "--accept-threshold", value])
 
 
 def test_cli_speculative_needs_a_guide():
     with pytest.raises(ValueError, match="--speculative only applies with --guide"):
-        fastdllm.parse_args(["--prompt", "hi", "--speculative"])
+        cli.parse_args(["--prompt", "hi", "--speculative"])
 
 
 def test_api20_a_guide_with_nan_weights_stops_with_one_line_naming_the_guide(dream):
@@ -969,7 +968,7 @@ def test_api20_a_guide_with_nan_weights_stops_with_one_line_naming_the_guide(dre
 @pytest.mark.parametrize("flag", [["--steps", "8"], ["--remasking", "random"], ["--top-k", "3"], ["--no-early-stop"]])
 def test_cli_flags_without_effect_under_a_guide_are_refused(flag):
     with pytest.raises(ValueError, match=rf"{flag[0]} does not apply with --guide: .*drop it"):
-        fastdllm.parse_args(["--prompt", "hi", "--guide", "g", *flag])
+        cli.parse_args(["--prompt", "hi", "--guide", "g", *flag])
 
 
 def test_api20_guided_settings_at_their_defaults_pass_without_a_guide(llada):

@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-import fastdllm
+import cli
 import serve
 from conftest import ROOT
 
@@ -165,12 +165,12 @@ def chat(content, **kw):
 
 
 def solo(app, prompt, **override):
-    """The CLI's own path for one prompt alone: fastdllm.run_batch with the server's flags -> (answer, NFE)."""
+    """The CLI's own path for one prompt alone: cli.run_batch with the server's flags -> (answer, NFE)."""
     ids = app.chat.encode(app.chat.render([{"role": "user", "content": prompt}]))
     args = app.args
     if "seed" in override:
         args = serve.argparse.Namespace(**vars(args) | {"seed": override.pop("seed")})
-    (out,), stats = fastdllm.run_batch(app.model, [ids], args, app.engine.device, **override)
+    (out,), stats = cli.run_batch(app.model, [ids], args, app.engine.device, **override)
     return app.chat.answer(out[len(ids):]), stats["nfe"]
 
 
@@ -218,7 +218,7 @@ def test_max_tokens_and_stop(server):
     cuts the text, the same streamed or not; token ids work as a prompt; a list of prompts gets a choice each."""
     app, port = server
     ids = app.chat.encode(PROMPT)
-    (out,), _ = fastdllm.run_batch(app.model, [ids], app.args, app.engine.device, gen_length=16)
+    (out,), _ = cli.run_batch(app.model, [ids], app.args, app.engine.device, gen_length=16)
     assert 0 not in out[len(ids):len(ids) + 10]       # no end token before the cut
     r = post(port, "/v1/chat/completions", chat(PROMPT, max_tokens=10))
     c = r["choices"][0]
@@ -494,7 +494,7 @@ def test_sampled_requests_draw_a_seed_and_n_answers(server):
     assert seeds[0] != seeds[1]
     ids = app.chat.encode(PROMPTS[7])
     r = post(port, "/v1/completions", body | {"n": 3, "seed": 5})
-    rows, _ = fastdllm.run_batch(app.model, [ids] * 3, serve.argparse.Namespace(**vars(app.args) | {"seed": 5}),
+    rows, _ = cli.run_batch(app.model, [ids] * 3, serve.argparse.Namespace(**vars(app.args) | {"seed": 5}),
                                  app.engine.device, gen_length=16, temperature=1.0)
     assert [c["text"] for c in r["choices"]] == [app.chat.answer(row[len(ids):]) for row in rows]
     assert [c["index"] for c in r["choices"]] == [0, 1, 2] and r["choices"][0]["fastdllm"]["batch_size"] == 3
@@ -521,7 +521,7 @@ def test_client_disconnect_mid_stream(server, monkeypatch):
     decode): a client in the same batch still gets its whole answer, the batch stops once nobody is left,
     and the next request is served normally."""
     app, port = server
-    run_batch = fastdllm.run_batch
+    run_batch = cli.run_batch
     expected = solo(app, PROMPTS[1], threshold=None)[0], solo(app, PROMPT)[0]
 
     def slow(model, rows, args, device, on_step=None, **kw):
@@ -530,7 +530,7 @@ def test_client_disconnect_mid_stream(server, monkeypatch):
             on_step(x, stats)
         return run_batch(model, rows, args, device, step, **kw)
 
-    monkeypatch.setattr(fastdllm, "run_batch", slow)
+    monkeypatch.setattr(cli, "run_batch", slow)
     log = []
     monkeypatch.setattr(app, "log", log.append)
     monkeypatch.setattr(app.engine, "log", log.append)
@@ -582,11 +582,11 @@ def test_guided_server():
 def test_close_stops_a_long_batch_with_503(monkeypatch):
     """A shutdown lets the running batch finish for its grace period, then stops it at its next step: its
     requests get a 503 (a stream: an error event, then [DONE]) instead of nothing."""
-    run_batch = fastdllm.run_batch
+    run_batch = cli.run_batch
 
     def slow(model, rows, args, device, on_step=None, **kw):
         return run_batch(model, rows, args, device, lambda x, stats: (time.sleep(0.3), on_step(x, stats)), **kw)
-    monkeypatch.setattr(fastdllm, "run_batch", slow)
+    monkeypatch.setattr(cli, "run_batch", slow)
     with serving() as (app, port, httpd):
         (plain, streamed), results = connected(app, port, 2), {}
         bodies = {"plain": chat(PROMPT, threshold=None), "streamed": chat(PROMPT, threshold=None, stream=True)}
@@ -649,7 +649,7 @@ def test_compile_makes_one_compiled_that_every_batch_reuses(server):
     with serving("--compile") as (app, compiled_port, _):
         status, compiled = ask(http.client.HTTPConnection("127.0.0.1", compiled_port, timeout=600), body)
         assert status == 200, compiled
-        assert isinstance(app.args.compiled, fastdllm.Compiled) and app.args.compiled.fn is not None
+        assert isinstance(app.args.compiled, cli.Compiled) and app.args.compiled.fn is not None
     answer = lambda r: (r["choices"][0]["message"]["content"], r["choices"][0]["fastdllm"]["nfe"])  # noqa: E731
     assert answer(compiled) == answer(eager) and answer(eager)[0] == "45 + 23 = 68. The answer is 68."
 

@@ -28,7 +28,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from fastdllm import Compiled, generate, pick_device_dtype  # noqa: E402
+from cli import pick_device_dtype  # noqa: E402
+from fastdllm import Compiled, generate  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from tools.checkpoint import SHAPES, hf_config, random_prompts  # noqa: E402
 from tools.flags import Parser, integer, out_file, positive  # noqa: E402
