@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -16,7 +17,7 @@ import checks
 from chat import Chat, check_text, load_tokenizer, streamer
 from checks import CACHE_MODES
 from fastdllm import CLI_DEFAULTS, Settings, generate, pad_prompts
-from guided import ACCEPT_RULES, check_accept, check_guide
+from guided import ACCEPT_RULES, check_accept, check_guide, check_guided_settings
 from model import Compiled, check_readable, load_model, read_config, resolve_model_dir
 
 
@@ -40,7 +41,7 @@ def settings(args, **override):
     if args.guide:
         kw.update(accept=args.accept, accept_k=args.accept_k, accept_ratio=args.accept_ratio,
                   accept_threshold=args.accept_threshold, speculative=args.speculative)
-    kw.update(override)
+    kw.update(getattr(args, "hooks", {}), **override)      # a fork's own parts (main(**hooks): examples/)
     return kw
 
 
@@ -213,7 +214,7 @@ def load_all(args):
 # ----------------------------------------------------------------------------------------------------------
 # The command line
 
-def parse_args(argv=None):
+def parse_args(argv=None, hooks=()):
     p = argparse.ArgumentParser(description="Fast-dLLM inference for LLaDA and Dream. The defaults are the "
                                 "method's headline setting; the plain baseline is --cache none --threshold none.")
 
@@ -286,8 +287,11 @@ def parse_args(argv=None):
             raise ValueError(f"--{flag.replace('_', '-')} is empty: pass a path (or leave the flag out)")
     args.fit_gen_length = "gen_length" not in vars(args)
     args.gen_length = getattr(args, "gen_length", CLI_DEFAULTS["gen_length"])
-    if "threshold" not in vars(args):   # --factor or --guide replaces the default; both given is an error
-        args.threshold = None if args.factor is not None or args.guide else CLI_DEFAULTS["threshold"]
+    if "threshold" not in vars(args):   # --factor, --guide or a fork's select= replaces the default
+        args.threshold = None if args.factor is not None or args.guide or "select" in hooks else CLI_DEFAULTS["threshold"]
+    if "cache" in hooks and args.cache != CLI_DEFAULTS["cache"]:
+        raise ValueError(f"--cache {args.cache} does not apply: this program feeds the model with its own cache "
+                         f"policy; drop --cache")
     if not args.prompt and not args.interactive and not args.prompt_file:
         raise ValueError("no prompt: pass --prompt \"...\" (or --prompt-file, --interactive)")
     if args.prompt_file and (args.prompt or args.interactive):
@@ -309,16 +313,22 @@ def parse_args(argv=None):
     return args
 
 
-def check_early(kw: dict, name=lambda key: key):     # every check that needs no model, with Settings' defaults
+def check_early(kw: dict, name=lambda key: key):
+    """Every check of generate() keywords that needs no model, with Settings' defaults (a `guide` of any value,
+    a path say, means a guide is coming: guided diffusion's own checks)."""
     checks.check_early(kw, Settings(), name)
+    if kw.get("guide") is not None:
+        check_guided_settings(SimpleNamespace(**vars(Settings()) | kw), Settings(), name)
 
 
 def run_batch(model, rows, args, device, on_step=None, **override):
     """generate() on prompts of any lengths (left-padded), with the CLI's settings (early stop on unless
     --no-early-stop) -> (prompt + answer ids per row, pads dropped; stats)."""
     ids, am = pad_prompts(rows, model.config.pad_id if model.config.pad_id is not None else model.config.eos_id)
-    gen = torch.Generator(device).manual_seed(args.seed)
-    kw = dict(stop_at_eos=not args.no_early_stop, eos_ids=getattr(args, "stop_ids", None), guide=args.guide_model)
+    hooks = getattr(args, "hooks", {})     # a fork's stop rule replaces early stop; its step rule draws its own noise
+    gen = None if "propose" in hooks else torch.Generator(device).manual_seed(args.seed)
+    kw = dict(stop_at_eos=not args.no_early_stop and "stop" not in hooks, eos_ids=getattr(args, "stop_ids", None),
+              guide=args.guide_model)
     x, stats = generate(model, ids.to(device), attention_mask=am.to(device), generator=gen, on_step=on_step,
                         **kw | settings(args, **override))
     return [row[ids.shape[1] - len(r):] for row, r in zip(x.tolist(), rows)], stats
@@ -338,8 +348,12 @@ def answer_prompts(model, chat, args, device):
     print(f"{len(rows)} prompts | NFE {nfe} | {tokens / max(seconds, 1e-9):.1f} tokens/s | {seconds:.2f} s")
 
 
-def main(argv=None):
-    args = parse_args(argv)
+def main(argv=None, **hooks):
+    """The command line. hooks: a fork's own parts (cache=, select=, stop=, propose=; examples/), given to every
+    generate() call: each replaces the CLI's default of its kind (a select= the threshold 0.9, a stop= the early
+    stop)."""
+    args = parse_args(argv, hooks)
+    args.hooks = hooks
     check_early(settings(args) | {"guide": args.guide}, flag_name)
     model, chat, cfg, device = load_all(args)
     if args.prompt_file:
@@ -392,14 +406,34 @@ def main(argv=None):
         ids = out
 
 
-def run():
-    """`python fastdllm.py ...`: main() with one-line errors and Unix exit statuses."""
+def own_flags(argv: list, **defaults) -> tuple[dict, list]:
+    """A fork's own flags (examples/): `--name value` for each keyword, typed as its default; the rest of argv is
+    the CLI's. -> ({name: value}, the rest)."""
+    values, rest, argv = dict(defaults), [], list(argv)
+    while argv:
+        arg = argv.pop(0)
+        key = arg[2:].split("=")[0].replace("-", "_")
+        if not (arg.startswith("--") and key in defaults):
+            rest.append(arg)
+            continue
+        text = arg.split("=", 1)[1] if "=" in arg else argv.pop(0) if argv else ""
+        try:
+            values[key] = type(defaults[key])(text)
+        except ValueError:
+            raise ValueError(f"--{key.replace('_', '-')} expects a {type(defaults[key]).__name__}, got {text!r}") from None
+    return values, rest
+
+
+def run(fork=None, **own):
+    """`python fastdllm.py ...`: main() with one-line errors and Unix exit statuses. A fork's program (examples/)
+    passes fork(**its own flags) -> its hooks, and its flags with their defaults."""
     if sys.stdout is None:   # started with stdout closed (`>&-`): the answers would go nowhere
         print("error: standard output is closed: the answer has nowhere to go (drop `>&-`, or redirect to a "
               "file or /dev/null)", file=sys.stderr)
         sys.exit(2)
     try:
-        status = main()
+        values, argv = own_flags(sys.argv[1:], **own)
+        status = main(argv, **(fork(**values) if fork else {}))
         sys.stdout.flush()     # here, so that a closed pipe is caught below, not at the interpreter's exit
         sys.exit(status)
     except BrokenPipeError:

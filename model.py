@@ -8,7 +8,7 @@ that guides them, and nothing else.
   and a next-token LM head, hence the one-position logits shift (see `Transformer.forward`).
 - The guide of FlashDLM's guided diffusion (arXiv 2505.21467; spec/flashdlm.md 2; Qwen2.5-1.5B-Instruct for Dream-7B,
   `model_type: "qwen2"`): the same Qwen2 blocks as Dream, but an ordinary autoregressive LM: causal attention,
-  no logits shift, and usually a tied LM head. cache.Guide holds its state (the KV cache of committed text).
+  no logits shift, and usually a tied LM head. guided.Guide holds its state (the KV cache of committed text).
 
 The diffusion families are run *bidirectionally*: a diffusion LM predicts every masked position from the whole
 canvas, so attention has no causal mask; only the guide masks the future. Weights are read straight from the
@@ -328,14 +328,6 @@ def padding(attention_mask, gen_length: int, device):
     return (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
 
 
-def logits_at(model, ids, pos, kv, slots, mask, rows, hidden=None):
-    """One model call -> (logits at the chunk rows `rows`, is any of them NaN/inf). The NaN/inf check reads the
-    logits' row sums (one reduction, into which any NaN/inf propagates) and stays on the device until the
-    step's one host read. hidden: model.hidden, or its compiled form (Compiled)."""
-    logits = model.logits((hidden or model.hidden)(ids, pos, kv, slots, mask), rows)
-    return logits, ~torch.isfinite(logits.sum(-1, dtype=torch.float32)).all()
-
-
 def hidden_states(model, ids, pos, kv, slots, mask):
     return model.hidden(ids, pos, kv, slots, mask)
 
@@ -363,18 +355,16 @@ class Compiled:
                 torch._dynamo.mark_static_address(t, guard=False)     # written in place by the CUDA graphs
         return self.kv
 
-    def __call__(self, model, ids, pos, kv, slots, mask, rows):
+    def __call__(self, model, ids, pos, kv, slots, mask):
+        """model.hidden(ids, pos, kv, slots, mask), compiled: the fed positions' hidden states."""
         cuda = model.lm_head.weight.is_cuda
         if self.fn is None:
             options = {"emulate_precision_casts": True} | ({"triton.cudagraphs": True} if cuda else {})
             self.fn = torch.compile(hidden_states, fullgraph=True, dynamic=False, options=options)
         if cuda:
             torch.compiler.cudagraph_mark_step_begin()   # the previous step's hidden states are no longer read
-
-        def hidden(*args):
-            with torch._dynamo.config.patch(recompile_limit=256):
-                return self.fn(model, *args)
-        return logits_at(model, ids, pos, kv, slots, mask, rows, hidden)
+        with torch._dynamo.config.patch(recompile_limit=256):
+            return self.fn(model, ids, pos, kv, slots, mask)
 
 
 # ----------------------------------------------------------------------------------------------------------

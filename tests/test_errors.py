@@ -818,7 +818,7 @@ API20_CASES = {
     "unknown setting": (dict(treshold=0.9), r"unknown setting 'treshold': generate\(\) takes .*threshold"),
     "select not callable": (dict(select=3), r"select must be a selection rule, a callable"),
     "select and threshold": (dict(select=lambda p, at: p.open, threshold=0.9), r"pass select or threshold/factor, not both"),
-    "cache an object without span": (dict(cache=object()), r"cache must be a mode name .* or a cache.Feed policy"),
+    "cache an object without span": (dict(cache=object()), r"cache must be a mode name .* or a cache.CachePolicy"),
 }
 
 
