@@ -167,9 +167,12 @@ class Plan:
         if keys is not None and not (isinstance(keys, torch.Tensor) and keys.dtype == torch.bool and
                                      keys.shape == x.shape):
             checks.refuse_keys(self.cache, keys, x.shape)
-        mask = self.mask if keys is None else keys[:, None, None, :] & (True if self.mask is None else self.mask)
-        if mask is not None:    # the fed queries' rows; keys: the whole canvas (a KV cache), else the fed positions
+        mask = self.mask        # padding (B, 1, L, L): the fed queries' rows; keys: the canvas (a KV cache), else the fed
+        if mask is not None:
             mask = mask[:, :, chunk] if self.kv is not None else mask[:, :, chunk][..., chunk]
+        if keys is not None:
+            keys = (keys if self.kv is not None else keys[:, chunk])[:, None, None, :]
+            mask = keys if mask is None else mask & keys
         slots = self.cache.slots(at, fed)
         h = self.hidden(x[:, chunk], self.pos[:, chunk], self.kv, fed if slots is None else slots, mask)
         return at._replace(fed=fed, span=span, rows=rows, hidden=h, head=self.model.logits), self.model.logits(h, rows)
