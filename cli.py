@@ -344,9 +344,8 @@ def answer_prompts(model, chat, args, device):
             printed = line + 1
         nfe, seconds, tokens = nfe + stats["nfe"], seconds + stats["seconds"], tokens + stats["answer_tokens"]
     blank = len(args.prompts) - len(rows)
-    blank = f" ({blank} blank line{'s' * (blank > 1)}: empty answers)" if blank else ""
-    print(f"{len(rows)} prompts{blank} | NFE {nfe} | "
-          f"{tokens / max(seconds, 1e-9):.1f} tokens/s | {seconds:.2f} s")
+    note = f" ({blank} blank line{'s' * (blank > 1)}: empty answers)" if blank else ""
+    print(f"{len(rows)} prompts{note} | NFE {nfe} | {tokens / max(seconds, 1e-9):.1f} tokens/s | {seconds:.2f} s")
 
 
 def main(argv=None):

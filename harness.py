@@ -115,9 +115,10 @@ class FastDLLM(LM):
         # Without a gen_length of the user's, each request's canvas is its max_gen_toks (else 256) rounded up to
         # whole blocks (request_settings): the default is checked so too, not refused for a block_length (7)
         # that does not divide a 256 nobody chose. Each other canvas a request asks for is checked on its own.
-        self.checked_lengths = {s["gen_length"] if "gen_length" in settings else self.canvas(s["gen_length"])}
+        default = s["gen_length"] if "gen_length" in settings else self.canvas(s["gen_length"])
+        self.checked_lengths = {default}
         try:
-            check_early(s | self.guided | {"gen_length": next(iter(self.checked_lengths))})
+            check_early(s | self.guided | {"gen_length": default})
         except TypeError as e:      # checks.py's line for a value of the wrong type (cache=3): one line here too
             raise ValueError(str(e)) from None
         self._rank, self._world_size, device = distributed(device)
@@ -259,8 +260,8 @@ class FastDLLM(LM):
         rounded = f" rounded up to a multiple of block_length {block}" if gen_length != want else ""
         if rounded:
             self.say(f"max_gen_toks {want} -> gen_length {gen_length}, a multiple of block_length {block}")
-        if gen_length not in self.checked_lengths:      # a canvas of max_gen_toks': e.g. steps that do not divide
-            try:                                        # into its blocks
+        if gen_length not in self.checked_lengths:      # a canvas of its own: `steps` may not divide its blocks
+            try:
                 check_early(self.settings | self.guided | {"gen_length": gen_length})
             except ValueError as e:
                 raise ValueError(f"{e} (here gen_length {gen_length} is the request's max_gen_toks {want}{rounded}: "

@@ -20,7 +20,6 @@ import contextlib
 import errno
 import itertools
 import json
-import math
 import os
 import queue
 import secrets
@@ -629,7 +628,7 @@ def parse_args(argv=None):
                    help="port; 0 = any free one (default: %(default)s)")
     p.add_argument("--served-name", help="the model name clients pass and /v1/models lists (default: --model)")
     at_least_1 = cli.checked(int, lambda n: n >= 1, "an integer >= 1")      # a wrong value: named, with its flag
-    p.add_argument("--batch-window", type=cli.checked(float, lambda ms: 0 <= ms < math.inf, "a number of ms >= 0"),
+    p.add_argument("--batch-window", type=cli.checked(float, lambda ms: 0 <= ms < float("inf"), "a number of ms >= 0"),
                    default=20.0, help="ms to wait for more requests to batch with the first, while another "
                    "connection could send one (default: %(default)s)")
     p.add_argument("--max-batch", type=at_least_1, default=8, help="most requests in one batch (default: %(default)s)")
