@@ -318,6 +318,15 @@ def check_early(kw: dict, name=lambda key: key):     # every check that needs no
     checks.check_early(kw, Settings(), name)
 
 
+def check_flags(args, whole_blocks: bool = False):
+    """The decoding flags' checks that need no model, before one is loaded (main(), serve.py). whole_blocks: a
+    default gen_length rounded up to whole blocks first, as serve.py's requests without max_tokens use it."""
+    kw = settings(args)
+    if whole_blocks and args.fit_gen_length and args.block_length:
+        kw["gen_length"] = -(-args.gen_length // args.block_length) * args.block_length
+    check_early(kw | {"guide": args.guide}, flag_name)
+
+
 def run_batch(model, rows, args, device, on_step=None, **override):
     """generate() on prompts of any lengths (left-padded), with the CLI's settings (early stop on unless
     --no-early-stop) -> (prompt + answer ids per row, pads dropped; stats)."""
@@ -350,7 +359,7 @@ def answer_prompts(model, chat, args, device):
 
 def main(argv=None):
     args = parse_args(argv)
-    check_early(settings(args) | {"guide": args.guide}, flag_name)
+    check_flags(args)
     model, chat, cfg, device = load_all(args)
     if args.prompt_file:
         return answer_prompts(model, chat, args, device)

@@ -643,12 +643,7 @@ def parse_args(argv=None):
     # cli.parse_args insists on a prompt; the server's prompts come in requests, so it gets a placeholder.
     args = cli.parse_args(rest + ["--prompt", "(requests)"])
     args.prompt = None
-    # The CLI's checks before any model is read (`--gen-length 30 --block-length 8` is refused as there); without
-    # --gen-length a request's canvas is its max_tokens rounded up to whole blocks, so the default is too.
-    kw = cli.settings(args)
-    if args.fit_gen_length and args.block_length:
-        kw["gen_length"] = -(-args.gen_length // args.block_length) * args.block_length
-    cli.check_early(kw | {"guide": args.guide}, cli.flag_name)
+    cli.check_flags(args, whole_blocks=True)      # the CLI's checks: `--gen-length 30 --block-length 8` is refused
     return argparse.Namespace(**vars(args) | vars(own))
 
 
@@ -660,9 +655,8 @@ def build(args) -> App:
 
 
 def listen(host: str = "127.0.0.1", port: int = 0) -> Server:
-    """The server's socket, listening (port 0 = a free port: server.server_address has it), or one line that says
-    why not. main() listens before it loads the model (a request meanwhile waits for it), so a port in use fails
-    in a second, not after the minutes an 8B model takes to load."""
+    """The server's socket, listening (port 0: a free one), or one line why not. main() listens before it loads the
+    model (a request meanwhile waits for it): a port in use fails in a second, not after an 8B model's minutes."""
     try:
         return Server((host, port), Handler)
     except OSError as e:
