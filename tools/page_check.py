@@ -1,7 +1,7 @@
 """
 tools/page_check.py: the browser check of serve.py's live page (a documented script, not a CI test).
 
-    python tools/page_check.py                        # every check (about 40 s); writes no file
+    python tools/page_check.py                        # every check (about 30 s); writes no file
     python tools/page_check.py --only cut,ctrl-enter  # some checks
     python tools/page_check.py --out docs/page.png    # every check, then the docs' screenshot
     python tools/page_check.py --out /tmp/p.png --query "threshold=0.5&step=2"
