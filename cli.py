@@ -165,15 +165,19 @@ def load_guide(guide_dir, args, cfg, chat, device, dtype):
 
 
 def read_prompts(path: str) -> list[str]:
-    """--prompt-file's prompts, one per non-empty line (read by parse_args: its errors come before any model)."""
+    """--prompt-file's lines, each a prompt; a blank line stays in its place as "" (its answer is an empty line,
+    so that answer N is on output line N), blank lines at the end are dropped. Read by parse_args: its errors
+    come before any model."""
     try:
         with open(path, encoding="utf-8") as f:
-            prompts = [line.strip() for line in f if line.strip()]
+            prompts = [line.strip() for line in f]
     except UnicodeDecodeError as e:
         raise ValueError(f"--prompt-file {path} is not valid UTF-8 text ({e.reason} at byte {e.start}): "
                          f"convert it (e.g. with iconv)") from None
     except OSError as e:   # missing, a folder, no permission
         raise ValueError(f"cannot read --prompt-file {path}: {e.strerror or e}") from None
+    while prompts and not prompts[-1]:
+        prompts.pop()
     if not prompts:
         raise ValueError(f"--prompt-file {path} has no prompt: write one prompt per line")
     return prompts
@@ -251,7 +255,8 @@ def parse_args(argv=None, hooks=()):
     p.add_argument("--no-chat", action="store_true", help="raw prompt, no chat template (base models)")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin, until exit, quit or its "
                    "end (a model without a chat template, like the demo, answers each question alone)")
-    p.add_argument("--prompt-file", help="one prompt per line, decoded in batches (answers in input order)")
+    p.add_argument("--prompt-file", help="one prompt per line, decoded in batches: one answer line per input line "
+                   "(a blank line's answer is an empty line, so line N answers line N)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per batch with --prompt-file "
                    "(default: %(default)s)")
     p.add_argument("--no-early-stop", action="store_true", help="decode every block even after the answer "
@@ -321,6 +326,15 @@ def check_early(kw: dict, name=lambda key: key):
         check_guided_settings(SimpleNamespace(**vars(Settings()) | kw), Settings(), name)
 
 
+def check_flags(args, whole_blocks: bool = False):
+    """The decoding flags' checks that need no model, before one is loaded (main(), serve.py). whole_blocks: a
+    default gen_length rounded up to whole blocks first, as serve.py's requests without max_tokens use it."""
+    kw = settings(args)
+    if whole_blocks and args.fit_gen_length and args.block_length:
+        kw["gen_length"] = -(-args.gen_length // args.block_length) * args.block_length
+    check_early(kw | {"guide": args.guide}, flag_name)
+
+
 def run_batch(model, rows, args, device, on_step=None, **override):
     """generate() on prompts of any lengths (left-padded), with the CLI's settings (early stop on unless
     --no-early-stop) -> (prompt + answer ids per row, pads dropped; stats)."""
@@ -335,17 +349,22 @@ def run_batch(model, rows, args, device, on_step=None, **override):
 
 
 def answer_prompts(model, chat, args, device):
-    """--prompt-file: every line a prompt, decoded in batches of --batch-size; answers in input order."""
-    rows = [chat.encode(chat.render([{"role": "user", "content": q}])) for q in args.prompts]
+    """--prompt-file: every line a prompt, decoded in batches of --batch-size; one answer line per input line,
+    in input order (a blank line's answer is an empty line, so the lines of both stay aligned)."""
+    lines = [i for i, q in enumerate(args.prompts) if q]          # the lines that hold a prompt
+    rows = [chat.encode(chat.render([{"role": "user", "content": args.prompts[i]}])) for i in lines]
     args.gen_length = fit_gen_length(args, max(map(len, rows)), model.config.max_seq_len)
-    nfe, seconds, tokens = 0, 0.0, 0
-    for i in range(0, len(rows), args.batch_size):
-        batch = rows[i:i + args.batch_size]
+    nfe, seconds, tokens, printed = 0, 0.0, 0, 0
+    for b in range(0, len(rows), args.batch_size):
+        batch = rows[b:b + args.batch_size]
         outs, stats = run_batch(model, batch, args, device)
-        for ids, out in zip(batch, outs):
-            print(chat.answer(out[len(ids):]))
+        for line, ids, out in zip(lines[b:], batch, outs):
+            print("\n" * (line - printed) + chat.answer(out[len(ids):]))     # the blank lines before it first
+            printed = line + 1
         nfe, seconds, tokens = nfe + stats["nfe"], seconds + stats["seconds"], tokens + stats["answer_tokens"]
-    print(f"{len(rows)} prompts | NFE {nfe} | {tokens / max(seconds, 1e-9):.1f} tokens/s | {seconds:.2f} s")
+    blank = len(args.prompts) - len(rows)
+    note = f" ({blank} blank line{'s' * (blank > 1)}: empty answers)" if blank else ""
+    print(f"{len(rows)} prompts{note} | NFE {nfe} | {tokens / max(seconds, 1e-9):.1f} tokens/s | {seconds:.2f} s")
 
 
 def main(argv=None, **hooks):
@@ -354,7 +373,7 @@ def main(argv=None, **hooks):
     stop)."""
     args = parse_args(argv, hooks)
     args.hooks = hooks
-    check_early(settings(args) | {"guide": args.guide}, flag_name)
+    check_flags(args)
     model, chat, cfg, device = load_all(args)
     if args.prompt_file:
         return answer_prompts(model, chat, args, device)
