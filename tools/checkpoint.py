@@ -231,15 +231,18 @@ DREAM_GENERATION = dict(_from_model_config=True, alg="origin", alg_temp=None, ep
                         transformers_version="4.46.2")
 
 LLADA_ROW = dict(family="llada", shape="llada-8b", shards=6, tokens=LLADA_TOKENS, tokenizer="tokenizer.json",
-                 bos="<|startoftext|>", eos="<|endoftext|>", pad="<|endoftext|>", template=LLADA_TEMPLATE,
+                 tokenizer_class="PreTrainedTokenizerFast", model_max_length=4096, bos="<|startoftext|>",
+                 eos="<|endoftext|>", pad="<|endoftext|>", mask="<|mdm_mask|>", template=LLADA_TEMPLATE,
                  template_file=None, ids={}, generation=None)
 DREAM_ROW = dict(family="dream", shape="dream-7b", shards=4, tokens=DREAM_TOKENS, tokenizer="slow",
-                 bos="<|beginoftext|>", eos="<|endoftext|>", pad="<|endoftext|>", template=DREAM_TEMPLATE,
+                 tokenizer_class="DreamTokenizer", model_max_length=131072, bos="<|beginoftext|>",
+                 eos="<|endoftext|>", pad="<|endoftext|>", mask="<|mask|>", template=DREAM_TEMPLATE,
                  template_file=None, ids=dict(bos_token_id=151643, eos_token_id=151643, pad_token_id=151643),
                  generation=DREAM_GENERATION)
 DIFFUCODER_ROW = {**DREAM_ROW, "template": QWEN25_TEMPLATE, "template_file": "chat_template.jinja"}
-# One row per released checkpoint (issue 30); `ids` are config.json's special ids (real values), `eos`/`pad`/`bos`
-# the tokenizer files' tokens. The weights' shape is `shape`'s (SHAPES) at real size.
+# One row per released checkpoint (issue 30); `ids` are config.json's special ids (real values), `eos`/`pad`/`bos`/
+# `mask` the tokenizer files' tokens, `tokenizer` "tokenizer.json" or Qwen2's "slow" files. The weights' shape at
+# real size is SHAPES[shape]; REAL_VOCAB[family] is its vocabulary.
 RELEASES = {
     "GSAI-ML/LLaDA-8B-Base": LLADA_ROW,
     "GSAI-ML/LLaDA-8B-Instruct": LLADA_ROW,
@@ -305,18 +308,16 @@ def write_release_tokenizer(folder: str, row: dict, at) -> None:
     names = dict(bos_token=row["bos"], eos_token=row["eos"], pad_token=row["pad"])
     config = {"add_bos_token": False, "add_eos_token": False,
               "added_tokens_decoder": {str(i): entry(i) for i in sorted(tokens)}, **names,
-              "model_max_length": 131072 if row["family"] == "dream" else 4096,
-              "tokenizer_class": "PreTrainedTokenizerFast" if row["family"] == "llada" else "DreamTokenizer"}
+              "model_max_length": row["model_max_length"], "tokenizer_class": row["tokenizer_class"]}
     if row["template_file"] is None:
         config["chat_template"] = row["template"]
     else:
         with open(os.path.join(folder, row["template_file"]), "w", encoding="utf-8") as f:
             f.write(row["template"])
-    mask = "<|mdm_mask|>" if row["family"] == "llada" else "<|mask|>"
     special_map = {**{k: entry(next(i for i in tokens if tokens[i] == v)) for k, v in names.items()},
                    "additional_special_tokens": [tokens[i] for i in sorted(tokens) if special(i)]}
-    if row["family"] == "dream":
-        special_map["mask_token"] = mask
+    if row["tokenizer"] == "slow":     # Dream's tokenizer class names its mask
+        special_map["mask_token"] = row["mask"]
     for name, obj in (("tokenizer_config.json", config), ("special_tokens_map.json", special_map)):
         with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
             json.dump(obj, f, ensure_ascii=False, indent=2)
