@@ -207,8 +207,7 @@ def load_all(args):
     if word is not None and not getattr(chat.tok.get_added_tokens_decoder().get(cfg.mask_id), "special", False):
         raise ValueError(f"config.json's mask_token_id {cfg.mask_id} is the ordinary token {word!r} of "
                          f"tokenizer.json, not a special mask token: fix config.json or re-download the checkpoint")
-    chat.stop_ids |= set(cfg.eos_ids)     # config.json may list several end-of-text ids
-    args.stop_ids = sorted(chat.stop_ids)
+    args.stop_ids = sorted(chat.stop_ids)     # the checkpoint's own end tokens (chat.Chat: which files say so)
     args.guide_model = load_guide(guide_dir, args, cfg, chat, device, dtype)
     model = load(args.model, model_dir, device, dtype)
     args.compiled = Compiled() if args.compile else None

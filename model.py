@@ -408,8 +408,10 @@ def resolve_model_dir(name_or_path: str, role: str = "model") -> str:
     from huggingface_hub import snapshot_download
     try:
         # Dream has no tokenizer.json: *.json brings its vocab.json, tokenizer_config.json, added_tokens.json and
-        # special_tokens_map.json, and merges.txt completes them. Never a pickle (*.bin, *.pt) or remote code.
-        return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "merges.txt"])
+        # special_tokens_map.json, and merges.txt completes them; DiffuCoder's chat template is chat_template.jinja.
+        # Never a pickle (*.bin, *.pt) or remote code.
+        return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "merges.txt",
+                                                               "chat_template.jinja"])
     except Exception as e:  # network, auth or a missing repo: one line, not a stack of HTTP frames
         from huggingface_hub import constants
         if constants.HF_HUB_OFFLINE:
