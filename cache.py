@@ -66,30 +66,25 @@ class KVCache:
 # shifted family, starts the span one position earlier), or a fork's set of canvas positions, a sorted 1-D long
 # tensor (dKV-Cache, DPad). Everything not fed is read from the KV cache as the last call that fed it left it: that
 # choice *is* the difference between the caches. The first call of a generation feeds the whole canvas (the cache
-# starts empty). Two optional parts: keys(at), the keys this step may attend to, and slots(at, fed), per-row writes.
+# starts empty). Two optional methods: keys(at), the keys this step may attend to, and slots(at, fed), per-row writes.
 # A fork adds a policy by subclassing CachePolicy and passing an instance as generate(cache=...).
 class CachePolicy:
     """The protocol, and its simplest policy: feed the whole canvas at every step, into the KV cache.
     keeps_cache: the model writes a KVCache (False: every call attends over the positions it is fed, alone).
-    spare: discard slots the policy's per-row writes need (see slots). fixed_width: False for a policy whose feed
-    changes width from step to step within a block, which compile=True then leaves eager (a graph per step would
-    not pay)."""
+    keys: None, or a method keys(at) -> (B, L) bool, the canvas positions this step's queries may attend to (a key
+    mask: DPad drops far masks); padding is masked on top. slots: None, or a method slots(at, fed) -> (B, T) long,
+    where each row writes the keys/values of the fed positions `fed` (T,): the cache's discard slot (`length`) for a
+    position the row must keep (None: at their own positions, every row). spare: the discard slots slots() needs.
+    fixed_width: False for a policy whose feed changes width from step to step within a block, which compile=True
+    then leaves eager (a graph per step would not pay)."""
     keeps_cache = True
+    keys = None
+    slots = None
     spare = 0
     fixed_width = True
 
     def span(self, at):
         return 0, at.x.shape[1]
-
-    def keys(self, at):
-        """(B, L) bool: the canvas positions this step's queries may attend to (a key mask; DPad drops far masks), or
-        None: all of them. Padding is masked on top."""
-        return None
-
-    def slots(self, at, fed):
-        """Where each row writes the keys/values of the fed positions `fed` (T,): None = at those canvas positions,
-        every row; or (B, T) long slots, the cache's discard slot (`length`) for a position a row must keep."""
-        return None
 
 
 class NoCache(CachePolicy):
@@ -137,13 +132,7 @@ class Refresh(CachePolicy):
     plumbing: the decode then equals the uncached one)."""
 
     def __init__(self, inner: CachePolicy):
-        self.inner, self.keeps_cache, self.spare = inner, inner.keeps_cache, inner.spare
-
-    def keys(self, at):
-        return self.inner.keys(at)
-
-    def slots(self, at, fed):
-        return self.inner.slots(at, fed)
+        self.keeps_cache, self.keys, self.slots, self.spare = inner.keeps_cache, inner.keys, inner.slots, inner.spare
 
 
 CACHE_POLICIES = {"none": NoCache, "prefix": PrefixCache, "dual": DualCache, "free": FreeCache}

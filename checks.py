@@ -6,6 +6,7 @@ anything. While it runs, the plan (fastdllm.Plan) checks the hooks' answers at t
 one-line refusals it raises when a check fails are the `refuse_*` functions at the end of this file.
 Guided diffusion's own checks are guided.py's.
 """
+import dataclasses
 import inspect
 import math
 import numbers
@@ -25,6 +26,14 @@ BOOLEANS = ("refresh_every_step", "speculative")
 
 def bad(msg):
     raise ValueError(msg)
+
+
+def known(options: dict, settings_class) -> dict:
+    """generate()'s keywords are the fields of fastdllm.Settings: another is one line listing them."""
+    names = {f.name for f in dataclasses.fields(settings_class)}
+    if set(options) - names:
+        bad(f"unknown setting {sorted(set(options) - names)[0]!r}: generate() takes {', '.join(sorted(names))}")
+    return options
 
 
 def check_settings(gen_length, block_length, steps, cache, threshold, factor, temperature, top_p=None,
@@ -290,9 +299,40 @@ def refuse_span(cache, at, span, first: int, last: int):
                                                           "from p - 1)" if at.shift else ""))
 
 
-def refuse_keys(cache, keys, shape):
+def kind(v) -> str:
+    return "bool" if v.dtype == torch.bool else "float" if v.is_floating_point() else "long"
+
+
+def refuse_answers(p, take, B: int, N: int, step_rule, select):
+    """The step rule's proposal or the selection is not of the shapes and dtypes the commit needs."""
+    for f, shape, dtype in (("x0", (B, N), "long"), ("conf", (B, N), "float"), ("open", (B, N), "bool"),
+                            ("k", (B,), "long")):
+        v = getattr(p, f, None)
+        if not (isinstance(v, torch.Tensor) and v.shape == shape and kind(v) == dtype):
+            raise TypeError(f"propose= {name(step_rule)}.propose() returned {f} = {described(v)}: a sampler.Proposal "
+                            f"holds {f} of shape {shape} ({'integer' if dtype == 'long' else dtype})")
+    refuse_answer("select=", select, take, f"a selection rule returns a ({B}, {N}) bool tensor, one row per batch "
+                  f"row, True = commit")
+
+
+def refuse_answer(hook: str, rule, got, what: str):
+    raise TypeError(f"{hook} {name(rule)} returned {described(got)}: {what}")
+
+
+def key_mask(keys, shape, cache):
+    """A cache policy's keys(at): None, or a (B, L) bool tensor."""
+    if keys is None or isinstance(keys, torch.Tensor) and keys.shape == shape and keys.dtype == torch.bool:
+        return keys
     raise TypeError(f"cache= {name(cache)}.keys() returned {described(keys)}: a key mask is a {tuple(shape)} bool "
                     f"tensor (True = the step may attend to that position), or None")
+
+
+def uncovered(at):
+    """A fork's set of positions (at.fed) is not sorted, or lacks an open position of the block or, for a shifted
+    family, the one before it: a device flag, read with the step's one read."""
+    T, want = at.fed.shape[0], at.s + at.cols
+    return ((at.fed[1:] <= at.fed[:-1]).any() | (at.fed[at.rows.clamp(max=T - 1)] != want).any() |
+            (at.fed[(at.rows - at.shift).clamp(0, T - 1)] != want - at.shift).any())
 
 
 def refuse_step(v, at, cache, step_rule, select, stop):

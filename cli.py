@@ -16,9 +16,14 @@ import torch
 import checks
 from chat import Chat, check_text, load_tokenizer, streamer
 from checks import CACHE_MODES
-from fastdllm import CLI_DEFAULTS, Settings, generate, pad_prompts
+from fastdllm import Settings, generate, pad_prompts
 from guided import ACCEPT_RULES, check_accept, check_guide, check_guided_settings
 from model import Compiled, check_readable, load_model, read_config, resolve_model_dir
+
+
+# The command line's defaults where they differ from generate()'s: the methods' headline setting (Fast-dLLM's
+# DualCache with threshold 0.9) and early stop at the end of text. serve.py and harness.py read them too.
+CLI_DEFAULTS = dict(gen_length=256, cache="dual", threshold=0.9, stop_at_eos=True)
 
 
 # Flags that only mean something beside another flag: given without it they are an error, never ignored.

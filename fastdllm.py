@@ -1,14 +1,12 @@
 """
 fastdllm.py: fast inference for masked-diffusion LLMs (LLaDA, Dream): generate(), its plan and the one loop.
 
-A diffusion LM generates by denoising: the answer starts as gen_length [MASK] tokens, and each model call
-("step", counted as NFE) predicts every masked position at once and commits some. generate() decides once
-(`make_plan`) four parts, each a hook a fork can replace: the cache policy (cache.py: Fast-dLLM's prefix cache and
-DualCache, arXiv 2505.22618 section 3.2, FlashDLM's FreeCache, arXiv 2505.21467), the step rule (sampler.py: how
-LLaDA and Dream propose; guided.py: FlashDLM's guided diffusion), the selection rule (Fast-dLLM's threshold and
-factor decoding, section 3.3) and the stop rule. Then one loop, each step feed -> propose -> select -> commit ->
-stop, at fixed shapes within a block and with one host read, so compile=True captures each model call as one graph.
-The command line is cli.py: `python fastdllm.py --prompt "..."` runs it.
+A diffusion LM generates by denoising: the answer starts as gen_length [MASK] tokens, and each model call ("step",
+counted as NFE) predicts every masked position and commits some. generate() decides once (`make_plan`) four parts a
+fork can replace: the cache policy (cache.py: Fast-dLLM's prefix and DualCache, arXiv 2505.22618 section 3.2;
+FlashDLM's FreeCache, arXiv 2505.21467), the step rule (sampler.py: how LLaDA and Dream propose; guided.py: FlashDLM's
+guided diffusion), the selection rule (Fast-dLLM's threshold and factor decoding, section 3.3) and the stop rule.
+Then one loop, each step feed -> propose -> select -> commit -> stop, with one host read. The CLI is cli.py.
 """
 import dataclasses
 import itertools
@@ -23,8 +21,8 @@ import torch.nn.functional as F
 import checks
 import sampler as S
 from cache import CACHE_POLICIES, CachePolicy, KVCache, Refresh
-from guided import check_guided, guided_parts
-from model import Compiled, padding
+from guided import guided_parts
+from model import Compiled, pad_prompts, padding  # noqa: F401  (pad_prompts: fastdllm's API)
 
 
 @dataclass
@@ -41,8 +39,7 @@ class Settings:
     propose: object | None = None      # a step rule: .propose(logits, at) -> sampler.Proposal (sampler.StepRule)
     stop: Callable | None = None       # a stop rule: rule(x, at, proposal) -> (B,) bool rows ended (sampler.py)
     temperature: float = 0.0           # 0 = greedy
-    remasking: str | None = None       # LLaDA: "low_confidence" (None) | "random". Dream's alg: with the schedule
-                                       #   "entropy" (None), with threshold/factor "maskgit_plus" (the max prob)
+    remasking: str | None = None       # LLaDA: low_confidence | random; Dream: entropy (maskgit_plus if parallel)
     top_p: float | None = None         # Dream's sampling options
     top_k: int | None = None
     alg_temp: float | None = None
@@ -50,29 +47,14 @@ class Settings:
     refresh_every_step: bool = False   # feed the whole canvas every step (checks the cache plumbing)
     stop_at_eos: bool | int = False    # True: stop after a finished block holding an end token; k: FlashDLM's rule
     eos_ids: list | None = None        # the end tokens (default the config's)
-    compile: bool | object = False     # torch.compile the model call (CUDA: CUDA graphs), one graph per feed
-                                       #   shape; a Compiled instance keeps its graphs' cache across calls
+    compile: bool | object = False     # torch.compile the layers (CUDA graphs on CUDA); a Compiled keeps its graphs
     guide: torch.nn.Module | None = None   # FlashDLM guided diffusion: a causal LM with the same token ids
     speculative: bool = False          # guided: commit the guide's token at the first rejection
-    accept: str = "deterministic"      # guided: "deterministic" | "topk" | "topk_relative" | "dynamic_threshold" |
-                                       #   "aggressive"
+    accept: str = "deterministic"      # guided: the acceptance rule (guided.ACCEPT_RULES)
     accept_k: int = 5                  # guided top-k and topk_relative
     accept_ratio: float = 0.95         # guided topk_relative ratio
     accept_threshold: float = 0.1      # guided dynamic_threshold: p(draft) > this
     verify_chunk: int = 32             # guided: drafts verified per guide forward
-
-
-# The command line's defaults where they differ from generate()'s: the methods' headline setting (Fast-dLLM's
-# DualCache with threshold 0.9) and early stop at the end of text. cli.py, serve.py and harness.py read them.
-CLI_DEFAULTS = dict(gen_length=256, cache="dual", threshold=0.9, stop_at_eos=True)
-
-
-def pad_prompts(rows: list[list[int]], pad_id: int):
-    """Prompts of different lengths -> (ids (B, P), attention_mask (B, P)), left-padded so that every answer
-    starts at the same canvas position."""
-    P = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_id] * (P - len(r)) + list(r) for r in rows])
-    return ids, (torch.arange(P) >= torch.tensor([[P - len(r)] for r in rows])).long()
 
 
 class Step(NamedTuple):
@@ -114,17 +96,18 @@ class Read(NamedTuple):
 
 
 class Values(NamedTuple):
-    """The device values a step reads in one go, by name (Plan.read)."""
-    nonfinite: int       # NaN/inf among the logits
-    opened: int          # the proposal opened a position that is not a mask
-    outside: int         # the selection took a position outside the proposal's open ones
-    overwrote: int       # a hook changed a token that was not a mask (prompt or committed)
-    unfilled: int        # the stop rule ended a row that still holds masks
+    """The device values a step reads in one go, by name (Plan.read); the first five and the last are checks of the
+    hooks (checks.refuse_step says what each means)."""
+    nonfinite: int
+    opened: int
+    outside: int
+    overwrote: int
+    unfilled: int
     proposed: int        # the proposal opened some position
     all_ended: int       # every row's answer has ended
     committed: int       # tokens the selection committed (all rows)
-    changed: int         # tokens that changed this step: the committed ones and the stop rule's fills
-    uncovered: int = 0   # a set of positions not sorted, or without an open position (or the one before it)
+    changed: int         # tokens that changed: the committed ones and the stop rule's fills
+    uncovered: int = 0
 
 
 @dataclass
@@ -149,9 +132,8 @@ class Plan:
         self.ar = torch.arange(self.pos.shape[1], device=self.pos.device)   # spans and columns as views, no kernel
 
     def feed(self, x, n: int, i: int, s: int, e: int, last: Read) -> tuple[Step, torch.Tensor]:
-        """1. feed: where this step stands, what the cache policy feeds, one model call -> (at, logits (B, n, V) at
-        the block's open columns at.cols). A span that starts at the block's first open position starts one position
-        earlier for a shifted family: Dream predicts p from p - 1 (a fork's set of positions must hold it)."""
+        """1. feed: where this step stands, what the cache policy feeds, one model call -> (at, logits (B, n, V) at the
+        block's open columns). A span from the first open position starts one earlier for Dream (p from p - 1)."""
         at = Step(n, i, s, e, x, x[:, s:e] == self.mask_id, self.shift, last.cols, seen=last.seen)
         span, L = self.cache.span(at), x.shape[1]
         if isinstance(span, torch.Tensor):          # a fork's sorted set of positions: its coverage is read later
@@ -163,17 +145,14 @@ class Plan:
                     and s + last.last < b and (n > 0 or not self.cache.keeps_cache or (a, b) == (0, L))):
                 checks.refuse_span(self.cache, at, span, last.first, last.last)
             fed, span, chunk, rows = self.ar[a:b], (a, b), slice(a, b), last.cols + (s - a)
-        keys = self.cache.keys(at)                   # (B, L) bool: the keys this step may attend to, or None
-        if keys is not None and not (isinstance(keys, torch.Tensor) and keys.dtype == torch.bool and
-                                     keys.shape == x.shape):
-            checks.refuse_keys(self.cache, keys, x.shape)
+        keys = self.cache.keys and checks.key_mask(self.cache.keys(at), x.shape, self.cache)   # (B, L) bool, or None
         mask = self.mask        # padding (B, 1, L, L): the fed queries' rows; keys: the canvas (a KV cache), else the fed
         if mask is not None:
             mask = mask[:, :, chunk] if self.kv is not None else mask[:, :, chunk][..., chunk]
         if keys is not None:
             keys = (keys if self.kv is not None else keys[:, chunk])[:, None, None, :]
             mask = keys if mask is None else mask & keys
-        slots = self.cache.slots(at, fed)
+        slots = self.cache.slots and self.cache.slots(at, fed)
         h = self.hidden(x[:, chunk], self.pos[:, chunk], self.kv, fed if slots is None else slots, mask)
         return at._replace(fed=fed, span=span, rows=rows, hidden=h, head=self.model.logits), self.model.logits(h, rows)
 
@@ -181,44 +160,34 @@ class Plan:
         """The proposal and the selection at the boundary, before the commit uses them: shapes and dtypes (host
         metadata; their values are checked in the step's read). A refusal is one line naming the hook."""
         B, N = at.masked.shape
-        kinds = dict(x0=((B, N), "integer"), conf=((B, N), "float"), open=((B, N), "bool"), k=((B,), "integer"))
-        for f, (shape, kind) in kinds.items():
-            v = getattr(p, f, None)
-            if not (isinstance(v, torch.Tensor) and v.shape == shape and
-                    ("bool" if v.dtype == torch.bool else "float" if v.is_floating_point() else "integer") == kind):
-                raise TypeError(f"propose= {checks.name(self.step_rule)}.propose() returned {f} = "
-                                f"{checks.described(v)}: a sampler.Proposal holds {f} of shape {shape} ({kind})")
-        if not (isinstance(take, torch.Tensor) and take.dtype == torch.bool and take.shape == (B, N)):
-            raise TypeError(f"select= {checks.name(self.select)} returned {checks.described(take)}: a selection rule "
-                            f"returns a ({B}, {N}) bool tensor, one row per batch row, True = commit")
+        kinds = [(getattr(p, f, None), shape, dtype) for f, shape, dtype in (("x0", (B, N), "long"), ("conf", (B, N),
+                 "float"), ("open", (B, N), "bool"), ("k", (B,), "long"))] + [(take, (B, N), "bool")]
+        for v, shape, dtype in kinds:
+            if not (isinstance(v, torch.Tensor) and v.shape == shape and checks.kind(v) == dtype):
+                checks.refuse_answers(p, take, B, N, self.step_rule, self.select)
 
     def read(self, x, at: Step, p: S.Proposal, take, ended, stats: dict) -> Read:
         """The step's one host read: every value check of the hooks, the stats, the block's open columns for the next
         step; then the one decision: does the block, or the answer, end here?"""
         B, N = at.masked.shape
         if not (isinstance(ended, torch.Tensor) and ended.dtype == torch.bool and ended.shape == (B,)):
-            raise TypeError(f"stop= {checks.name(self.stop)} returned {checks.described(ended)}: a stop rule returns "
-                            f"a ({B},) bool tensor, True = the row's answer has ended")
+            checks.refuse_answer("stop=", self.stop, ended, f"a stop rule returns a ({B},) bool tensor, True = the "
+                                 f"row's answer has ended")
         changed, answer = x != at.seen, x[:, self.P:] == self.mask_id      # (B, L), (B, gen_length)
         open_cols = answer[:, at.s - self.P:at.e - self.P].any(0)           # (N,) the block's columns still masked
         values = [~torch.isfinite(p.logits.sum(-1, dtype=torch.float32)).all(), (p.open & ~at.masked).any(),
                   (take & ~p.open).any(), (changed & (at.seen != self.mask_id)).any(), (ended[:, None] & answer).any(),
                   p.open.any(), ended.all(), take.sum(), changed.sum()]
-        if at.span is None:      # a set of positions: sorted, holding each open position (and the one before it)
-            T, want = at.fed.shape[0], at.s + at.cols
-            values.append((at.fed[1:] <= at.fed[:-1]).any() | (at.fed[at.rows.clamp(max=T - 1)] != want).any() |
-                          (at.fed[(at.rows - at.shift).clamp(0, T - 1)] != want - at.shift).any())
+        values += [checks.uncovered(at)] if at.span is None else []     # a fork's set of positions
         stats["row_nfe"] = stats["row_nfe"] + at.masked.any(-1)           # device tensors until the end
         stats["row_committed"] = stats["row_committed"] + take.sum(-1)
         got = torch.cat([torch.stack(values), open_cols]).tolist()        # the read
         v, n = Values(*got[:len(values)]), sum(got[len(values):])
         if v.nonfinite or v.opened or v.outside or v.overwrote or v.unfilled or v.uncovered:
                 checks.refuse_step(v, at, self.cache, self.step_rule, self.select, self.stop)
-        stats["nfe"] += 1
-        stats["fed"].append(at.fed.shape[0])
-        stats["committed"].append(v.committed)
-        stats["filled"].append(v.changed - v.committed)
-        stats["guide_calls"] = getattr(self.step_rule, "guide_calls", 0)
+        stats.update(nfe=stats["nfe"] + 1, guide_calls=getattr(self.step_rule, "guide_calls", 0))
+        for key, value in (("fed", at.fed.shape[0]), ("committed", v.committed), ("filled", v.changed - v.committed)):
+            stats[key].append(value)
         exact = self.step_rule.exact_steps                # Dream's own sampler takes exactly its steps
         block_ended = at.i + 1 == exact if exact else n == 0
         if not block_ended and at.i > self.step_rule.steps_per_block + N:
@@ -229,32 +198,23 @@ class Plan:
 
     def finish(self, x, stats: dict, t0: float) -> dict:
         torch.cuda.synchronize(x.device) if x.is_cuda else None
-        stats["seconds"] = time.perf_counter() - t0
-        stats["row_nfe"], stats["row_committed"] = stats["row_nfe"].tolist(), stats["row_committed"].tolist()
-        end = torch.isin(x[:, self.P:], self.eos)     # tokens/s counts answers, never end-of-text filler
-        stats["answer_tokens"] = int(torch.where(end.any(-1), end.long().argmax(-1), end.shape[1]).sum())
-        stats["tokens_per_s"] = stats["answer_tokens"] / max(stats["seconds"], 1e-9)
-        return stats
+        seconds, end = time.perf_counter() - t0, torch.isin(x[:, self.P:], self.eos)   # tokens/s: answers, not filler
+        tokens = int(torch.where(end.any(-1), end.long().argmax(-1), end.shape[1]).sum())
+        return stats | dict(seconds=seconds, answer_tokens=tokens, tokens_per_s=tokens / max(seconds, 1e-9),
+                            row_nfe=stats["row_nfe"].tolist(), row_committed=stats["row_committed"].tolist())
 
 
 def resolve(model, prompt, options: dict, attention_mask, generator, on_step) -> tuple[Settings, bool]:
     """The call's settings with every default decided (the family's and the method's) and every check passed ->
     (settings, whether this is Dream's own whole-canvas sampler)."""
-    names = {f.name for f in dataclasses.fields(Settings)}
-    if set(options) - names:
-        raise ValueError(f"unknown setting {sorted(set(options) - names)[0]!r}: generate() takes "
-                         f"{', '.join(sorted(names))}")
-    st = Settings(**options)
+    st = Settings(**checks.known(options, Settings))
     dream, guided = model.config.family == "dream", st.guide is not None
     parallel = st.threshold is not None or st.factor is not None or getattr(st.select, "parallel", st.select is not None)
-    st = dataclasses.replace(
-        st, remasking=st.remasking or ("maskgit_plus" if parallel else "entropy") if dream else st.remasking or "low_confidence",
-        block_length=st.gen_length if guided else st.block_length or st.gen_length,   # guided: one block
-        steps=st.gen_length if st.steps is None or guided else st.steps)
+    st = dataclasses.replace(st, remasking=st.remasking or ("maskgit_plus" if parallel else "entropy") if dream else
+                             st.remasking or "low_confidence", steps=st.gen_length if st.steps is None or guided else
+                             st.steps, block_length=st.gen_length if guided else st.block_length or st.gen_length)
     whole_canvas = dream and options.get("block_length", Settings.block_length) is None and not guided
     checks.check_call(model, prompt, st, attention_mask, generator, on_step, whole_canvas, Settings(), options)
-    if guided:
-        check_guided(model, st, Settings())
     return st, whole_canvas
 
 
@@ -268,7 +228,7 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     eos = torch.tensor(sorted(set(st.eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
     pos, mask = padding(attention_mask, st.gen_length, device)
     if st.guide is not None:    # FlashDLM's guided diffusion: one block; a committed end token ends the answer
-        (step_rule, select, cache), stop_run = guided_parts(st, prompt.to(device), attention_mask, pos, eos, cfg.mask_id), 1
+        (step_rule, select, cache), stop_run = guided_parts(model, st, Settings(), prompt.to(device), attention_mask, pos, eos), 1
     else:
         step_rule, select = S.family_rules(cfg, st, whole_canvas, generator, device)
         cache, stop_run = st.cache if isinstance(st.cache, CachePolicy) else CACHE_POLICIES[st.cache](), st.stop_at_eos
@@ -285,19 +245,11 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
 @torch.inference_mode()
 def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
              generator: torch.Generator | None = None, on_step=None, **settings):
-    """
-    Decode gen_length tokens after `prompt` (B, P). Returns (ids (B, P + gen_length), stats) with stats
-    {"nfe": model calls, "row_nfe": the calls that served each row (a row's NFE alone, whatever the batch),
-    "row_committed": the tokens the selection committed in each row, "fed": tokens fed per call, "committed":
-    tokens the selection committed per call (all rows), "filled": tokens the stop rule filled per call,
-    "calls_saved", "guide_calls", "seconds", "answer_tokens": generated tokens before each row's first end
-    token, summed, "tokens_per_s": answer_tokens per second}.
-
-    settings: the keywords of `Settings`; see its field comments and the README's API table.
-    attention_mask: (B, P) 1/0 for left-padded prompts, both families: each row decodes as it would alone.
-    generator: the only source of randomness (default: a fresh one seeded 0). on_step(x, stats) is called
-        after every step with the live canvas.
-    """
+    """Decode gen_length tokens after `prompt` (B, P) -> (ids (B, P + gen_length), stats: "nfe" (model calls),
+    "row_nfe", "row_committed" (per row), "fed", "committed", "filled" (per call), "calls_saved", "guide_calls",
+    "seconds", "answer_tokens", "tokens_per_s": README "Python API"). settings: the fields of `Settings`.
+    attention_mask: (B, P) 1/0 for left-padded prompts: each row decodes as it would alone. generator: the only
+    source of randomness (default: one seeded 0). on_step(x, stats): called after every step, the canvas live."""
     plan = make_plan(model, prompt, settings, attention_mask, generator, on_step)
     on_step = on_step or (lambda x, stats: None)
     x = F.pad(prompt.to(plan.ar.device), (0, len(plan.ar) - prompt.shape[1]), value=plan.mask_id)

@@ -338,10 +338,11 @@ def check_guide(model_cfg: ModelConfig, guide_cfg: ModelConfig, model_tok=None, 
                              f"the guide must use the diffusion model's tokenizer (the same token ids)")
 
 
-def guided_parts(st, prompt, attention_mask, pos, eos, mask_id: int):
-    """A guided call's step rule, selection rule and cache policy (fastdllm.make_plan): one block over the answer;
-    "dual" is "prefix" there (the only block has no suffix), "free" the aggressive caching."""
-    B, L = prompt.shape[0], prompt.shape[1] + st.gen_length
+def guided_parts(model, st, defaults, prompt, attention_mask, pos, eos):
+    """A guided call's step rule, selection rule and cache policy (fastdllm.make_plan), its checks passed: one block
+    over the answer; "dual" is "prefix" there (the only block has no suffix), "free" the aggressive caching."""
+    check_guided(model, st, defaults)
+    B, L, mask_id = prompt.shape[0], prompt.shape[1] + st.gen_length, model.config.mask_id
     real = None if pos is None else F.pad(attention_mask.to(prompt.device).bool(), (0, st.gen_length), value=True)
     accept = partial(accept_drafts, rule=st.accept, k=st.accept_k, ratio=st.accept_ratio, threshold=st.accept_threshold)
     rule = Guided(Guide(st.guide, B, L, pos, real), accept, st.verify_chunk, eos, mask_id, st.speculative, prompt)

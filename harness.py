@@ -52,8 +52,8 @@ except ImportError as e:
     raise ImportError(f"harness.py needs lm-eval ({e}): pip install -r requirements-eval.txt") from None
 
 from chat import Chat
-from cli import check_early, pick_device_dtype
-from fastdllm import CLI_DEFAULTS, Compiled, Settings, generate, pad_prompts
+from cli import CLI_DEFAULTS, check_early, pick_device_dtype
+from fastdllm import Compiled, Settings, generate, pad_prompts
 from guided import check_guide
 from model import load_model, read_config, resolve_model_dir
 

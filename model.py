@@ -319,6 +319,14 @@ class Transformer(nn.Module):
 # ----------------------------------------------------------------------------------------------------------
 # One decoding step's model call (fastdllm.py): left padding, the call at fixed shapes, and its compiled form.
 
+def pad_prompts(rows: list[list[int]], pad_id: int):
+    """Prompts of different lengths -> (ids (B, P), attention_mask (B, P)), left-padded so that every answer
+    starts at the same canvas position."""
+    P = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (P - len(r)) + list(r) for r in rows])
+    return ids, (torch.arange(P) >= torch.tensor([[P - len(r)] for r in rows])).long()
+
+
 def padding(attention_mask, gen_length: int, device):
     """Left-padded prompts: real tokens count positions from 0, pads neither attend nor are attended to, so
     every row decodes as it would alone. -> (pos (B, L), mask (B, 1, L, L)), or (None, None) without pads."""

@@ -34,7 +34,6 @@ import uuid
 from http.server import ThreadingHTTPServer
 
 import cli
-import fastdllm
 from api import (CLIENT_GONE, ApiError, JsonHandler, check_fields, check_text, choice, chunk, envelope, get,
                  json_object, prompt_fields, quoted, shutting_down, stop_scan, tokens, usage)
 from chat import decode
@@ -241,7 +240,7 @@ class App:
         self.created = int(time.time())
         self.texts = {}               # token id -> its text, for the event stream
         # An unguided request on a guided server ("guide": false) gets the CLI's default threshold, not none.
-        self.threshold = fastdllm.CLI_DEFAULTS["threshold"] if args.guide else args.threshold
+        self.threshold = cli.CLI_DEFAULTS["threshold"] if args.guide else args.threshold
 
     def write_log(self, line: str):     # whole, in one write: print() writes the newline apart from its line
         if not self.args.quiet:

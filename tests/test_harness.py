@@ -372,7 +372,7 @@ def test_compile_is_one_compiled_for_every_batch(monkeypatch):
 
 
 def test_defaults_are_the_clis():
-    """DEFAULTS comes from fastdllm.CLI_DEFAULTS (block_length 32 is generate()'s own): the values docs/eval.md
+    """DEFAULTS comes from cli.CLI_DEFAULTS (block_length 32 is generate()'s own): the values docs/eval.md
     states."""
     d = harness.DEFAULTS
     assert [d[k] for k in ("gen_length", "block_length", "cache", "threshold", "stop_at_eos")] == [256, 32, "dual",
