@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import GOLDEN, ROOT, write_tokenizer
+import bounded
 import cli
 from chat import Chat
 from fastdllm import generate
@@ -453,15 +454,11 @@ def cli_results(tmp_path_factory):
         cmd = [sys.executable, os.path.join(ROOT, "fastdllm.py"), *argv]
         if closed:
             cmd = ["sh", "-c", 'exec "$@" <&-', "sh", *cmd]      # no stdin at all, not an empty one
-        procs[name] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True)
+        procs[name] = bounded.start(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
     out = {}
-    for name, p in procs.items():
-        try:
-            out[name] = (p, *p.communicate(timeout=120), cases[name][1])
-        except subprocess.TimeoutExpired:      # a hang fails its case, not the whole run
-            p.kill()
-            out[name] = (p, *p.communicate(), cases[name][1])
+    for name, p in procs.items():      # a hang fails its case, not the whole run: its process group is killed
+        out[name] = (p, *bounded.finish(p, timeout=120)[:2], cases[name][1])
     return out
 
 
@@ -662,23 +659,21 @@ def cli20(tmp_path_factory):
     kw = dict(cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cli = [sys.executable, os.path.join(ROOT, "fastdllm.py"), *DEMO_RUN]
     piped = lambda cmd: ["sh", "-c", 'exec "$@" ' + cmd, "sh", *cli]    # noqa: E731
-    procs = {   # name: (process, its stdin)
-        "driver": (subprocess.Popen([sys.executable, "-c", CLI20_DRIVER], **kw), json.dumps(cases | CLI20_RUNS)),
+    procs = {   # name: (process, its stdin); each its own process group (tests/bounded.py)
+        "driver": (bounded.start([sys.executable, "-c", CLI20_DRIVER], **kw), json.dumps(cases | CLI20_RUNS)),
         # The reader is gone before the first answer is written: EPIPE every time, no race with a reader.
-        "closed pipe": (subprocess.Popen([*cli, "--prompt", Q20[0]], **kw), None),
-        "| head -1": (subprocess.Popen(piped("--prompt-file /dev/stdin | head -1"), **kw), "\n".join(Q20 * 4)),
-        "| head -c 5": (subprocess.Popen(piped(f"--prompt '{Q20[0]}' | head -c 5"), **kw), None),
-        "interactive: piped questions to their end": (subprocess.Popen([*cli, "--interactive"], **kw),
+        "closed pipe": (bounded.start([*cli, "--prompt", Q20[0]], **kw), None),
+        "| head -1": (bounded.start(piped("--prompt-file /dev/stdin | head -1"), **kw), "\n".join(Q20 * 4)),
+        "| head -c 5": (bounded.start(piped(f"--prompt '{Q20[0]}' | head -c 5"), **kw), None),
+        "interactive: piped questions to their end": (bounded.start([*cli, "--interactive"], **kw),
                                                       "\n".join(Q20) + "\n"),
     }
     procs["closed pipe"][0].stdout.close()
     out = {}
     for name, (p, stdin) in procs.items():
-        try:
-            res = p.communicate(stdin, timeout=240)
-        except subprocess.TimeoutExpired:      # a hang fails its cases, not the whole run
-            p.kill()
-            res = p.communicate()
+        # A hang fails its cases, not the whole run: the group is killed (sh, python and head alike: killing sh
+        # alone left the others holding the pipe, and the read after it never returned).
+        *res, _ = bounded.finish(p, stdin, timeout=240)
         out[name] = (p.returncode, *res)
     code, text, err = out.pop("driver")
     assert code == 0 and "Traceback" not in err, err
@@ -893,16 +888,12 @@ def bench_cases(tmp):
 def bench_results(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("bench_flags"))
     cases = bench_cases(tmp)
-    procs = {name: subprocess.Popen([sys.executable, os.path.join(ROOT, script), *argv], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
+    procs = {name: bounded.start([sys.executable, os.path.join(ROOT, script), *argv], stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
              for name, ((script, *argv), _) in cases.items()}
     out = {}
-    for name, p in procs.items():
-        try:
-            out[name] = (p, *p.communicate(timeout=300), cases[name][1])    # a busy 2-core VM: ~100 s for all
-        except subprocess.TimeoutExpired:      # a run that went past its flags fails its case, not the others
-            p.kill()
-            out[name] = (p, *p.communicate(), cases[name][1])
+    for name, p in procs.items():      # a busy 2-core VM: ~100 s for all; a run that went past its flags fails
+        out[name] = (p, *bounded.finish(p, timeout=300)[:2], cases[name][1])    # its case (its group killed)
     return out, tmp
 
 
