@@ -847,9 +847,33 @@ def test_api20_guide_settings_have_types(dream, qwen2):
 
 
 def test_api20_stop_at_eos_k_and_eos_ids_work(llada):
-    """The valid forms still run: k end tokens in a row, and a custom end id inside the vocabulary."""
-    out, _ = generate(llada, PROMPT, gen_length=8, block_length=4, stop_at_eos=2, eos_ids=[7, 8])
-    assert not (out == llada.config.mask_id).any()
+    """The valid forms run, and custom end ids, several of them, decide where the answer ends, by value. The
+    oracle is the same decode without a stop rule (its canvas after every step): stop_at_eos=True keeps it up to
+    the end of the first finished block holding any of the ids, then end tokens; stop_at_eos=2 keeps the first
+    canvas whose decoded answer is a prefix ending in 2 of the ids (FlashDLM's rule), then end tokens. The ids
+    are read off that decode: a config eos used instead of eos_ids, only the list's first id honoured, or the
+    stop placed in another block would each give another canvas (or none at all: no stop)."""
+    kw, M, P = dict(gen_length=16, block_length=4, steps=16), llada.config.mask_id, PROMPT.shape[1]
+    canvases = []
+    full, _ = generate(llada, PROMPT, on_step=lambda x, st: canvases.append(x[0].tolist()), **kw)
+    blocks = [full[0, P + 4 * b:P + 4 * b + 4].tolist() for b in range(4)]
+    early = next(t for t in blocks[1] if t not in blocks[0])                 # first seen in block 1
+    late = next(t for t in blocks[2] if t not in blocks[0] + blocks[1])      # first seen in block 2
+    out, st = generate(llada, PROMPT, stop_at_eos=True, eos_ids=[late, early], **kw)
+    assert out[0, :P + 8].tolist() == full[0, :P + 8].tolist()              # the answer up to block 1's end
+    assert set(out[0, P + 8:].tolist()) <= {late, early}
+    assert st["nfe"] == 8 and st["calls_saved"] == 8           # blocks 0-1 decoded, 2-3 saved (4 calls each)
+
+    def ended(c, ids, k=2):     # FlashDLM: the right-most decoded token and the one before it are end tokens,
+        r = max(i for i in range(P, len(c)) if c[i] != M)                    # and no mask before it
+        return M not in c[P:r] and all(t in ids for t in c[r - k + 1:r + 1])
+    ids = blocks[1][2:]                                        # two end tokens in a row: block 1's last two
+    assert len(set(ids)) == 2
+    n = next(i for i, c in enumerate(canvases) if ended(c, ids))
+    out, st = generate(llada, PROMPT, stop_at_eos=2, eos_ids=ids, **kw)
+    got, want = out[0].tolist(), canvases[n]
+    assert M in want and st["nfe"] == n + 1                                  # it stops before the decode's end
+    assert all(g == w if w != M else g in ids for g, w in zip(got, want)) and len(set(got[want.index(M):])) == 1
 
 
 # ---------------------------------------------------------------------------------- the benchmark's flags
@@ -965,9 +989,12 @@ def test_cli_flags_without_effect_under_a_guide_are_refused(flag):
 def test_api20_guided_settings_at_their_defaults_pass_without_a_guide(llada):
     """Callers that pass every keyword (the old flat API) keep working: a guided setting at its default changes
     nothing without a guide; only a value that would be silently ignored is refused."""
-    out, _ = generate(llada, PROMPT, gen_length=8, block_length=4, accept="deterministic", accept_k=5,
-                      accept_ratio=0.95, verify_chunk=32, speculative=False, accept_threshold=0.1)
-    assert not (out == llada.config.mask_id).any()
+    out, st = generate(llada, PROMPT, gen_length=8, block_length=4, accept="deterministic", accept_k=5,
+                       accept_ratio=0.95, verify_chunk=32, speculative=False, accept_threshold=0.1)
+    plain, st_plain = generate(llada, PROMPT, gen_length=8, block_length=4)
+    # The same tokens, calls and per-step commits as the call without them: a guided setting that leaked into
+    # the unguided decode (a rule, a stop, a step count) would change one of these.
+    assert torch.equal(out, plain) and (st["nfe"], st["committed"]) == (st_plain["nfe"], st_plain["committed"])
 
 
 # ============================================================================================================
