@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import bench
+import bounded
 from conftest import GOLDEN, ROOT, copy_checkpoint, write_tokenizer
 import cli
 from fastdllm import generate
@@ -221,21 +222,30 @@ def test_sweep_feeds_what_each_cache_feeds(tmp_path):
 def test_gpu_check_small_shape_on_cpu(tmp_path):
     """The GPU check's whole path at a tiny shape on the CPU, so it cannot rot between GPU runs: the model made
     in place, the speed rows with their step types and bytes, 16 rows against their solo runs, the golden runs
-    in float32 (exact) and bf16. A budget too small for compiling skips those phases, and says so."""
+    in float32 (exact) and bf16. It checks the script, not the machine: no time box (--budget 0) and eager only
+    (compiling is the GPU run's), so what runs never depends on the machine's speed. Then the time box itself,
+    with a budget no phase fits (1 s): every picked phase is skipped and says so, the others do not run."""
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--shape", "tiny", "--device", "cpu",
+           "--gen-length", "16", "--block-length", "8", "--prompt-length", "8"]
     out = tmp_path / "gpu.json"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--shape", "tiny", "--device", "cpu",
-                        "--budget", "140", "--gen-length", "16", "--block-length", "8", "--prompt-length", "8",
-                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    r = bounded.run([*cmd, "--budget", "0", "--variants", "eager", "--out", str(out)], timeout=600)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     eager = {x["mode"]: x for x in res["speed"] if x["variant"] == "eager"}
     assert set(eager) == {"baseline", "dual 0.9"} and eager["baseline"]["nfe"] == 16
     assert eager["dual 0.9"]["refresh"]["steps"] == 2 and eager["dual 0.9"]["cached"]["ms"] > 0
     assert eager["baseline"]["refresh"]["bytes"] > eager["dual 0.9"]["cached"]["bytes"] > 0
-    assert res["batch"]["eager"] == dict(rows=16, equal=16)
+    assert res["batch"] == {"eager": dict(rows=16, equal=16)} and len(res["speed"]) == 2     # no compiled rows
     assert res["golden"]["float32"]["exact"] == res["golden"]["float32"]["total"] > 20
     assert 0 < res["golden"]["bfloat16"]["agreement"] <= 1
-    assert "speed compiled baseline: skipped" in r.stdout
+    boxed = tmp_path / "boxed.json"
+    r = bounded.run([*cmd, "--budget", "1", "--phases", "speed,golden", "--out", str(boxed)], timeout=300)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(boxed.read_text())
+    assert "speed" not in res and "batch" not in res and "batch" not in r.stdout
+    assert [ln.split(":")[0] for ln in r.stdout.splitlines() if "skipped" in ln] == [
+        "speed eager baseline", "speed eager dual 0.9", "speed compiled baseline", "speed compiled dual 0.9",
+        "golden float32", "golden bfloat16"]
 
 
 def test_the_library_never_imports_the_benchmark(capsys):

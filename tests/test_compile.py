@@ -10,6 +10,7 @@ from cache import KVCache
 from fastdllm import Compiled, generate, pad_prompts
 from model import hidden_states, load_model
 from conftest import GOLDEN
+from test_golden import DREAM_RUNS, LLADA_RUNS, dream_call, llada_call
 
 ROWS = {"llada": [[815, 723, 294, 53, 204, 372, 664, 1017, 655, 689, 279, 233], [44, 12, 907, 31, 5]],
         "dream": [[775, 171, 806, 365, 316, 564, 432, 625, 575, 529, 17, 3], [12, 44, 907]]}
@@ -81,11 +82,15 @@ def test_bf16_compiled_equals_eager_bit_for_bit():
     the compiled logits equal eager's bit for bit, so the ids do (on a GPU tools/gpu_check.py measures it)."""
     model = load_model(f"{GOLDEN}/llada-tiny", device="cpu", dtype=torch.bfloat16)
     ids, am = batch(model, "llada")
-    seen = []
-    eager, _ = generate(model, ids, attention_mask=am, cache="dual", threshold=0.9, **KW)
-    compiled, _ = generate(model, ids, attention_mask=am, cache="dual", threshold=0.9, compile=True,
-                           on_step=lambda x, st: seen.append(x.clone()), **KW)
-    assert torch.equal(compiled, eager)
+    steps, outs = {"eager": [], "compiled": []}, {}
+    for name in steps:
+        outs[name], _ = generate(model, ids, attention_mask=am, cache="dual", threshold=0.9, compile=name == "compiled",
+                                 on_step=lambda x, st, seen=steps[name]: seen.append(x.clone()), **KW)
+    assert torch.equal(outs["compiled"], outs["eager"])
+    # Every step's canvas, not only the last: a compiled step that committed other tokens on the way (more or
+    # fewer calls, another order) and still ended on the same ids would differ here.
+    assert len(steps["compiled"]) == len(steps["eager"]) > 2
+    assert all(torch.equal(c, e) for c, e in zip(steps["compiled"], steps["eager"]))
     x, L = torch.nn.functional.pad(ids, (0, 16), value=model.config.mask_id), ids.shape[1] + 16
     m = torch.nn.functional.pad(am.bool(), (0, 16), value=True)
     args = ((m.long().cumsum(-1) - 1).clamp(min=0), None, torch.arange(L), m[:, None, None, :] & m[:, None, :, None],
@@ -94,6 +99,32 @@ def test_bf16_compiled_equals_eager_bit_for_bit():
         a = model.logits(model.hidden(x, args[0], KVCache.for_model(model, 2, L), *args[2:4]), args[4])
         b = model.logits(Compiled()(model, x, args[0], KVCache.for_model(model, 2, L), *args[2:4]), args[4])
     assert torch.equal(a, b)
+
+
+# The official golden runs (tests/test_golden.py), compiled. Equal to eager is not enough when both paths share
+# an error; these are the official code's tokens and NFE. The batch-1 runs cover each cache mode of both families
+# (LLaDA none, prefix and dual, with and without a threshold; Dream's own sampler, and Fast-dLLM's block sampler
+# with each cache); the batch-2 runs would add only new shapes (a padded batch is compared with eager above).
+# 12 graphs. Measured on the 2-core VM, `python -m pytest tests/test_compile.py -k golden_runs_compiled` with
+# TORCHINDUCTOR_CACHE_DIR an empty folder (cold): 102 s of CPU (user + sys); again (inductor's FX graph cache
+# holds them): 12 s, the ~5 s of imports included.
+GOLDEN_B1 = [r for r in LLADA_RUNS if r["batch"] == "b1"] + [r for r in DREAM_RUNS if r["name"].endswith("/b1")]
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_golden_runs_compiled(llada, dream, llada_golden, family):
+    """Each run through a fresh Compiled, which must have been called (the run went through torch.compile, not
+    a silent eager fallback); fullgraph=True turns any graph break or recompile-limit hit into an error."""
+    model = llada if family == "llada" else dream
+    for run in [r for r in GOLDEN_B1 if ("fn" in r) == (family == "llada")]:
+        if family == "llada":
+            prompt, kw, want = torch.tensor(llada_golden["prompts"]["b1"]), llada_call(run), run["output"]
+        else:
+            prompt, kw, want = torch.tensor(run["input_ids"]), dream_call(run), run["sequences"]
+        compiled = Compiled()
+        out, st = generate(model, prompt, compile=compiled, **kw)
+        assert compiled.fn is not None, run["name"]
+        assert out.tolist() == want and st["nfe"] == run["nfe"], run["name"]
 
 
 def test_compile_is_checked():

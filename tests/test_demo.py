@@ -6,7 +6,6 @@ demo model's token ids, and solve the task on its own. CPU only, no network, sec
 """
 import os
 import sys
-import time
 
 import pytest
 import torch
@@ -80,10 +79,10 @@ def test_validity_metric():
 
 def test_train_smoke(tmp_path):
     out = str(tmp_path / "m")
-    t0 = time.time()
     demo_train.main(["--smoke", "--out", out, "--threads", "1"])
-    assert time.time() - t0 < 30, "smoke mode should take seconds"
     model = load_model(out, device="cpu")
+    # What makes smoke mode quick, by value rather than by the clock: the tiny config, not the demo's.
+    assert (model.config.dim, model.config.n_layers) == (32, 2)
     tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
     prompt = torch.tensor([tok.encode(demo_train.heldout(1)[0][0], add_special_tokens=False).ids])
     x, stats = generate(model, prompt, gen_length=32, block_length=8, steps=32, cache="dual", threshold=0.9)
@@ -116,10 +115,9 @@ def test_shipped_guide_solves_the_task_alone():
 
 def test_train_smoke_guide(tmp_path):
     out = str(tmp_path / "g")
-    t0 = time.time()
     demo_train.main(["--guide", "--smoke", "--out", out, "--threads", "1"])
-    assert time.time() - t0 < 30, "smoke mode should take seconds"
     guide = load_model(out, device="cpu")
+    assert (guide.config.dim, guide.config.n_layers) == (32, 2)        # the tiny smoke config (see above)
     assert guide.config.family == "qwen2" and guide.config.n_kv_heads < guide.config.n_heads   # GQA, as Qwen2.5
     tok = Tokenizer.from_file(os.path.join(out, "tokenizer.json"))
     prompt = torch.tensor(tok.encode(demo_train.heldout(1)[0][0], add_special_tokens=False).ids)

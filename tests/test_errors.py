@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import GOLDEN, ROOT, write_tokenizer
+import bounded
 import cli
 from chat import Chat
 from fastdllm import generate
@@ -453,15 +454,11 @@ def cli_results(tmp_path_factory):
         cmd = [sys.executable, os.path.join(ROOT, "fastdllm.py"), *argv]
         if closed:
             cmd = ["sh", "-c", 'exec "$@" <&-', "sh", *cmd]      # no stdin at all, not an empty one
-        procs[name] = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True)
+        procs[name] = bounded.start(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
     out = {}
-    for name, p in procs.items():
-        try:
-            out[name] = (p, *p.communicate(timeout=120), cases[name][1])
-        except subprocess.TimeoutExpired:      # a hang fails its case, not the whole run
-            p.kill()
-            out[name] = (p, *p.communicate(), cases[name][1])
+    for name, p in procs.items():      # a hang fails its case, not the whole run: its process group is killed
+        out[name] = (p, *bounded.finish(p, timeout=120)[:2], cases[name][1])
     return out
 
 
@@ -662,23 +659,21 @@ def cli20(tmp_path_factory):
     kw = dict(cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     cli = [sys.executable, os.path.join(ROOT, "fastdllm.py"), *DEMO_RUN]
     piped = lambda cmd: ["sh", "-c", 'exec "$@" ' + cmd, "sh", *cli]    # noqa: E731
-    procs = {   # name: (process, its stdin)
-        "driver": (subprocess.Popen([sys.executable, "-c", CLI20_DRIVER], **kw), json.dumps(cases | CLI20_RUNS)),
+    procs = {   # name: (process, its stdin); each its own process group (tests/bounded.py)
+        "driver": (bounded.start([sys.executable, "-c", CLI20_DRIVER], **kw), json.dumps(cases | CLI20_RUNS)),
         # The reader is gone before the first answer is written: EPIPE every time, no race with a reader.
-        "closed pipe": (subprocess.Popen([*cli, "--prompt", Q20[0]], **kw), None),
-        "| head -1": (subprocess.Popen(piped("--prompt-file /dev/stdin | head -1"), **kw), "\n".join(Q20 * 4)),
-        "| head -c 5": (subprocess.Popen(piped(f"--prompt '{Q20[0]}' | head -c 5"), **kw), None),
-        "interactive: piped questions to their end": (subprocess.Popen([*cli, "--interactive"], **kw),
+        "closed pipe": (bounded.start([*cli, "--prompt", Q20[0]], **kw), None),
+        "| head -1": (bounded.start(piped("--prompt-file /dev/stdin | head -1"), **kw), "\n".join(Q20 * 4)),
+        "| head -c 5": (bounded.start(piped(f"--prompt '{Q20[0]}' | head -c 5"), **kw), None),
+        "interactive: piped questions to their end": (bounded.start([*cli, "--interactive"], **kw),
                                                       "\n".join(Q20) + "\n"),
     }
     procs["closed pipe"][0].stdout.close()
     out = {}
     for name, (p, stdin) in procs.items():
-        try:
-            res = p.communicate(stdin, timeout=240)
-        except subprocess.TimeoutExpired:      # a hang fails its cases, not the whole run
-            p.kill()
-            res = p.communicate()
+        # A hang fails its cases, not the whole run: the group is killed (sh, python and head alike: killing sh
+        # alone left the others holding the pipe, and the read after it never returned).
+        *res, _ = bounded.finish(p, stdin, timeout=240)
         out[name] = (p.returncode, *res)
     code, text, err = out.pop("driver")
     assert code == 0 and "Traceback" not in err, err
@@ -852,9 +847,33 @@ def test_api20_guide_settings_have_types(dream, qwen2):
 
 
 def test_api20_stop_at_eos_k_and_eos_ids_work(llada):
-    """The valid forms still run: k end tokens in a row, and a custom end id inside the vocabulary."""
-    out, _ = generate(llada, PROMPT, gen_length=8, block_length=4, stop_at_eos=2, eos_ids=[7, 8])
-    assert not (out == llada.config.mask_id).any()
+    """The valid forms run, and custom end ids, several of them, decide where the answer ends, by value. The
+    oracle is the same decode without a stop rule (its canvas after every step): stop_at_eos=True keeps it up to
+    the end of the first finished block holding any of the ids, then end tokens; stop_at_eos=2 keeps the first
+    canvas whose decoded answer is a prefix ending in 2 of the ids (FlashDLM's rule), then end tokens. The ids
+    are read off that decode: a config eos used instead of eos_ids, only the list's first id honoured, or the
+    stop placed in another block would each give another canvas (or none at all: no stop)."""
+    kw, M, P = dict(gen_length=16, block_length=4, steps=16), llada.config.mask_id, PROMPT.shape[1]
+    canvases = []
+    full, _ = generate(llada, PROMPT, on_step=lambda x, st: canvases.append(x[0].tolist()), **kw)
+    blocks = [full[0, P + 4 * b:P + 4 * b + 4].tolist() for b in range(4)]
+    early = next(t for t in blocks[1] if t not in blocks[0])                 # first seen in block 1
+    late = next(t for t in blocks[2] if t not in blocks[0] + blocks[1])      # first seen in block 2
+    out, st = generate(llada, PROMPT, stop_at_eos=True, eos_ids=[late, early], **kw)
+    assert out[0, :P + 8].tolist() == full[0, :P + 8].tolist()              # the answer up to block 1's end
+    assert set(out[0, P + 8:].tolist()) <= {late, early}
+    assert st["nfe"] == 8 and st["calls_saved"] == 8           # blocks 0-1 decoded, 2-3 saved (4 calls each)
+
+    def ended(c, ids, k=2):     # FlashDLM: the right-most decoded token and the one before it are end tokens,
+        r = max(i for i in range(P, len(c)) if c[i] != M)                    # and no mask before it
+        return M not in c[P:r] and all(t in ids for t in c[r - k + 1:r + 1])
+    ids = blocks[1][2:]                                        # two end tokens in a row: block 1's last two
+    assert len(set(ids)) == 2
+    n = next(i for i, c in enumerate(canvases) if ended(c, ids))
+    out, st = generate(llada, PROMPT, stop_at_eos=2, eos_ids=ids, **kw)
+    got, want = out[0].tolist(), canvases[n]
+    assert M in want and st["nfe"] == n + 1                                  # it stops before the decode's end
+    assert all(g == w if w != M else g in ids for g, w in zip(got, want)) and len(set(got[want.index(M):])) == 1
 
 
 # ---------------------------------------------------------------------------------- the benchmark's flags
@@ -893,16 +912,12 @@ def bench_cases(tmp):
 def bench_results(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("bench_flags"))
     cases = bench_cases(tmp)
-    procs = {name: subprocess.Popen([sys.executable, os.path.join(ROOT, script), *argv], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
+    procs = {name: bounded.start([sys.executable, os.path.join(ROOT, script), *argv], stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
              for name, ((script, *argv), _) in cases.items()}
     out = {}
-    for name, p in procs.items():
-        try:
-            out[name] = (p, *p.communicate(timeout=300), cases[name][1])    # a busy 2-core VM: ~100 s for all
-        except subprocess.TimeoutExpired:      # a run that went past its flags fails its case, not the others
-            p.kill()
-            out[name] = (p, *p.communicate(), cases[name][1])
+    for name, p in procs.items():      # a busy 2-core VM: ~100 s for all; a run that went past its flags fails
+        out[name] = (p, *bounded.finish(p, timeout=300)[:2], cases[name][1])    # its case (its group killed)
     return out, tmp
 
 
@@ -974,9 +989,12 @@ def test_cli_flags_without_effect_under_a_guide_are_refused(flag):
 def test_api20_guided_settings_at_their_defaults_pass_without_a_guide(llada):
     """Callers that pass every keyword (the old flat API) keep working: a guided setting at its default changes
     nothing without a guide; only a value that would be silently ignored is refused."""
-    out, _ = generate(llada, PROMPT, gen_length=8, block_length=4, accept="deterministic", accept_k=5,
-                      accept_ratio=0.95, verify_chunk=32, speculative=False, accept_threshold=0.1)
-    assert not (out == llada.config.mask_id).any()
+    out, st = generate(llada, PROMPT, gen_length=8, block_length=4, accept="deterministic", accept_k=5,
+                       accept_ratio=0.95, verify_chunk=32, speculative=False, accept_threshold=0.1)
+    plain, st_plain = generate(llada, PROMPT, gen_length=8, block_length=4)
+    # The same tokens, calls and per-step commits as the call without them: a guided setting that leaked into
+    # the unguided decode (a rule, a stop, a step count) would change one of these.
+    assert torch.equal(out, plain) and (st["nfe"], st["committed"]) == (st_plain["nfe"], st_plain["committed"])
 
 
 # ============================================================================================================

@@ -5,6 +5,7 @@ import torch
 
 from conftest import ROOT
 from fastdllm import generate
+from reference import reference_dream_canvas
 from test_flashdlm import eos_bias
 
 PROMPTS = {"llada": [[815, 723, 294, 53, 204, 372, 664, 1017, 655, 689, 279, 233], [44, 12, 907, 31, 5]],
@@ -76,10 +77,14 @@ def test_dream_whole_canvas_threshold(dream):
     offered per step, the first always taken, the others at confidence >= tau, the refused ones offered
     again; after the scheduled steps only the carry is offered, until no mask is left."""
     prompt = torch.tensor([PROMPTS["dream"][0]])
-    out, st = generate(dream, prompt, gen_length=64, block_length=None, steps=4, threshold=0.9)
-    assert not (out == dream.config.mask_id).any() and sum(st["committed"]) == 64
-    assert all(c <= 16 + 64 for c in st["committed"]) and st["nfe"] >= 4
-    assert st["committed"][0] <= 16                            # step 0 offers 64 / 4 tokens
+    for tau in (0.9, 0.99):
+        out, st = generate(dream, prompt, gen_length=64, block_length=None, steps=4, threshold=tau)
+        # By value, against tests/reference.py's oracle of the official rule: the tokens, the calls and what each
+        # call committed. Catches a quota that is not gen/steps, a carry dropped or offered twice (tau 0.99 refuses
+        # within the schedule), the extra calls after it (7 and 14 calls here) not made or given a new quota.
+        want, calls, committed, ties = reference_dream_canvas(dream, prompt, 64, 4, threshold=tau)
+        assert ties == 0 and torch.equal(out, want) and (st["nfe"], st["committed"]) == (calls, committed)
+        assert not (out == dream.config.mask_id).any() and st["committed"][0] <= 16   # step 0 offers 64 / 4
     strict, st2 = generate(dream, prompt, gen_length=64, block_length=None, steps=4, threshold=1.01)
     assert st2["committed"][:4] == [1, 1, 1, 1] and st2["nfe"] == 64   # unreachable tau: one per step
     with pytest.raises(ValueError, match="steps .* must divide gen_length"):

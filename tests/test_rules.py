@@ -1,0 +1,96 @@
+"""The decoding rules by value, each against an oracle written apart from the code under test (tests/reference.py,
+from the official formulas as spec/dream.md and spec/llada.md record them), through the public generate() only:
+Dream's whole-canvas sampler with every ranking (topk_margin included), greedy and sampled with top_p / top_k from
+a fixed generator; Fast-dLLM's Dream block schedule without a threshold (entropy, blocks); and the factor rule
+(Fast-dLLM 3.3) in whole decodes. The whole-canvas oracle is itself anchored on the official golden runs."""
+import pytest
+import torch
+
+from fastdllm import generate
+from reference import reference_decode, reference_dream_blocks, reference_dream_canvas
+from test_golden import DREAM_RUNS
+
+PROMPTS = {"llada": [[815, 723, 294, 53, 204, 372, 664, 1017, 655, 689, 279, 233], [44, 12, 907, 31, 5]],
+           "dream": [[775, 171, 806, 365, 316, 564, 432, 625, 575, 529], [12, 44, 907]]}
+PAIR = torch.tensor([PROMPTS["dream"][0], [12, 44, 907, 5, 6, 7, 8, 9, 10, 11]])    # two rows, no padding
+
+
+@pytest.mark.parametrize("run", [r for r in DREAM_RUNS if r["impl"] == "dream_hf"], ids=lambda r: r["name"])
+def test_canvas_oracle_reproduces_the_official_runs(dream, run):
+    """The oracle first: Dream's own diffusion_generate, token for token and call for call (entropy and
+    maskgit_plus, batch 1 and 2), so the rules below are checked against the official sampler's arithmetic."""
+    kw = run["kwargs"]
+    want, calls, _, _ = reference_dream_canvas(dream, torch.tensor(run["input_ids"]), kw["max_new_tokens"],
+                                               kw["steps"], alg=kw["alg"])
+    assert want.tolist() == run["sequences"] and calls == run["nfe"]
+
+
+@pytest.mark.parametrize("steps", [64, 16])
+def test_topk_margin_equals_the_reference(dream, steps):
+    """remasking="topk_margin" (Dream's whole-canvas sampler, spec/dream.md 5): positions ranked by the top two
+    probabilities' difference. On this fixture the margin's order decodes other tokens than maskgit_plus's and
+    entropy's, so a sampler that ranked by either (or ignored remasking) fails here."""
+    want, calls, _, ties = reference_dream_canvas(dream, PAIR, 64, steps, alg="topk_margin")
+    for other in ("maskgit_plus", "entropy"):
+        assert not torch.equal(reference_dream_canvas(dream, PAIR, 64, steps, alg=other)[0], want)
+    got, st = generate(dream, PAIR, gen_length=64, block_length=None, steps=steps, remasking="topk_margin")
+    assert ties == 0 and torch.equal(got, want) and st["nfe"] == calls
+
+
+# (temperature, top_p, top_k) where each filter changes the draws on this fixture and no step's choice falls
+# between tied scores. This model is so peaked that at lower temperatures the nucleus is often one token: every
+# such position then scores 1.0, and which of the tied positions is committed is torch.topk's order over the
+# official code's (B, L) width, which the rule does not define (tests/reference.py commit_top).
+SAMPLED = [(4.0, 0.9, None), (4.0, None, 3), (4.0, 0.8, 3)]
+
+
+@pytest.mark.parametrize("alg", ["maskgit_plus", "entropy", "topk_margin"])
+@pytest.mark.parametrize("temperature,top_p,top_k", SAMPLED)
+def test_sampled_top_p_top_k_equal_the_reference(dream, alg, temperature, top_p, top_k):
+    """Dream's sampling at temperature > 0 (spec/dream.md 5): logits / T, the nucleus, the top-k, then one
+    Categorical draw over the masked positions in row-major order per call from the seeded generator, scored by
+    the drawn token's probability. The oracle draws with the official torch.distributions.Categorical from the
+    global RNG seeded alike. Catches a filter applied in another order or not at all (each changes the tokens
+    here), another draw order or width (the stream shifts), and the greedy token's score kept for a drawn one."""
+    kw = dict(alg=alg, temperature=temperature, seed=11)
+    want, calls, _, ties = reference_dream_canvas(dream, PAIR, 32, 16, top_p=top_p, top_k=top_k, **kw)
+    unfiltered = reference_dream_canvas(dream, PAIR, 32, 16, **kw)[0]
+    assert ties == 0 and not torch.equal(want, unfiltered)
+    if top_p is not None and top_k is not None:         # both matter, not just one of them
+        assert not torch.equal(want, reference_dream_canvas(dream, PAIR, 32, 16, top_p=top_p, **kw)[0])
+        assert not torch.equal(want, reference_dream_canvas(dream, PAIR, 32, 16, top_k=top_k, **kw)[0])
+    got, st = generate(dream, PAIR, gen_length=32, block_length=None, steps=16, remasking=alg,
+                       temperature=temperature, top_p=top_p, top_k=top_k, generator=torch.Generator().manual_seed(11))
+    assert torch.equal(got, want) and st["nfe"] == calls
+
+
+@pytest.mark.parametrize("steps", [64, 32, 8])
+def test_dream_block_schedule_equals_the_reference(dream, steps):
+    """Fast-dLLM's Dream block sampler without a threshold (spec/dream.md 7.3, its default entropy ranking):
+    the refresh call decodes the block's first token, then steps/blocks - 1 calls follow the float32 schedule
+    over the block's masks. 16, 8 and 2 steps a block, two rows. Catches a wrong grid (per block, not per
+    decode), a floor in another precision, a first call that ranks like the others, or another ranking."""
+    want, calls = reference_dream_blocks(dream, PAIR, 64, 16, steps)
+    got, st = generate(dream, PAIR, gen_length=64, block_length=16, steps=steps, cache="none")
+    assert torch.equal(got, want) and st["nfe"] == calls == steps
+
+
+@pytest.mark.parametrize("f", [1.0, 2.0])
+@pytest.mark.parametrize("family,cache,refresh", [("llada", "none", False), ("llada", "prefix", True),
+                                                  ("llada", "dual", True), ("llada", "free", True),
+                                                  ("dream", "none", False), ("dream", "dual", True)])
+def test_factor_rule_in_a_decode_equals_the_reference(llada, dream, family, cache, refresh, f):
+    """Fast-dLLM's factor rule (3.3; spec/llada.md 3) over whole decodes: each step takes the top n-1 by
+    confidence, n the first rank with c(n) < 1 - f/(n+1) (a first failure at the last rank takes all, as the
+    official code does). These decodes reach every branch (a failure mid-way, at the last rank, none). Dream:
+    our extension, its block's first call still decodes the first token alone. Caches refreshed every step
+    feed the whole canvas, so they must give the uncached tokens. Catches a bar off by one rank, the last-rank
+    rule dropped, or a factor read as a threshold (the NFE and tokens move)."""
+    model = llada if family == "llada" else dream
+    for row in PROMPTS[family]:
+        prompt = torch.tensor([row])
+        want, calls = reference_decode(model, prompt, 32, 8, factor=f)
+        assert not torch.equal(want, reference_decode(model, prompt, 32, 8)[0])     # the rule decides here
+        got, st = generate(model, prompt, gen_length=32, block_length=8, steps=32, cache=cache, factor=f,
+                           refresh_every_step=refresh)
+        assert torch.equal(got, want) and st["nfe"] == calls
