@@ -327,12 +327,36 @@ def key_mask(keys, shape, cache):
                     f"tensor (True = the step may attend to that position), or None")
 
 
-def uncovered(at):
-    """A fork's set of positions (at.fed) is not sorted, or lacks an open position of the block or, for a shifted
-    family, the one before it: a device flag, read with the step's one read."""
-    T, want = at.fed.shape[0], at.s + at.cols
-    return ((at.fed[1:] <= at.fed[:-1]).any() | (at.fed[at.rows.clamp(max=T - 1)] != want).any() |
-            (at.fed[(at.rows - at.shift).clamp(0, T - 1)] != want - at.shift).any())
+def positions(fed, at, cols, cache):
+    """A fork's set of positions, checked with one host read: a sorted 1-D long tensor inside the canvas, the
+    whole canvas at a generation's first call (a KV cache starts empty), holding each open position of the block
+    and, for a shifted family, the one before it. -> the rows of the block's open columns among them."""
+    L, want = at.x.shape[1], at.s + cols
+    if not (fed.ndim == 1 and fed.dtype == torch.long and 0 < fed.numel() <= L):
+        raise TypeError(f"cache= {name(cache)}.span() returned {described(fed)}: a set of positions is a 1-D long "
+                        f"tensor of 1 to {L} canvas positions")
+    rows = torch.searchsorted(fed, want).clamp(max=fed.numel() - 1)
+    lo, hi, unsorted, missing = torch.stack([fed.min(), fed.max(), (fed[1:] <= fed[:-1]).any(), (
+        (fed[rows] != want) | (fed[(rows - at.shift).clamp(min=0)] != want - at.shift)).any()]).tolist()
+    where = f"at step {at.i} of block [{at.s}, {at.e})"
+    if lo < 0 or hi >= L or unsorted:
+        bad(f"cache= {name(cache)}.span() returned positions {where} that are not sorted and unique inside the canvas "
+            f"[0, {L})")
+    if at.n == 0 and cache.keeps_cache and fed.numel() != L:
+        bad(f"cache= {name(cache)}.span() fed {fed.numel()} positions at the first call: it must feed the whole "
+            f"canvas ({L}), the cache starts empty")
+    if missing:
+        bad(f"cache= {name(cache)}.span() fed positions {where} without every open position of the block" +
+            (" and the one before each (this family predicts position p from p - 1)" if at.shift else ""))
+    return rows
+
+
+def slots(got, B: int, fed, cache):
+    """A cache policy's slots(at, fed): None, or (B, T) long."""
+    if got is None or isinstance(got, torch.Tensor) and got.shape == (B, fed.numel()) and got.dtype == torch.long:
+        return got
+    raise TypeError(f"cache= {name(cache)}.slots() returned {described(got)}: per-row slots are a ({B}, "
+                    f"{fed.numel()}) long tensor (a canvas position, or the discard slot), or None")
 
 
 def refuse_step(v, at, cache, step_rule, select, stop):
@@ -341,9 +365,6 @@ def refuse_step(v, at, cache, step_rule, select, stop):
     if v.nonfinite:
         bad(f"the model produced NaN/inf logits {step}: the weights hold NaN/inf, or the activations overflowed "
             f"(try --dtype float32)")
-    if v.uncovered:
-        bad(f"cache= {name(cache)}.span() fed a set of positions {step} that is not sorted, or lacks an open "
-            f"position of the block" + (" or the one before it (this family predicts p from p - 1)" if at.shift else ""))
     if v.opened:
         bad(f"propose= {name(step_rule)}.propose() opened positions that are not masks {step}: a proposal's open "
             f"positions lie inside at.masked")

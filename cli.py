@@ -239,8 +239,8 @@ def parse_args(argv=None, hooks=()):
     p.add_argument("--block-length", type=int, default=Settings.block_length, help="semi-autoregressive block "
                    "size; 0 = one block (for Dream: Dream's own whole-canvas sampler) (default: %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: gen-length)")
-    p.add_argument("--cache", default=CLI_DEFAULTS["cache"], help=f"KV cache: {' | '.join(CACHE_MODES)} "
-                   f"(default: %(default)s)")
+    p.add_argument("--cache", default=argparse.SUPPRESS, help=f"KV cache: {' | '.join(CACHE_MODES)} "
+                   f"(default: {CLI_DEFAULTS['cache']})")
     p.add_argument("--threshold", type=optional_float, default=argparse.SUPPRESS, help="parallel decoding: "
                    f"unmask every token with confidence >= this; none = off (default: {CLI_DEFAULTS['threshold']}; "
                    f"none with --factor)")
@@ -298,9 +298,10 @@ def parse_args(argv=None, hooks=()):
     args.gen_length = getattr(args, "gen_length", CLI_DEFAULTS["gen_length"])
     if "threshold" not in vars(args):   # --factor, --guide or a fork's select= replaces the default
         args.threshold = None if args.factor is not None or args.guide or "select" in hooks else CLI_DEFAULTS["threshold"]
-    if "cache" in hooks and args.cache != CLI_DEFAULTS["cache"]:
+    if "cache" in hooks and "cache" in vars(args):
         raise ValueError(f"--cache {args.cache} does not apply: this program feeds the model with its own cache "
                          f"policy; drop --cache")
+    args.cache = getattr(args, "cache", CLI_DEFAULTS["cache"])
     if not args.prompt and not args.interactive and not args.prompt_file:
         raise ValueError("no prompt: pass --prompt \"...\" (or --prompt-file, --interactive)")
     if args.prompt_file and (args.prompt or args.interactive):

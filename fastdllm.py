@@ -58,7 +58,7 @@ class Settings:
 
 
 class Step(NamedTuple):
-    """Where a decoding step stands: what every hook receives ("at"). The cache policy reads the first eight; the
+    """Where a decoding step stands: what every hook receives ("at"). The cache policy reads the first nine; the
     rest say what this call fed."""
     n: int                 # model calls so far in this generation (0 = the first: a hook's own state starts afresh)
     i: int                 # steps so far in the current block
@@ -67,6 +67,7 @@ class Step(NamedTuple):
     x: torch.Tensor        # (B, L) the canvas (hooks read it; only the stop rule writes it, and only its masks)
     masked: torch.Tensor   # (B, N) bool: the block's positions still masked
     shift: int             # the family's logits shift: position p is predicted from hidden state p - shift
+    mask_id: int           # the [MASK] token id
     cols: torch.Tensor     # (n,) long: the block columns the logits are at (those masked in some row)
     fed: torch.Tensor = None     # (T,) long: the canvas positions this call fed
     span: tuple = None           # (a, b) when those are the span [a, b); None for a fork's set of positions
@@ -96,8 +97,8 @@ class Read(NamedTuple):
 
 
 class Values(NamedTuple):
-    """The device values a step reads in one go, by name (Plan.read); the first five and the last are checks of the
-    hooks (checks.refuse_step says what each means)."""
+    """The device values a step reads in one go, by name (Plan.read); the first five are checks of the hooks
+    (checks.refuse_step says what each means)."""
     nonfinite: int
     opened: int
     outside: int
@@ -107,7 +108,6 @@ class Values(NamedTuple):
     all_ended: int       # every row's answer has ended
     committed: int       # tokens the selection committed (all rows)
     changed: int         # tokens that changed: the committed ones and the stop rule's fills
-    uncovered: int = 0
 
 
 @dataclass
@@ -134,10 +134,10 @@ class Plan:
     def feed(self, x, n: int, i: int, s: int, e: int, last: Read) -> tuple[Step, torch.Tensor]:
         """1. feed: where this step stands, what the cache policy feeds, one model call -> (at, logits (B, n, V) at the
         block's open columns). A span from the first open position starts one earlier for Dream (p from p - 1)."""
-        at = Step(n, i, s, e, x, x[:, s:e] == self.mask_id, self.shift, last.cols, seen=last.seen)
+        at = Step(n, i, s, e, x, x[:, s:e] == self.mask_id, self.shift, self.mask_id, last.cols, seen=last.seen)
         span, L = self.cache.span(at), x.shape[1]
-        if isinstance(span, torch.Tensor):          # a fork's sorted set of positions: its coverage is read later
-            fed, span, chunk, rows = span, None, span, torch.searchsorted(span, s + last.cols)
+        if isinstance(span, torch.Tensor):          # a fork's set of positions: checked with one more host read
+            fed, span, chunk, rows = span, None, span, checks.positions(span, at, last.cols, self.cache)
         else:
             a, b = span if isinstance(span, (tuple, list)) and len(span) == 2 else (None, None)
             a = a - self.shift if a == s + last.first else a
@@ -152,7 +152,7 @@ class Plan:
         if keys is not None:
             keys = (keys if self.kv is not None else keys[:, chunk])[:, None, None, :]
             mask = keys if mask is None else mask & keys
-        slots = self.cache.slots and self.cache.slots(at, fed)
+        slots = self.cache.slots and checks.slots(self.cache.slots(at, fed), at.x.shape[0], fed, self.cache)
         h = self.hidden(x[:, chunk], self.pos[:, chunk], self.kv, fed if slots is None else slots, mask)
         return at._replace(fed=fed, span=span, rows=rows, hidden=h, head=self.model.logits), self.model.logits(h, rows)
 
@@ -178,12 +178,11 @@ class Plan:
         values = [~torch.isfinite(p.logits.sum(-1, dtype=torch.float32)).all(), (p.open & ~at.masked).any(),
                   (take & ~p.open).any(), (changed & (at.seen != self.mask_id)).any(), (ended[:, None] & answer).any(),
                   p.open.any(), ended.all(), take.sum(), changed.sum()]
-        values += [checks.uncovered(at)] if at.span is None else []     # a fork's set of positions
         stats["row_nfe"] = stats["row_nfe"] + at.masked.any(-1)           # device tensors until the end
         stats["row_committed"] = stats["row_committed"] + take.sum(-1)
         got = torch.cat([torch.stack(values), open_cols]).tolist()        # the read
         v, n = Values(*got[:len(values)]), sum(got[len(values):])
-        if v.nonfinite or v.opened or v.outside or v.overwrote or v.unfilled or v.uncovered:
+        if v.nonfinite or v.opened or v.outside or v.overwrote or v.unfilled:
                 checks.refuse_step(v, at, self.cache, self.step_rule, self.select, self.stop)
         stats.update(nfe=stats["nfe"] + 1, guide_calls=getattr(self.step_rule, "guide_calls", 0))
         for key, value in (("fed", at.fed.shape[0]), ("committed", v.committed), ("filled", v.changed - v.committed)):

@@ -358,7 +358,7 @@ def family_rules(cfg, st, whole_canvas: bool, generator, device):
         select = QuotaThreshold(st.threshold)
     if st.alg_temp and schedule and not origin:    # the official widths: the canvas, the fed chunk, the block
         pad = ((lambda at: (at.s, 0)) if whole_canvas else (lambda at: (0, 0)) if st.cache == "free"
-               else (lambda at: (0, at.span[1] - at.e)))
+               else (lambda at: (0, (at.span[1] if at.span else int(at.fed[-1]) + 1) - at.e)))
         select = SampledPositions(st.alg_temp, generator, pad, rule.first_token)
     return rule, select
 
