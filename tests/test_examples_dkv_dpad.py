@@ -222,8 +222,8 @@ def test_dpad_padded_batch_equals_solo_runs(model, mode):
 # ---------------------------------------------------------------------------------------- the programs
 def program(name, *args):
     """python examples/<name>.py on the demo model, as a user runs it: one process group, killed whole at 120 s."""
-    cmd = [sys.executable, os.path.join(ROOT, "examples", f"{name}.py"), "--model", os.path.join(ROOT, "demo", "llada-arith"),
-           "--gen-length", "32", "--block-length", "8", "--prompt",
+    cmd = [sys.executable, os.path.join(ROOT, "examples", f"{name}.py"),
+           "--model", os.path.join(ROOT, "demo", "llada-arith"), "--gen-length", "32", "--block-length", "8", "--prompt",
            "Tom has 23 apples and buys 45 more. How many apples does he have?", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
