@@ -11,7 +11,7 @@ no threshold, no early stop: `--refresh 8 --threshold none --no-early-stop` (the
 
 Contract used: a cache policy that feeds a sorted set of positions (span), per-row slots with one discard slot
 (a batch feeds the union of its rows' sets; a row's extra positions write to the discard slot, so it decodes
-as alone) and state across steps (the last step's masks, reset at at.n == 0). Not fixed shapes: the feed shrinks
+as alone) and state across steps (the last step's masks; every block's first two steps refresh). Not fixed shapes: the feed shrinks
 every step (fixed_width = False: compile=True leaves the calls eager), and reading its width is one more host
 sync per cached step. LLaDA only: the official Dream variant decodes the whole canvas with a shifted cached set,
 which is not written here (a Dream model is refused).
@@ -37,9 +37,7 @@ class DKVCacheDecode(CachePolicy):
         if at.shift:
             raise ValueError("dKV-Cache-Decode is written here for LLaDA; the official Dream variant (a whole-canvas "
                              "decode with a shifted cached set) is not: use a LLaDA model")
-        if at.n == 0:                       # a new generation: nothing decoded yet, so the block start is a mask
-            self.mask_id = at.x[0, at.s].clone()
-        fed, self.before = getattr(self, "before", None), at.x == self.mask_id   # (B, L) masks at the step's start
+        fed, self.before = getattr(self, "before", None), at.x == at.mask_id     # (B, L) masks at the step's start
         if at.i < 2 or at.i % self.refresh == 0:     # refresh: the whole canvas, into the cache
             self.fed = None
             return 0, at.x.shape[1]
