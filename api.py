@@ -24,13 +24,20 @@ from http.server import BaseHTTPRequestHandler
 class ApiError(Exception):
     """An error answered as OpenAI does: HTTP status + {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
         super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        self.status, self.param, self.code, self.headers = status, param, code, headers or {}
 
     def body(self) -> dict:
         kind = "server_error" if self.status >= 500 else "invalid_request_error"
         return {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+
+
+def shutting_down() -> ApiError:
+    # x-should-retry: false, else the openai client retries a 503 and shows "Connection error." once the server
+    # has gone (openai/openai-python, src/openai/_base_client.py, _should_retry: the header decides first).
+    return ApiError(503, "the server is shutting down", code="unavailable", headers={"x-should-retry": "false"})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -86,12 +93,28 @@ def get(body: dict, name: str, default):
     return default if v is None else v
 
 
-def quoted(v) -> str:
-    """A request's value quoted in an error message (ASCII, short)."""
+def tokens(n: int) -> str:
+    return f"{n} token{'s' * (n != 1)}"
+
+
+def quoted(v, width: int = 60) -> str:
+    """A request's value quoted in an error message (ASCII, short): a long one is cut with "...", and a long
+    list shows its length and its first items whole (`a list of 17: ["l", "l", ...]`)."""
     try:
-        return json.dumps(v)[:60]
+        text = json.dumps(v)
     except (ValueError, RecursionError):
         return type(v).__name__
+    if len(text) <= width:
+        return text
+    if isinstance(v, list):
+        items = []
+        for item in v:
+            piece = quoted(item, width // 2)
+            if len(", ".join(items + [piece])) > width - 20:
+                break
+            items.append(piece)
+        return f"a list of {len(v)}: [{', '.join(items + ['...'])}]"
+    return text[:width - 3] + "..."
 
 
 def check_fields(body: dict, path: str, takes: tuple):
@@ -276,6 +299,10 @@ class JsonHandler(BaseHTTPRequestHandler):
         self.answered = True
         super().send_response(code, message)
 
+    def log_request(self, code="-", size="-"):
+        if getattr(self, "path", "").split("?")[0] != "/favicon.ico":   # every browser asks for it: not news
+            super().log_request(code, size)
+
     def send_error(self, code, message=None, explain=None):
         """http.server's own refusals, as JSON: a method we have no do_ for (405 with Allow, or 404), a
         malformed request line (400, 505), a request line or header too long (414, 431)."""
@@ -307,7 +334,7 @@ class JsonHandler(BaseHTTPRequestHandler):
             self.wfile.write(data)
 
     def send_error_json(self, e: ApiError, close: bool = False, headers: dict | None = None):
-        self.send_json(e.status, e.body(), close, headers)
+        self.send_json(e.status, e.body(), close, e.headers | (headers or {}))
 
     def route(self) -> str:
         """The path asked for: without the query, %-escapes decoded (the openai client sends the model id a/b as

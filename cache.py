@@ -18,9 +18,8 @@ the whole canvas. In prefix mode the fed chunk covers [s, L), so every stale ent
 mode it covers [s, e) and the suffix stays as the refresh left it (Fast-dLLM's `replace_position`). Which
 span a step feeds is the cache policy's `span`: the one place the caches differ. The storage never advances
 itself: every write names its slots, as tensors, so a step's shapes do not depend on where its block is.
+A fork's policy may feed any set of positions (each keeps its own RoPE position and KV slot) and mask keys out.
 """
-from typing import NamedTuple
-
 import torch
 
 
@@ -61,68 +60,56 @@ class KVCache:
         self.rows = self.rows[:len(keep)]
 
 
-class Step(NamedTuple):
-    """Where a decoding step stands: what every part of the plan receives ("at")."""
-    n: int                 # model calls so far in this generation (0 = the first)
-    i: int                 # steps so far in the current block
-    s: int                 # the block is canvas positions [s, e)
-    e: int
-    x: torch.Tensor        # (B, L) the canvas
-    cand: torch.Tensor     # (B, N) bool: the block's positions still masked (every one predicted by this call)
-    shift: int             # the family's logits shift: position p is predicted from hidden state p - shift
-    span: tuple = None     # (a, b): the canvas span this call feeds (the cache policy's answer; None while it is asked)
-    refresh: bool = False  # this call feeds the whole canvas
-    cols: torch.Tensor = None   # (n,) long: the block columns the logits are computed at (the open ones)
-
-
 # ---------------------------------------------------------------------------------------- cache policies
-# A cache policy (a feed policy) answers, for every step, which canvas span [a, b) the model is fed; everything
-# outside the span is read from the KV cache as the last call that fed it left it, and that choice *is* the
-# difference between the caches. It receives the step `at` (fastdllm.Step: the call count n, the block's step
-# i, the block [s, e), the canvas x and its masks) and returns (a, b) with a <= s and e <= b (the block is
-# always fed); the first call of a generation feeds the whole canvas (the cache starts empty). fastdllm.py
-# checks both. A fork adds a policy by subclassing Feed and passing an instance as generate(cache=...).
-class Feed:
+# A cache policy answers, for every step `at` (fastdllm.Step), what the model is fed: span(at) -> (a, b), the canvas
+# span [a, b) (a <= s and e <= b: the block's open positions are always fed, fastdllm.Plan.feed checks it and, for a
+# shifted family, starts the span one position earlier), or a fork's set of canvas positions, a sorted 1-D long
+# tensor (dKV-Cache, DPad). Everything not fed is read from the KV cache as the last call that fed it left it: that
+# choice *is* the difference between the caches. The first call of a generation feeds the whole canvas (the cache
+# starts empty). Two optional methods: keys(at), the keys this step may attend to, and slots(at, fed), per-row writes.
+# A fork adds a policy by subclassing CachePolicy and passing an instance as generate(cache=...).
+class CachePolicy:
     """The protocol, and its simplest policy: feed the whole canvas at every step, into the KV cache.
-    keeps_cache: the model writes a KVCache (False: every call attends over its own chunk alone).
-    spare: discard slots the policy's per-row writes need (see slots). fixed_width: False for a policy whose
-    span changes from step to step, which compile=True then leaves eager (a graph per step would not pay)."""
+    keeps_cache: the model writes a KVCache (False: every call attends over the positions it is fed, alone).
+    keys: None, or a method keys(at) -> (B, L) bool, the canvas positions this step's queries may attend to (a key
+    mask: DPad drops far masks); padding is masked on top. slots: None, or a method slots(at, fed) -> (B, T) long,
+    where each row writes the keys/values of the fed positions `fed` (T,): the cache's discard slot (`length`) for a
+    position the row must keep (None: at their own positions, every row). spare: the discard slots slots() needs.
+    fixed_width: False for a policy whose feed changes width from step to step within a block, which compile=True
+    then leaves eager (a graph per step would not pay)."""
     keeps_cache = True
+    keys = None
+    slots = None
     spare = 0
-    fixed_width = True        # one span width per block at most: compile=True compiles a graph per width
+    fixed_width = True
 
-    def span(self, at) -> tuple[int, int]:
+    def span(self, at):
         return 0, at.x.shape[1]
 
-    def slots(self, at, a: int, b: int):
-        """Where each row writes the keys/values of the fed positions: None = at their canvas positions, every
-        row; or (B, b - a) long slots, the cache's discard slot (`length`) for a position a row must keep."""
-        return None
 
-
-class NoCache(Feed):
+class NoCache(CachePolicy):
     """The exact reference: every call feeds the whole canvas and attends over it alone."""
     keeps_cache = False
 
 
-class PrefixCache(Feed):
+class PrefixCache(CachePolicy):
     """Fast-dLLM's prefix cache (section 3.2): a block's first step refreshes the whole canvas, its later steps
     feed the block and everything after it [s, L); only the prefix [0, s) is reused from the refresh."""
 
-    def span(self, at) -> tuple[int, int]:
+    def span(self, at):
         return (0, at.x.shape[1]) if at.i == 0 else (at.s, at.x.shape[1])
 
 
-class DualCache(Feed):
+class DualCache(CachePolicy):
     """Fast-dLLM's DualCache (section 3.2): a block's first step refreshes the whole canvas, its later steps
     feed the block alone [s, e); the prefix and the masked suffix are both reused from the refresh
     (Fast-dLLM's `replace_position`)."""
 
-    def span(self, at) -> tuple[int, int]:
+    def span(self, at):
         return (0, at.x.shape[1]) if at.i == 0 else (at.s, at.e)
 
 
-class FreeCache(Feed):
+class FreeCache(CachePolicy):
     """FlashDLM's FreeCache (arXiv 2505.21467; spec/flashdlm.md 1): only the generation's first call is full;
     every later step feeds [s - shift, L), the block and the masked suffix, from one position earlier for a
     shifted family (Dream predicts s from s - 1). Nothing left of that is ever recomputed: a block's keys/
@@ -131,25 +118,21 @@ class FreeCache(Feed):
     (or it would not decode as it would alone): its writes go to the discard slot."""
     spare = 1
 
-    def span(self, at) -> tuple[int, int]:
+    def span(self, at):
         return (0, at.x.shape[1]) if at.n == 0 else (at.s - at.shift, at.x.shape[1])
 
-    def slots(self, at, a: int, b: int):
+    def slots(self, at, fed):
         if at.x.shape[0] == 1:            # one row never steps once its block is done: no discard needed
             return None
-        slots = torch.arange(a, b, device=at.x.device)
-        return torch.where(at.cand.any(-1, keepdim=True), slots, at.x.shape[1])
+        return torch.where(at.masked.any(-1, keepdim=True), fed, at.x.shape[1])
 
 
-class Refresh(Feed):
+class Refresh(CachePolicy):
     """refresh_every_step: another policy's cache, fed the whole canvas at every step (a check of the cache
     plumbing: the decode then equals the uncached one)."""
 
-    def __init__(self, inner: Feed):
-        self.inner, self.keeps_cache, self.spare = inner, inner.keeps_cache, inner.spare
-
-    def slots(self, at, a: int, b: int):
-        return self.inner.slots(at, a, b)
+    def __init__(self, inner: CachePolicy):
+        self.keeps_cache, self.keys, self.slots, self.spare = inner.keeps_cache, inner.keys, inner.slots, inner.spare
 
 
 CACHE_POLICIES = {"none": NoCache, "prefix": PrefixCache, "dual": DualCache, "free": FreeCache}

@@ -1,7 +1,8 @@
 """
-chat.py: text <-> token ids for the CLI: the checkpoint's tokenizer through `tokenizers`, each family's chat
-template, written out here from the models' tokenizer_config.json templates (no `transformers`), and two views
-of an answer while it is being decoded: the per-step trace and the block-by-block stream.
+chat.py: text <-> token ids for the CLI: the checkpoint's tokenizer through `tokenizers`, its chat template (the
+two formats of the released checkpoints, LLaDA's headers and Qwen's ChatML, written out here; the checkpoint's own
+template text says which, and its default system prompt: no `transformers`, no jinja), its end tokens from its own
+files, and two views of an answer while it is being decoded: the per-step trace and the block-by-block stream.
 generate() works on ids and never needs this file; the command line's own helpers are cli.py's.
 
 LLaDA ships a tokenizer.json. Dream ships none: only Qwen2's "slow" files (vocab.json, merges.txt, the added
@@ -27,6 +28,14 @@ def read_json(path: str, default=None):
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path} is not valid JSON ({e}): re-download it") from None
+
+
+def read_object(model_dir: str, name: str) -> dict:
+    """A small JSON file of the checkpoint that holds one object ({} when there is no such file)."""
+    obj = read_json(os.path.join(model_dir, name), {})
+    if not isinstance(obj, dict):
+        raise ValueError(f"{os.path.join(model_dir, name)} is not a JSON object: re-download it")
+    return obj
 
 
 def load_tokenizer(model_dir: str):
@@ -145,31 +154,112 @@ def render_trace(steps: list[list[int]], tok, mask_id: int, end_ids: set[int]) -
     return lines
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Chat templates and special ids, from the checkpoint's own files (docs/models.md: each checkpoint's facts)
+
+# The two chat formats of the released checkpoints, written out in Chat.render: LLaDA's Llama-3-style headers
+# (LLaDA-8B-Instruct, LLaDA-1.5) and Qwen's ChatML (Dream-v0, Dream-Coder, DiffuCoder). Each is named by its
+# turn markers; the last one ends an assistant turn.
+STYLES = {"llada": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "chatml": ("<|im_start|>", "<|im_end|>")}
+# A ChatML template's default system prompt is one string literal: '<|im_start|>system\n' + text + '<|im_end|>'.
+DEFAULT_SYSTEM = re.compile(r"<\|im_start\|>system(?:\\n|\n)((?:[^'\"\\<]|\\.)*)<\|im_end\|>")
+
+
+def chat_template(model_dir: str) -> str | None:
+    """The checkpoint's chat template text: chat_template.jinja (newer transformers save it there: DiffuCoder), else
+    tokenizer_config.json's "chat_template" (a string, or a list of named ones: "default"); None if neither."""
+    path = os.path.join(model_dir, "chat_template.jinja")
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{path} is not UTF-8 text ({e.reason}): re-download it") from None
+    text = read_object(model_dir, "tokenizer_config.json").get("chat_template")
+    if isinstance(text, list):
+        text = next((t.get("template") for t in text if isinstance(t, dict) and t.get("name") == "default"), None)
+    return text if isinstance(text, str) else None
+
+
+def template_style(text: str) -> str | None:
+    """Which written-out format a template is: the one whose every turn marker it uses, and no other's."""
+    styles = [name for name, markers in STYLES.items() if all(m in text for m in markers)]
+    return styles[0] if len(styles) == 1 else None
+
+
+def default_system(text: str) -> str | None:
+    """The system prompt a ChatML template adds when the conversation has none (None: it adds none). It is the
+    template's own literal (a jinja string: backslash escapes), so a checkpoint's own wording is kept."""
+    found = {re.sub(r"\\(.)", lambda m: "\n" if m[1] == "n" else m[1], s) for s in DEFAULT_SYSTEM.findall(text)}
+    if len(found) > 1:
+        raise ValueError(f"names {len(found)} different default system prompts")
+    return found.pop() if found else None
+
+
+def token_name(value) -> str | None:
+    """A tokenizer file's special token entry: "<|x|>" or {"content": "<|x|>", ...} (None if absent)."""
+    return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
+
+
+def id_list(value) -> list:
+    return [i for i in (value if isinstance(value, list) else [value]) if type(i) is int]
+
+
 class Chat:
-    """The model's tokenizer, plus each family's chat template. Special ids are looked up in the checkpoint's
-    own tokenizer, never hard-coded."""
+    """The model's tokenizer, its chat template and its end tokens. The template's format is written out in
+    render(); which one, its default system prompt and its bos come from the checkpoint's own template text
+    (chat_template()). Special ids are looked up in the checkpoint's own files, never hard-coded:
+    stop_ids = config.json's and generation_config.json's eos ids, the tokenizer's eos and pad tokens (the pad a
+    fixed-length-trained model writes after its answer: DiffuCoder's <|dlm_pad|>), and the template's end of turn."""
 
     def __init__(self, model_dir: str, cfg, chat: bool = True):
         self.tok = load_tokenizer(model_dir)
         self.family = cfg.family
-        header = "<|start_header_id|>" if cfg.family == "llada" else "<|im_start|>"
+        names = {**read_object(model_dir, "special_tokens_map.json"), **read_object(model_dir, "tokenizer_config.json")}
+        text = chat_template(model_dir)
+        if text is None:
+            # A folder without a template (our test fixtures, the demo): the family's format as LLaDA-8B-Instruct's
+            # and Dream-v0-Instruct's templates write it, used when the tokenizer has its markers.
+            self.style = "llada" if cfg.family == "llada" else "chatml"
+            self.system = None if self.style == "llada" else "You are a helpful assistant."
+            self.bos = "<|startoftext|>" if self.style == "llada" else ""
+        else:
+            where = f"{model_dir}: its chat template"
+            self.style = template_style(text)
+            if self.style is None and chat:
+                raise ValueError(f"{where} is neither LLaDA's (<|start_header_id|> ... <|eot_id|>) nor ChatML "
+                                 f"(<|im_start|> ... <|im_end|>), the two fastdllm writes out: pass --no-chat to "
+                                 f"send the raw prompt")
+            try:
+                self.system = default_system(text) if self.style == "chatml" and chat else None
+            except ValueError as e:
+                raise ValueError(f"{where} {e}: pass --no-chat to send the raw prompt") from None
+            self.bos = (token_name(names.get("bos_token")) or "") if "bos_token" in text else ""
+        markers = STYLES.get(self.style, ())
+        present = [self.tok.token_to_id(m) is not None for m in markers]
+        if text is not None and chat and not all(present):
+            missing = next(m for m, ok in zip(markers, present) if not ok)
+            raise ValueError(f"{model_dir}: its chat template uses {missing}, which its tokenizer lacks: re-download "
+                             f"the tokenizer files, or pass --no-chat")
         # A tokenizer without the chat tokens (our demo model) gets the raw prompt.
-        self.chat = chat and self.tok.token_to_id(header) is not None
-        ends = ("<|eot_id|>", "<|im_end|>", "<|endoftext|>")
-        self.stop_ids = {cfg.eos_id} | {self.tok.token_to_id(t) for t in ends} - {None}
+        self.chat = chat and bool(markers) and all(present)
+        generation = read_object(model_dir, "generation_config.json")
+        ends = [token_name(names.get("eos_token")), token_name(names.get("pad_token"))] + list(markers[-1:])
+        self.stop_ids = (set(cfg.eos_ids) | set(id_list(generation.get("eos_token_id")))
+                         | {self.tok.token_to_id(t) for t in ends if t}) - {None, cfg.mask_id}
 
     def render(self, messages: list[dict]) -> str:
         if not self.chat:
             return "\n".join(m["content"] for m in messages if m["role"] == "user")
-        if self.family == "llada":
-            # LLaDA-8B-Instruct: bos, then header/content/<|eot_id|> per message; the assistant header is
-            # always appended (its template ignores add_generation_prompt).
+        if self.style == "llada":
+            # LLaDA-8B-Instruct, LLaDA-1.5: bos, then header/content/<|eot_id|> per message; the assistant header is
+            # always appended (the template ignores add_generation_prompt).
             turns = "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
                             for m in messages)
-            return "<|startoftext|>" + turns + "<|start_header_id|>assistant<|end_header_id|>\n\n"
-        # Dream-v0-Instruct: Qwen2.5's template with its default system prompt.
-        if messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": "You are a helpful assistant."}] + messages
+            return self.bos + turns + "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        # ChatML (Qwen2.5: Dream, Dream-Coder, DiffuCoder): the template's default system prompt when none is given.
+        if self.system is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system}] + messages
         turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return turns + "<|im_start|>assistant\n"
 

@@ -1,11 +1,12 @@
 """
 checks.py: every check of a generate() call, in one place, each once. An impossible request fails in one line
-that names the problem and the fix, never deep inside torch. The CLI runs `check_settings` before it loads
-gigabytes of weights; generate() runs `check_call` (all of them) before it decides anything, and checks the
-four hooks at the boundary while it runs: every step, the shapes and dtypes of what a step rule, a selection
-rule and a stop rule return (host metadata, no sync), and their values inside the step's one host read
-(`check_step`); every cache policy's span (`check_span`).
+that names the problem and the fix, never deep inside torch. The CLI runs `check_early` before it loads
+gigabytes of weights; generate() runs `check_call` (all of them, and the hooks' signatures) before it decides
+anything. While it runs, the plan (fastdllm.Plan) checks the hooks' answers at the boundary, in plain code; the
+one-line refusals it raises when a check fails are the `refuse_*` functions at the end of this file.
+Guided diffusion's own checks are guided.py's.
 """
+import dataclasses
 import inspect
 import math
 import numbers
@@ -13,8 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from cache import Feed
-from guided import check_guided, check_guided_settings
+from cache import CachePolicy
 
 CACHE_MODES = ("none", "prefix", "dual", "free")
 LLADA_REMASKING = ("low_confidence", "random")
@@ -26,6 +26,14 @@ BOOLEANS = ("refresh_every_step", "speculative")
 
 def bad(msg):
     raise ValueError(msg)
+
+
+def known(options: dict, settings_class) -> dict:
+    """generate()'s keywords are the fields of fastdllm.Settings: another is one line listing them."""
+    names = {f.name for f in dataclasses.fields(settings_class)}
+    if set(options) - names:
+        bad(f"unknown setting {sorted(set(options) - names)[0]!r}: generate() takes {', '.join(sorted(names))}")
+    return options
 
 
 def check_settings(gen_length, block_length, steps, cache, threshold, factor, temperature, top_p=None,
@@ -54,9 +62,9 @@ def check_settings(gen_length, block_length, steps, cache, threshold, factor, te
     if steps % (gen_length // block_length):
         bad(f"steps {steps} is not divisible by the number of blocks {gen_length // block_length} "
             f"(gen_length / block_length): use a multiple, e.g. steps={gen_length}")
-    if not isinstance(cache, (str, Feed)):
-        raise TypeError(f"cache must be a mode name ({', '.join(CACHE_MODES)}) or a cache.Feed policy (subclass "
-                        f"cache.Feed and write its span()), not {cache!r}")
+    if not isinstance(cache, (str, CachePolicy)):
+        raise TypeError(f"cache must be a mode name ({', '.join(CACHE_MODES)}) or a cache.CachePolicy (subclass "
+                        f"cache.CachePolicy and write its span()), not {cache!r}")
     if isinstance(cache, str) and cache not in CACHE_MODES:
         bad(f"unknown cache mode {cache!r}: use one of {', '.join(CACHE_MODES)}")
     if threshold is not None and not threshold > 0:      # `not >` also catches NaN
@@ -93,7 +101,8 @@ def check_early(kw: dict, defaults, name=lambda key: key):
     if st.remasking is not None and st.remasking not in LLADA_REMASKING + DREAM_REMASKING:
         bad(f"unknown remasking {st.remasking!r}: use one of {', '.join(LLADA_REMASKING + DREAM_REMASKING)} "
             f"(LLaDA: the first {len(LLADA_REMASKING)}, Dream: the others)")
-    check_guided_settings(st, defaults, name) if st.guide is not None else check_unguided(st, defaults)
+    if st.guide is None:     # with a guide: guided.check_guided_settings
+        check_unguided(st, defaults)
 
 
 def check_unguided(st, defaults):
@@ -181,29 +190,51 @@ def check_dream_modes(whole_canvas, cache, remasking, parallel, custom_rule, gen
             "cache 'none', 'prefix' or 'dual'")
 
 
-def check_hooks(st):
-    """The four hooks are objects of a known protocol (README "Fork it"): a refusal names the hook."""
+def check_hooks(st, on_step=None):
+    """The hooks are objects of a known protocol, called as the loop calls them (README "Fork it"): a refusal names
+    the hook, here, not Python's own TypeError in the middle of a decode."""
     if st.select is not None and not callable(st.select):
         raise TypeError(f"select must be a selection rule, a callable (proposal, at) -> (B, N) bool, not {st.select!r}")
-    if st.propose is not None and not callable(getattr(st.propose, "propose", None)):
-        raise TypeError(f"propose must be a step rule with .propose(logits, at) -> sampler.Proposal (subclass "
-                        f"sampler.StepRule), not {st.propose!r}")
+    if st.propose is not None and not all(callable(getattr(st.propose, m, None)) for m in ("propose", "start_block")):
+        raise TypeError(f"propose must be a step rule with .propose(logits, at) -> sampler.Proposal and "
+                        f".start_block(x, s, e) (subclass sampler.StepRule), not {st.propose!r}")
     if st.stop is not None and not callable(st.stop):
         raise TypeError(f"stop must be a stop rule, a callable (x, at, proposal) -> (B,) bool, not {st.stop!r}")
+    if on_step is not None and not callable(on_step):
+        raise TypeError(f"on_step must be a callable on_step(x, stats), called after every step, not {on_step!r}")
+    calls = [("select=", st.select, None, "a selection rule is called as rule(proposal, at)", 2),
+             ("stop=", st.stop, None, "a stop rule is called as rule(x, at, proposal)", 3),
+             ("on_step=", on_step, None, "it is called as on_step(x, stats)", 2),
+             ("propose=", st.propose, "propose", "a step rule's propose is called as propose(logits, at)", 2),
+             ("propose=", st.propose, "start_block", "a step rule's start_block is called as start_block(x, s, e)", 3)]
+    if isinstance(st.cache, CachePolicy):
+        calls += [("cache=", st.cache, "span", "a cache policy's span is called as span(at)", 1),
+                  ("cache=", st.cache, "keys", "a cache policy's keys is called as keys(at)", 1),
+                  ("cache=", st.cache, "slots", "a cache policy's slots is called as slots(at, fed)", 2)]
+    for hook, obj, method, how, n in calls:
+        fn = obj if method is None else getattr(obj, method, None)
+        try:
+            fn is None or inspect.signature(fn).bind(*[None] * n)
+        except TypeError:
+            who = name(fn) if method is None else f"{type(obj).__name__}.{method}"
+            raise TypeError(f"{hook} {who} takes {inspect.signature(fn)}: {how}") from None
+        except ValueError:      # no signature to read (a builtin): it will say so itself
+            pass
     if st.stop is not None and st.stop_at_eos:
         bad("pass stop or stop_at_eos, not both: each is a rule for when an answer has ended")
     if st.select is not None and (st.threshold is not None or st.factor is not None):
         bad("pass select or threshold/factor, not both: each is a rule for how many tokens a step commits")
-    for name in BOOLEANS:
-        if type(getattr(st, name)) is not bool:
-            bad(f"{name} must be True or False (got {getattr(st, name)!r})")
+    for key in BOOLEANS:
+        if type(getattr(st, key)) is not bool:
+            bad(f"{key} must be True or False (got {getattr(st, key)!r})")
     if type(st.compile) is not bool and type(st.compile).__name__ != "Compiled":
         bad(f"compile must be True, False or a fastdllm.Compiled (got {st.compile!r})")
 
 
-def check_call(model, prompt, st, attention_mask, generator, whole_canvas, defaults):
+def check_call(model, prompt, st, attention_mask, generator, on_step, whole_canvas, defaults, given):
     """Every check of one generate() call, in the order that names the first real problem. `st` holds the
-    call's settings with the family's defaults already filled in, `defaults` the defaults (fastdllm.Settings)."""
+    call's settings with every default decided (fastdllm.resolve), `defaults` the defaults (fastdllm.Settings),
+    `given` the settings the caller passed."""
     cfg = model.config
     if cfg.causal:
         bad("this is a causal LM (model_type qwen2), not a diffusion LM: pass it as guide= and a "
@@ -212,8 +243,18 @@ def check_call(model, prompt, st, attention_mask, generator, whole_canvas, defau
                    st.top_p, st.top_k, st.alg_temp, st.eps, generator)
     check_prompt(cfg, prompt, st.gen_length, st.remasking, st.top_p, st.top_k, st.alg_temp, attention_mask)
     check_stop(cfg, st.stop_at_eos, st.eos_ids)
-    check_hooks(st)
-    check_guided(model, st, defaults) if st.guide is not None else check_unguided(st, defaults)
+    check_hooks(st, on_step)
+    if st.guide is None:      # with a guide: guided.check_guided, when its parts are made
+        check_unguided(st, defaults)
+    ignored = [k for k in ("temperature", "remasking", "steps", "top_p", "top_k", "alg_temp", "eps")
+               if given.get(k, getattr(defaults, k)) != getattr(defaults, k)] + ["generator"] * (generator is not None)
+    if st.propose is not None and ignored:
+        bad(f"propose= {name(st.propose)} makes its own proposals: {', '.join(ignored)} set(s) the built-in step "
+            f"rules only; give your step rule what it needs, and drop {ignored[0]}")
+    built_in_parallel = st.select is None and (st.threshold is not None or st.factor is not None)
+    if cfg.family == "dream" and built_in_parallel and given.get("remasking") not in (None, "maskgit_plus"):
+        bad(f"remasking={given['remasking']!r} does not apply with threshold/factor on Dream: Fast-dLLM's parallel "
+            f"rules compare the max probability (maskgit_plus); drop remasking, or drop threshold/factor")
     if cfg.family == "dream" and st.guide is None and st.propose is None:
         n_blocks = st.gen_length // st.block_length
         check_dream_modes(whole_canvas, st.cache, st.remasking, st.threshold is not None or st.factor is not None
@@ -225,82 +266,102 @@ def check_call(model, prompt, st, attention_mask, generator, whole_canvas, defau
             f"create it with torch.Generator({device.type!r})")
 
 
-# ---------------------------------------------------------------------------------------- the hooks, while running
+# ---------------------------------------------------------------------------------------- refusals while running
+# fastdllm.Plan checks each step in plain code; when a check fails, it calls one of these for the message.
 def name(hook) -> str:
-    return type(hook).__name__ if not hasattr(hook, "__name__") else hook.__name__
-
-
-def check_span(feed, at, open_cols: list) -> tuple[int, int]:
-    """A cache policy's span for the step `at`: a pair of ints inside the canvas, the whole canvas at a
-    generation's first call (the cache starts empty), covering every open position of the block (open_cols:
-    their block columns, read at the previous step). A shifted family predicts position p from p - 1: a span
-    that starts exactly at the first open position is widened by one, so no policy can silently break Dream."""
-    span, L = feed.span(at), at.x.shape[1]
-    if not (isinstance(span, (tuple, list)) and len(span) == 2 and all(type(v) is int for v in span)):
-        raise TypeError(f"cache= {name(feed)}.span() returned {span!r}: a span is a pair of ints (a, b)")
-    a, b = span
-    where = f"at step {at.i} of block [{at.s}, {at.e})"
-    if not 0 <= a < b <= L:
-        raise ValueError(f"cache= {name(feed)}.span() returned ({a}, {b}) {where}: a span lies inside the canvas "
-                         f"[0, {L})")
-    if at.n == 0 and feed.keeps_cache and (a, b) != (0, L):
-        raise ValueError(f"cache= {name(feed)}.span() returned ({a}, {b}) at the first call: it must feed the "
-                         f"whole canvas (0, {L}), the cache starts empty")
-    if open_cols:
-        first, last = at.s + open_cols[0], at.s + open_cols[-1]
-        a = a - 1 if at.shift and a == first else a
-        if not (a + at.shift <= first and last < b):
-            raise ValueError(f"cache= {name(feed)}.span() returned ({span[0]}, {b}) {where}: it must cover the open "
-                             f"positions [{first}, {last}]" + (" and the one before them (this family predicts "
-                                                                "position p from p - 1)" if at.shift else ""))
-    return a, b
+    """A hook as its author wrote it: `Margin`, `<lambda>`, `LeftToRight.propose`."""
+    if inspect.ismethod(hook):
+        return f"{type(hook.__self__).__name__}.{hook.__name__}"
+    return hook.__name__ if inspect.isfunction(hook) else type(hook).__name__
 
 
 def described(v) -> str:
     return f"a {tuple(v.shape)} {v.dtype} tensor" if isinstance(v, torch.Tensor) else repr(v)
 
 
-def checked_hooks(rule, select, stop, B: int, N: int):
-    """The step rule's propose, the selection rule and the stop rule, each checked at every step for the shape
-    and dtype of what it returns (host metadata only; their values are checked in the step's one read)."""
-    def propose(logits, at):
-        p = rule.propose(logits, at)
-        fields = (("x0", (B, N), False), ("conf", (B, N), True), ("open", (B, N), None), ("k", (B,), False))
-        for f, shape, floating in fields:
-            v = getattr(p, f, None)
-            if not (isinstance(v, torch.Tensor) and v.shape == shape and
-                    (v.dtype == torch.bool if floating is None else v.is_floating_point() == floating)):
-                raise TypeError(f"propose= {name(rule)}.propose() returned {f} = {described(v)}: a sampler.Proposal "
-                                f"holds {f} of shape {shape} ({'bool' if floating is None else 'float' if floating else 'integer'})")
-        return p
-
-    def selection(p, at):
-        take = select(p, at)
-        if not (isinstance(take, torch.Tensor) and take.dtype == torch.bool and take.shape == (B, N)):
-            raise TypeError(f"select= {name(select)} returned {described(take)}: a selection rule returns a "
-                            f"({B}, {N}) bool tensor, one row per batch row, True = commit")
-        return take
-
-    selection.__name__ = name(select)
-
-    def stopping(x, at, p):
-        ended = stop(x, at, p)
-        if not (isinstance(ended, torch.Tensor) and ended.dtype == torch.bool and ended.shape == (B,)):
-            raise TypeError(f"stop= {name(stop)} returned {described(ended)}: a stop rule returns a ({B},) bool "
-                            f"tensor, True = the row's answer has ended")
-        return ended
-    return propose, selection, stopping
+def refuse_span(cache, at, span, first: int, last: int):
+    """The cache policy's span for the step `at` is not a pair of ints inside the canvas, the whole canvas at a
+    generation's first call (the cache starts empty), covering the block's open columns [first, last] (and for a
+    shifted family the position before them)."""
+    where, L = f"at step {at.i} of block [{at.s}, {at.e})", at.x.shape[1]
+    if not (isinstance(span, (tuple, list)) and len(span) == 2 and all(type(v) is int for v in span)):
+        raise TypeError(f"cache= {name(cache)}.span() returned {span!r}: a span is a pair of ints (a, b), or a "
+                        f"sorted 1-D long tensor of canvas positions")
+    a, b = span
+    if not 0 <= a < b <= L:
+        raise ValueError(f"cache= {name(cache)}.span() returned ({a}, {b}) {where}: a span lies inside the canvas "
+                         f"[0, {L})")
+    if at.n == 0 and (a, b) != (0, L):
+        raise ValueError(f"cache= {name(cache)}.span() returned ({a}, {b}) at the first call: it must feed the "
+                         f"whole canvas (0, {L}), the cache starts empty")
+    raise ValueError(f"cache= {name(cache)}.span() returned ({a}, {b}) {where}: it must cover the open positions "
+                     f"[{at.s + first}, {at.s + last}]" + (" and the one before them (this family predicts position p "
+                                                          "from p - 1)" if at.shift else ""))
 
 
-def check_step(nonfinite: int, opened: int, outside: int, at, rule, select):
-    """The values the step's one host read brought back: NaN/inf logits, a proposal that opens a committed
-    position, a selection outside the proposal's open positions (it would overwrite committed tokens)."""
-    if nonfinite:
-        bad(f"the model produced NaN/inf logits at step {at.n + 1}: the weights hold NaN/inf, or the activations "
-            f"overflowed (try --dtype float32)")
-    if opened:
-        bad(f"propose= {name(rule)}.propose() opened positions that are not masks at step {at.n + 1}: a proposal's "
-            f"open positions lie inside at.cand")
-    if outside:
-        bad(f"select= {name(select)} chose positions outside the proposal's open positions at step {at.n + 1} "
-            f"(committed tokens would be overwritten): return a subset of proposal.open")
+def kind(v) -> str:
+    return "bool" if v.dtype == torch.bool else "float" if v.is_floating_point() else "long"
+
+
+def refuse_answers(p, take, B: int, N: int, step_rule, select):
+    """The step rule's proposal or the selection is not of the shapes and dtypes the commit needs."""
+    for f, shape, dtype in (("x0", (B, N), "long"), ("conf", (B, N), "float"), ("open", (B, N), "bool"),
+                            ("k", (B,), "long")):
+        v = getattr(p, f, None)
+        if not (isinstance(v, torch.Tensor) and v.shape == shape and kind(v) == dtype):
+            raise TypeError(f"propose= {name(step_rule)}.propose() returned {f} = {described(v)}: a sampler.Proposal "
+                            f"holds {f} of shape {shape} ({'integer' if dtype == 'long' else dtype})")
+    refuse_answer("select=", select, take, f"a selection rule returns a ({B}, {N}) bool tensor, one row per batch "
+                  f"row, True = commit")
+
+
+def refuse_answer(hook: str, rule, got, what: str):
+    raise TypeError(f"{hook} {name(rule)} returned {described(got)}: {what}")
+
+
+def key_mask(keys, shape, cache):
+    """A cache policy's keys(at): None, or a (B, L) bool tensor."""
+    if keys is None or isinstance(keys, torch.Tensor) and keys.shape == shape and keys.dtype == torch.bool:
+        return keys
+    raise TypeError(f"cache= {name(cache)}.keys() returned {described(keys)}: a key mask is a {tuple(shape)} bool "
+                    f"tensor (True = the step may attend to that position), or None")
+
+
+def uncovered(at):
+    """A fork's set of positions (at.fed) is not sorted, or lacks an open position of the block or, for a shifted
+    family, the one before it: a device flag, read with the step's one read."""
+    T, want = at.fed.shape[0], at.s + at.cols
+    return ((at.fed[1:] <= at.fed[:-1]).any() | (at.fed[at.rows.clamp(max=T - 1)] != want).any() |
+            (at.fed[(at.rows - at.shift).clamp(0, T - 1)] != want - at.shift).any())
+
+
+def refuse_step(v, at, cache, step_rule, select, stop):
+    """The values the step's one host read brought back (fastdllm.Values) broke a rule of the hooks."""
+    step = f"at step {at.n + 1}"
+    if v.nonfinite:
+        bad(f"the model produced NaN/inf logits {step}: the weights hold NaN/inf, or the activations overflowed "
+            f"(try --dtype float32)")
+    if v.uncovered:
+        bad(f"cache= {name(cache)}.span() fed a set of positions {step} that is not sorted, or lacks an open "
+            f"position of the block" + (" or the one before it (this family predicts p from p - 1)" if at.shift else ""))
+    if v.opened:
+        bad(f"propose= {name(step_rule)}.propose() opened positions that are not masks {step}: a proposal's open "
+            f"positions lie inside at.masked")
+    if v.outside:
+        bad(f"select= {name(select)} chose positions outside the proposal's open positions {step} (committed tokens "
+            f"would be overwritten): return a subset of proposal.open")
+    if v.unfilled:
+        bad(f"stop= {name(stop)} ended a row that still holds masks {step}: a stop rule fills an ended row's masks "
+            f"(e.g. with an end token) before it returns True for it")
+    custom = [f"{hook} {name(h)}" for hook, h in (("stop=", stop), ("propose=", step_rule), ("select=", select))
+              if type(h).__module__ not in ("sampler", "guided")]
+    bad(f"{' or '.join(custom) or 'a hook'} changed a token that was not a mask (the prompt or a committed token) "
+        f"{step}: hooks may only fill masked positions (the stop rule; a step rule's start_block)")
+
+
+def no_progress(v, at, step_rule, select):
+    """A block that is still open after its schedule and one step per position: a rule that commits nothing."""
+    hook = (f"select= {name(select)} committed nothing" if v.proposed else
+            f"propose= {name(step_rule)}.propose() opened no position")
+    bad(f"{hook}: the block [{at.s}, {at.e}) made no progress in {at.i + 1} steps; a block ends only once its "
+        f"masks are committed")

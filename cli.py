@@ -9,15 +9,21 @@ import math
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
 import checks
 from chat import Chat, check_text, load_tokenizer, streamer
 from checks import CACHE_MODES
-from fastdllm import CLI_DEFAULTS, Settings, generate, pad_prompts
-from guided import ACCEPT_RULES, check_accept, check_guide
+from fastdllm import Settings, generate, pad_prompts
+from guided import ACCEPT_RULES, check_accept, check_guide, check_guided_settings
 from model import Compiled, check_readable, load_model, read_config, resolve_model_dir
+
+
+# The command line's defaults where they differ from generate()'s: the methods' headline setting (Fast-dLLM's
+# DualCache with threshold 0.9) and early stop at the end of text. serve.py and harness.py read them too.
+CLI_DEFAULTS = dict(gen_length=256, cache="dual", threshold=0.9, stop_at_eos=True)
 
 
 # Flags that only mean something beside another flag: given without it they are an error, never ignored.
@@ -40,7 +46,7 @@ def settings(args, **override):
     if args.guide:
         kw.update(accept=args.accept, accept_k=args.accept_k, accept_ratio=args.accept_ratio,
                   accept_threshold=args.accept_threshold, speculative=args.speculative)
-    kw.update(override)
+    kw.update(getattr(args, "hooks", {}), **override)      # a fork's own parts (main(**hooks): examples/)
     return kw
 
 
@@ -164,15 +170,19 @@ def load_guide(guide_dir, args, cfg, chat, device, dtype):
 
 
 def read_prompts(path: str) -> list[str]:
-    """--prompt-file's prompts, one per non-empty line (read by parse_args: its errors come before any model)."""
+    """--prompt-file's lines, each a prompt; a blank line stays in its place as "" (its answer is an empty line,
+    so that answer N is on output line N), blank lines at the end are dropped. Read by parse_args: its errors
+    come before any model."""
     try:
         with open(path, encoding="utf-8") as f:
-            prompts = [line.strip() for line in f if line.strip()]
+            prompts = [line.strip() for line in f]
     except UnicodeDecodeError as e:
         raise ValueError(f"--prompt-file {path} is not valid UTF-8 text ({e.reason} at byte {e.start}): "
                          f"convert it (e.g. with iconv)") from None
     except OSError as e:   # missing, a folder, no permission
         raise ValueError(f"cannot read --prompt-file {path}: {e.strerror or e}") from None
+    while prompts and not prompts[-1]:
+        prompts.pop()
     if not prompts:
         raise ValueError(f"--prompt-file {path} has no prompt: write one prompt per line")
     return prompts
@@ -202,8 +212,7 @@ def load_all(args):
     if word is not None and not getattr(chat.tok.get_added_tokens_decoder().get(cfg.mask_id), "special", False):
         raise ValueError(f"config.json's mask_token_id {cfg.mask_id} is the ordinary token {word!r} of "
                          f"tokenizer.json, not a special mask token: fix config.json or re-download the checkpoint")
-    chat.stop_ids |= set(cfg.eos_ids)     # config.json may list several end-of-text ids
-    args.stop_ids = sorted(chat.stop_ids)
+    args.stop_ids = sorted(chat.stop_ids)     # the checkpoint's own end tokens (chat.Chat: which files say so)
     args.guide_model = load_guide(guide_dir, args, cfg, chat, device, dtype)
     model = load(args.model, model_dir, device, dtype)
     args.compiled = Compiled() if args.compile else None
@@ -213,7 +222,7 @@ def load_all(args):
 # ----------------------------------------------------------------------------------------------------------
 # The command line
 
-def parse_args(argv=None):
+def parse_args(argv=None, hooks=()):
     p = argparse.ArgumentParser(description="Fast-dLLM inference for LLaDA and Dream. The defaults are the "
                                 "method's headline setting; the plain baseline is --cache none --threshold none.")
 
@@ -250,7 +259,8 @@ def parse_args(argv=None):
     p.add_argument("--no-chat", action="store_true", help="raw prompt, no chat template (base models)")
     p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin, until exit, quit or its "
                    "end (a model without a chat template, like the demo, answers each question alone)")
-    p.add_argument("--prompt-file", help="one prompt per line, decoded in batches (answers in input order)")
+    p.add_argument("--prompt-file", help="one prompt per line, decoded in batches: one answer line per input line "
+                   "(a blank line's answer is an empty line, so line N answers line N)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per batch with --prompt-file "
                    "(default: %(default)s)")
     p.add_argument("--no-early-stop", action="store_true", help="decode every block even after the answer "
@@ -286,8 +296,11 @@ def parse_args(argv=None):
             raise ValueError(f"--{flag.replace('_', '-')} is empty: pass a path (or leave the flag out)")
     args.fit_gen_length = "gen_length" not in vars(args)
     args.gen_length = getattr(args, "gen_length", CLI_DEFAULTS["gen_length"])
-    if "threshold" not in vars(args):   # --factor or --guide replaces the default; both given is an error
-        args.threshold = None if args.factor is not None or args.guide else CLI_DEFAULTS["threshold"]
+    if "threshold" not in vars(args):   # --factor, --guide or a fork's select= replaces the default
+        args.threshold = None if args.factor is not None or args.guide or "select" in hooks else CLI_DEFAULTS["threshold"]
+    if "cache" in hooks and args.cache != CLI_DEFAULTS["cache"]:
+        raise ValueError(f"--cache {args.cache} does not apply: this program feeds the model with its own cache "
+                         f"policy; drop --cache")
     if not args.prompt and not args.interactive and not args.prompt_file:
         raise ValueError("no prompt: pass --prompt \"...\" (or --prompt-file, --interactive)")
     if args.prompt_file and (args.prompt or args.interactive):
@@ -309,38 +322,62 @@ def parse_args(argv=None):
     return args
 
 
-def check_early(kw: dict, name=lambda key: key):     # every check that needs no model, with Settings' defaults
+def check_early(kw: dict, name=lambda key: key):
+    """Every check of generate() keywords that needs no model, with Settings' defaults (a `guide` of any value,
+    a path say, means a guide is coming: guided diffusion's own checks)."""
     checks.check_early(kw, Settings(), name)
+    if kw.get("guide") is not None:
+        check_guided_settings(SimpleNamespace(**vars(Settings()) | kw), Settings(), name)
+
+
+def check_flags(args, whole_blocks: bool = False):
+    """The decoding flags' checks that need no model, before one is loaded (main(), serve.py). whole_blocks: a
+    default gen_length rounded up to whole blocks first, as serve.py's requests without max_tokens use it."""
+    kw = settings(args)
+    if whole_blocks and args.fit_gen_length and args.block_length:
+        kw["gen_length"] = -(-args.gen_length // args.block_length) * args.block_length
+    check_early(kw | {"guide": args.guide}, flag_name)
 
 
 def run_batch(model, rows, args, device, on_step=None, **override):
     """generate() on prompts of any lengths (left-padded), with the CLI's settings (early stop on unless
     --no-early-stop) -> (prompt + answer ids per row, pads dropped; stats)."""
     ids, am = pad_prompts(rows, model.config.pad_id if model.config.pad_id is not None else model.config.eos_id)
-    gen = torch.Generator(device).manual_seed(args.seed)
-    kw = dict(stop_at_eos=not args.no_early_stop, eos_ids=getattr(args, "stop_ids", None), guide=args.guide_model)
+    hooks = getattr(args, "hooks", {})     # a fork's stop rule replaces early stop; its step rule draws its own noise
+    gen = None if "propose" in hooks else torch.Generator(device).manual_seed(args.seed)
+    kw = dict(stop_at_eos=not args.no_early_stop and "stop" not in hooks, eos_ids=getattr(args, "stop_ids", None),
+              guide=args.guide_model)
     x, stats = generate(model, ids.to(device), attention_mask=am.to(device), generator=gen, on_step=on_step,
                         **kw | settings(args, **override))
     return [row[ids.shape[1] - len(r):] for row, r in zip(x.tolist(), rows)], stats
 
 
 def answer_prompts(model, chat, args, device):
-    """--prompt-file: every line a prompt, decoded in batches of --batch-size; answers in input order."""
-    rows = [chat.encode(chat.render([{"role": "user", "content": q}])) for q in args.prompts]
+    """--prompt-file: every line a prompt, decoded in batches of --batch-size; one answer line per input line,
+    in input order (a blank line's answer is an empty line, so the lines of both stay aligned)."""
+    lines = [i for i, q in enumerate(args.prompts) if q]          # the lines that hold a prompt
+    rows = [chat.encode(chat.render([{"role": "user", "content": args.prompts[i]}])) for i in lines]
     args.gen_length = fit_gen_length(args, max(map(len, rows)), model.config.max_seq_len)
-    nfe, seconds, tokens = 0, 0.0, 0
-    for i in range(0, len(rows), args.batch_size):
-        batch = rows[i:i + args.batch_size]
+    nfe, seconds, tokens, printed = 0, 0.0, 0, 0
+    for b in range(0, len(rows), args.batch_size):
+        batch = rows[b:b + args.batch_size]
         outs, stats = run_batch(model, batch, args, device)
-        for ids, out in zip(batch, outs):
-            print(chat.answer(out[len(ids):]))
+        for line, ids, out in zip(lines[b:], batch, outs):
+            print("\n" * (line - printed) + chat.answer(out[len(ids):]))     # the blank lines before it first
+            printed = line + 1
         nfe, seconds, tokens = nfe + stats["nfe"], seconds + stats["seconds"], tokens + stats["answer_tokens"]
-    print(f"{len(rows)} prompts | NFE {nfe} | {tokens / max(seconds, 1e-9):.1f} tokens/s | {seconds:.2f} s")
+    blank = len(args.prompts) - len(rows)
+    note = f" ({blank} blank line{'s' * (blank > 1)}: empty answers)" if blank else ""
+    print(f"{len(rows)} prompts{note} | NFE {nfe} | {tokens / max(seconds, 1e-9):.1f} tokens/s | {seconds:.2f} s")
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    check_early(settings(args) | {"guide": args.guide}, flag_name)
+def main(argv=None, **hooks):
+    """The command line. hooks: a fork's own parts (cache=, select=, stop=, propose=; examples/), given to every
+    generate() call: each replaces the CLI's default of its kind (a select= the threshold 0.9, a stop= the early
+    stop)."""
+    args = parse_args(argv, hooks)
+    args.hooks = hooks
+    check_flags(args)
     model, chat, cfg, device = load_all(args)
     if args.prompt_file:
         return answer_prompts(model, chat, args, device)
@@ -392,14 +429,34 @@ def main(argv=None):
         ids = out
 
 
-def run():
-    """`python fastdllm.py ...`: main() with one-line errors and Unix exit statuses."""
+def own_flags(argv: list, **defaults) -> tuple[dict, list]:
+    """A fork's own flags (examples/): `--name value` for each keyword, typed as its default; the rest of argv is
+    the CLI's. -> ({name: value}, the rest)."""
+    values, rest, argv = dict(defaults), [], list(argv)
+    while argv:
+        arg = argv.pop(0)
+        key = arg[2:].split("=")[0].replace("-", "_")
+        if not (arg.startswith("--") and key in defaults):
+            rest.append(arg)
+            continue
+        text = arg.split("=", 1)[1] if "=" in arg else argv.pop(0) if argv else ""
+        try:
+            values[key] = type(defaults[key])(text)
+        except ValueError:
+            raise ValueError(f"--{key.replace('_', '-')} expects a {type(defaults[key]).__name__}, got {text!r}") from None
+    return values, rest
+
+
+def run(fork=None, **own):
+    """`python fastdllm.py ...`: main() with one-line errors and Unix exit statuses. A fork's program (examples/)
+    passes fork(**its own flags) -> its hooks, and its flags with their defaults."""
     if sys.stdout is None:   # started with stdout closed (`>&-`): the answers would go nowhere
         print("error: standard output is closed: the answer has nowhere to go (drop `>&-`, or redirect to a "
               "file or /dev/null)", file=sys.stderr)
         sys.exit(2)
     try:
-        status = main()
+        values, argv = own_flags(sys.argv[1:], **own)
+        status = main(argv, **(fork(**values) if fork else {}))
         sys.stdout.flush()     # here, so that a closed pipe is caught below, not at the interpreter's exit
         sys.exit(status)
     except BrokenPipeError:

@@ -5,7 +5,7 @@ drafts left to right, and a step commits the accepted run.
 - `Guide`: the guide model and its KV cache of the committed text, for a whole batch;
 - `accept_drafts`: the five acceptance rules; `guide_token`, `guided_commit`: what a step commits, assisted (the
   diffusion model's drafts) or speculative (the guide's own token at the first rejection);
-- `Guided`: the step rule (sampler.StepRule); `GuidedFreeCache`: FlashDLM's aggressive caching (cache.Feed);
+- `Guided`: the step rule (sampler.StepRule); `GuidedFreeCache`: FlashDLM's aggressive caching (cache.CachePolicy);
 - `check_guide`, `check_guided`: a guide sharing the model's token ids, and the guided settings.
 A guided generate() is fastdllm.py's one loop with these parts in its plan (`guided_parts`): one block, the
 guide's verdicts as the proposal's open positions, a committed end token ends the answer.
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from cache import FreeCache, KVCache, NoCache, PrefixCache
 from model import ModelConfig
-from sampler import NEG_INF, Proposal, Schedule, StepRule, argmax_except, widen
+from sampler import NEG_INF, Proposal, Schedule, StepRule, argmax_except
 
 ACCEPT_RULES = ("deterministic", "topk", "topk_relative", "dynamic_threshold", "aggressive")
 # The acceptance rules that read each setting: one given for another rule would change nothing, so is refused.
@@ -208,13 +208,13 @@ class Guided(StepRule):
         self.speculative, self.guide_calls = speculative, guide.prefill(prompt)
 
     def propose(self, logits, at) -> Proposal:
-        N = at.cand.shape[1]
-        drafts = widen(argmax_except(logits[..., :self.guide.model.config.vocab_size], self.mask_id), at.cols, N, 0)
-        drafted = torch.cat([at.x[:, :at.s], torch.where(at.cand, drafts, at.x[:, at.s:])], 1)   # every mask drafted
+        drafts = argmax_except(logits[..., :self.guide.model.config.vocab_size], self.mask_id)      # (B, n)
+        drafts = torch.zeros_like(at.masked, dtype=drafts.dtype).index_copy_(1, at.cols, drafts)    # (B, N)
+        drafted = torch.cat([at.x[:, :at.s], torch.where(at.masked, drafts, at.x[:, at.s:])], 1)   # every mask drafted
         n, rejected, calls = self.guide.verify(drafted, self.accept, self.chunk)
         fix = guide_token(rejected, self.mask_id)
-        x0, take, ended = guided_commit(drafts, at.cand, n, fix, self.speculative, self.eos)
-        self.guide.commit(count := take.sum(-1), ended | (count == at.cand.sum(-1)))     # finished rows leave
+        x0, take, ended = guided_commit(drafts, at.masked, n, fix, self.speculative, self.eos)
+        self.guide.commit(count := take.sum(-1), ended | (count == at.masked.sum(-1)))     # finished rows leave
         self.guide_calls += calls
         return Proposal(x0, torch.where(take, 0.0, NEG_INF), take, count, logits)
 
@@ -228,16 +228,15 @@ class GuidedFreeCache(FreeCache):
 
     def last(self, at):
         """(B,) each row's last committed position; L for a row with nothing left to decode."""
-        return torch.where(at.cand.any(-1), at.s + at.cand.long().argmax(-1) - 1, at.x.shape[1])
+        return torch.where(at.masked.any(-1), at.s + at.masked.long().argmax(-1) - 1, at.x.shape[1])
 
     def span(self, at) -> tuple[int, int]:
         return (0 if at.n == 0 else int(self.last(at).min()), at.x.shape[1])
 
-    def slots(self, at, a: int, b: int):
+    def slots(self, at, fed):
         if at.n == 0 or at.x.shape[0] == 1:      # the first call writes everything; one row feeds from its own
             return None
-        slots = torch.arange(a, b, device=at.x.device)
-        return torch.where(slots < self.last(at)[:, None], at.x.shape[1], slots)
+        return torch.where(fed < self.last(at)[:, None], at.x.shape[1], fed)
 
 
 def check_guided(model, st, defaults):
@@ -339,10 +338,11 @@ def check_guide(model_cfg: ModelConfig, guide_cfg: ModelConfig, model_tok=None, 
                              f"the guide must use the diffusion model's tokenizer (the same token ids)")
 
 
-def guided_parts(st, prompt, attention_mask, pos, eos, mask_id: int):
-    """A guided call's step rule, selection rule and cache policy (fastdllm.make_plan): one block over the answer;
-    "dual" is "prefix" there (the only block has no suffix), "free" the aggressive caching."""
-    B, L = prompt.shape[0], prompt.shape[1] + st.gen_length
+def guided_parts(model, st, defaults, prompt, attention_mask, pos, eos):
+    """A guided call's step rule, selection rule and cache policy (fastdllm.make_plan), its checks passed: one block
+    over the answer; "dual" is "prefix" there (the only block has no suffix), "free" the aggressive caching."""
+    check_guided(model, st, defaults)
+    B, L, mask_id = prompt.shape[0], prompt.shape[1] + st.gen_length, model.config.mask_id
     real = None if pos is None else F.pad(attention_mask.to(prompt.device).bool(), (0, st.gen_length), value=True)
     accept = partial(accept_drafts, rule=st.accept, k=st.accept_k, ratio=st.accept_ratio, threshold=st.accept_threshold)
     rule = Guided(Guide(st.guide, B, L, pos, real), accept, st.verify_chunk, eos, mask_id, st.speculative, prompt)

@@ -32,6 +32,7 @@ headline setting (dual cache, threshold 0.9, block 32). docs/eval.md has the det
 """
 import argparse
 import dataclasses
+import difflib
 import json
 import logging
 import os
@@ -51,8 +52,8 @@ except ImportError as e:
     raise ImportError(f"harness.py needs lm-eval ({e}): pip install -r requirements-eval.txt") from None
 
 from chat import Chat
-from cli import check_early, pick_device_dtype
-from fastdllm import CLI_DEFAULTS, Compiled, Settings, generate, pad_prompts
+from cli import CLI_DEFAULTS, check_early, pick_device_dtype
+from fastdllm import Compiled, Settings, generate, pad_prompts
 from guided import check_guide
 from model import load_model, read_config, resolve_model_dir
 
@@ -62,6 +63,7 @@ log = logging.getLogger("lm_eval.fastdllm")   # under lm-eval's logger, so it pr
 # fork's own rule (select, propose, stop: objects) cannot come from the command line.
 SUPPLIED = {"guide", "eos_ids", "select", "propose", "stop"}
 SETTINGS = {f.name: f.default for f in dataclasses.fields(Settings) if f.name not in SUPPLIED}
+OWN = ("model", "guide", "dtype", "device", "batch_size", "seed")      # FastDLLM's own --model_args
 DEFAULTS = SETTINGS | CLI_DEFAULTS     # the CLI's (block_length 32 is generate()'s own)
 REFUSAL = ("the fastdllm model only generates (generate_until tasks such as gsm8k or humaneval): a masked-"
            "diffusion model's likelihood needs a Monte Carlo estimate, which this harness does not do")
@@ -78,10 +80,12 @@ class FastDLLM(LM):
                  device: str | None = None, batch_size=1, max_batch_size=None, seed: int = 0, **settings):
         super().__init__()
         unknown = sorted(set(settings) - set(SETTINGS))
-        if unknown:
-            hint = " (fastdllm's is model=)" if unknown[0] == "pretrained" else ""
-            raise ValueError(f"unknown --model_args key {unknown[0]!r}{hint}: fastdllm takes model, guide, dtype, "
-                             f"device, batch_size, seed and generate()'s settings: {', '.join(SETTINGS)}")
+        if unknown:      # a typo (treshold) gets the nearest name, as the server's unknown fields do
+            near = difflib.get_close_matches(unknown[0], [*OWN, *SETTINGS], 1)
+            hint = (" (fastdllm's is model=)" if unknown[0] == "pretrained" else
+                    f" (did you mean {near[0]!r}?)" if near else "")
+            raise ValueError(f"unknown --model_args key {unknown[0]!r}{hint}: fastdllm takes {', '.join(OWN)} and "
+                             f"generate()'s settings: {', '.join(SETTINGS)}")
         if not str(batch_size).isdigit() or int(batch_size) < 1:
             raise ValueError(f"batch_size must be a positive integer, not {batch_size!r} (no 'auto': every "
                              f"answer is the same at any batch size, only the speed changes)")
@@ -107,8 +111,14 @@ class FastDLLM(LM):
         self.settings = DEFAULTS | settings
         self.settings["block_length"] = self.settings["block_length"] or None
         s = self.settings     # what needs no model is checked now, not after reading gigabytes of weights
+        self.guided = {"guide": guide} if guide is not None else {}
+        # Without a gen_length of the user's, each request's canvas is its max_gen_toks (else 256) rounded up to
+        # whole blocks (request_settings): the default is checked so too, not refused for a block_length (7)
+        # that does not divide a 256 nobody chose. Each other canvas a request asks for is checked on its own.
+        default = s["gen_length"] if "gen_length" in settings else self.canvas(s["gen_length"])
+        self.checked_lengths = {default}
         try:
-            check_early(s | ({"guide": guide} if guide is not None else {}))
+            check_early(s | self.guided | {"gen_length": default})
         except TypeError as e:      # checks.py's line for a value of the wrong type (cache=3): one line here too
             raise ValueError(str(e)) from None
         self._rank, self._world_size, device = distributed(device)
@@ -246,15 +256,28 @@ class FastDLLM(LM):
         if isinstance(want, bool) or not isinstance(want, int) or want < 1:
             raise ValueError(f"max_gen_toks must be an integer >= 1, not {want!r} (the task's generation_kwargs, "
                              f"or --gen_kwargs max_gen_toks=N)")
-        block = self.settings["block_length"] if not self.guide_name else None   # guided: one block
-        gen_length = -(-want // block) * block if block else want
-        if gen_length != want:
+        gen_length, block = self.canvas(want), self.settings["block_length"]
+        rounded = f" rounded up to a multiple of block_length {block}" if gen_length != want else ""
+        if rounded:
             self.say(f"max_gen_toks {want} -> gen_length {gen_length}, a multiple of block_length {block}")
+        if gen_length not in self.checked_lengths:      # a canvas of its own: `steps` may not divide its blocks
+            try:
+                check_early(self.settings | self.guided | {"gen_length": gen_length})
+            except ValueError as e:
+                raise ValueError(f"{e} (here gen_length {gen_length} is the request's max_gen_toks {want}{rounded}: "
+                                 f"set another with --gen_kwargs max_gen_toks=N, or change the --model_args)") from None
+            self.checked_lengths.add(gen_length)
         ignored = {k: v for k, v in gen_kwargs.items() if k not in ("until", "max_gen_toks") and
                    not (k == "do_sample" and not v) and not (k == "temperature" and v == self.settings["temperature"])}
         if ignored:
             self.say(f"ignoring the task's gen_kwargs {ignored}: fastdllm decodes with its --model_args settings")
         return until, gen_length
+
+    def canvas(self, want: int) -> int:
+        """The gen_length that decodes `want` tokens: rounded up to a multiple of block_length (guided: one
+        block, as asked)."""
+        block = self.settings["block_length"] if not self.guided else None
+        return -(-want // block) * block if block else want
 
     def encode(self, text: str) -> list[int]:
         """Rendered by our chat template: its text holds the specials already. Raw: as the tokenizer encodes

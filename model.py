@@ -11,7 +11,7 @@ guides them, and nothing else.
   and a next-token LM head, hence the one-position logits shift (see `Transformer.logits`).
 - The guide of FlashDLM's guided diffusion (arXiv 2505.21467; spec/flashdlm.md 2; Qwen2.5-1.5B-Instruct for Dream-7B,
   `model_type: "qwen2"`): the same Qwen2 blocks as Dream, but an ordinary autoregressive LM: causal attention,
-  no logits shift, and usually a tied LM head. cache.Guide holds its state (the KV cache of committed text).
+  no logits shift, and usually a tied LM head. guided.Guide holds its state (the KV cache of committed text).
 
 The diffusion families are run *bidirectionally*: a diffusion LM predicts every masked position from the whole
 canvas, so attention has no causal mask; only the guide masks the future. What each checkpoint architecture needs
@@ -324,6 +324,14 @@ class Transformer(nn.Module):
 # ----------------------------------------------------------------------------------------------------------
 # One decoding step's model call (fastdllm.py): left padding, the call at fixed shapes, and its compiled form.
 
+def pad_prompts(rows: list[list[int]], pad_id: int):
+    """Prompts of different lengths -> (ids (B, P), attention_mask (B, P)), left-padded so that every answer
+    starts at the same canvas position."""
+    P = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (P - len(r)) + list(r) for r in rows])
+    return ids, (torch.arange(P) >= torch.tensor([[P - len(r)] for r in rows])).long()
+
+
 def padding(attention_mask, gen_length: int, device):
     """Left-padded prompts: real tokens count positions from 0, pads neither attend nor are attended to, so
     every row decodes as it would alone. -> (pos (B, L), mask (B, 1, L, L)), or (None, None) without pads."""
@@ -331,14 +339,6 @@ def padding(attention_mask, gen_length: int, device):
         return None, None
     m = F.pad(attention_mask.to(device).bool(), (0, gen_length), value=True)
     return (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
-
-
-def logits_at(model, ids, pos, kv, slots, mask, rows, hidden=None):
-    """One model call -> (logits at the chunk rows `rows`, is any of them NaN/inf). The NaN/inf check reads the
-    logits' row sums (one reduction, into which any NaN/inf propagates) and stays on the device until the
-    step's one host read. hidden: model.hidden, or its compiled form (Compiled)."""
-    logits = model.logits((hidden or model.hidden)(ids, pos, kv, slots, mask), rows)
-    return logits, ~torch.isfinite(logits.sum(-1, dtype=torch.float32)).all()
 
 
 def hidden_states(model, ids, pos, kv, slots, mask):
@@ -368,18 +368,16 @@ class Compiled:
                 torch._dynamo.mark_static_address(t, guard=False)     # written in place by the CUDA graphs
         return self.kv
 
-    def __call__(self, model, ids, pos, kv, slots, mask, rows):
+    def __call__(self, model, ids, pos, kv, slots, mask):
+        """model.hidden(ids, pos, kv, slots, mask), compiled: the fed positions' hidden states."""
         cuda = model.lm_head.weight.is_cuda
         if self.fn is None:
             options = {"emulate_precision_casts": True} | ({"triton.cudagraphs": True} if cuda else {})
             self.fn = torch.compile(hidden_states, fullgraph=True, dynamic=False, options=options)
         if cuda:
             torch.compiler.cudagraph_mark_step_begin()   # the previous step's hidden states are no longer read
-
-        def hidden(*args):
-            with torch._dynamo.config.patch(recompile_limit=256):
-                return self.fn(model, *args)
-        return logits_at(model, ids, pos, kv, slots, mask, rows, hidden)
+        with torch._dynamo.config.patch(recompile_limit=256):
+            return self.fn(model, ids, pos, kv, slots, mask)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -423,8 +421,10 @@ def resolve_model_dir(name_or_path: str, role: str = "model") -> str:
     from huggingface_hub import snapshot_download
     try:
         # Dream has no tokenizer.json: *.json brings its vocab.json, tokenizer_config.json, added_tokens.json and
-        # special_tokens_map.json, and merges.txt completes them. Never a pickle (*.bin, *.pt) or remote code.
-        return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "merges.txt"])
+        # special_tokens_map.json, and merges.txt completes them; DiffuCoder's chat template is chat_template.jinja.
+        # Never a pickle (*.bin, *.pt) or remote code.
+        return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "merges.txt",
+                                                               "chat_template.jinja"])
     except Exception as e:  # network, auth or a missing repo: one line, not a stack of HTTP frames
         from huggingface_hub import constants
         if constants.HF_HUB_OFFLINE:

@@ -17,9 +17,10 @@ NEG_INF = float("-inf")
 class Proposal(NamedTuple):
     """One step's proposals over the block's N positions: what a step rule hands to the selection rule."""
     x0: torch.Tensor       # (B, N) long: the proposed token at every position
-    conf: torch.Tensor     # (B, N) float: its confidence (the family's), -inf where not open
+    conf: torch.Tensor     # (B, N) float: its confidence, -inf where not open. LLaDA: the token's probability
+                           #   (float64, as official); Dream: its `alg` score (a parallel rule's: the max probability)
     open: torch.Tensor     # (B, N) bool: the positions this step may commit (masked, and predicted by this call)
-    k: torch.Tensor        # (B,) long: the family's schedule, tokens to commit now (rules with their own count ignore it)
+    k: torch.Tensor        # (B,) long: tokens the family's schedule commits now (under a parallel rule: the open count)
     logits: torch.Tensor   # (B, n, V): the model's logits at the block columns at.cols
 
 
@@ -83,7 +84,7 @@ def dream_confidence(alg: str, conf, probs, cols, open_):
     """Rank score for Dream's confidence algorithms (higher = decode sooner) at block columns cols (n,), open_
     (B, n). FlashDLM's `position_weighted`, max prob x (1 - col / the row's last open col), is what its crashing
     official version meant."""
-    if alg == "maskgit_plus":
+    if alg in ("maskgit_plus", "origin"):      # origin draws its positions: the score is never read
         return conf
     if alg == "position_weighted":
         last = torch.where(open_, cols, 0).amax(-1, keepdim=True).clamp(min=1)       # each row's last open col
@@ -103,75 +104,53 @@ def dream_num_transfer(num_mask: torch.Tensor, t: torch.Tensor, s: torch.Tensor,
     return num_mask.long() if last else ((num_mask if total is None else total).float() * (1 - s / t)).long()
 
 
-def widen(values, cols, width: int, fill):
-    """(B, n) values at block columns `cols` -> (B, width), `fill` elsewhere."""
-    return torch.full((values.shape[0], width), fill, dtype=values.dtype, device=values.device).index_copy_(
-        1, cols, values)
-
-
 # ---------------------------------------------------------------------------------------- selection
-def select_topk(conf, open_, k: torch.Tensor):
-    """The k[b] most confident open positions of each row b. Vectorised: rank every position by confidence."""
-    order = conf.argsort(-1, descending=True)
-    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(conf.shape[-1], device=conf.device).expand_as(order))
-    return open_ & (rank < k[:, None])
-
-
-def select_threshold(conf, open_, threshold: float):
-    """Fast-dLLM threshold decoding (Theorem 1): every open position with confidence >= tau, plus always the
-    single most confident one, so each step unmasks at least one token and decoding terminates.
-    A tau above 1 can never be reached, which makes it plain one-token-per-step decoding."""
-    best = torch.zeros_like(open_).scatter_(-1, conf.argmax(-1, keepdim=True), True)
-    return open_ & ((conf >= threshold) | best)
-
-
-def select_factor(conf, open_, factor: float):
-    """Fast-dLLM factor decoding (paper section 3.3): by confidence c(1) >= ... >= c(N) over the N open positions,
-    the top n-1, n the first rank with c(n) < 1 - f/(n+1) (rank 1 always passes; all N if none fails; a first
-    failure at the very last candidate still takes all N, an official quirk kept). Compared in float64, as there."""
-    N = open_.sum(-1, keepdim=True)                                         # (B, 1)
-    sorted_conf, order = conf.sort(-1, descending=True)
-    n = torch.arange(1, conf.shape[-1] + 1, device=conf.device)             # 1-based rank
-    bar = (1 - factor / (n + 1)).to(torch.float64)
-    bar[0] = -1.0
-    fail = (sorted_conf.double() < bar) & (n <= N)
-    first = torch.where(fail.any(-1, keepdim=True), fail.long().argmax(-1, keepdim=True), N)  # 0-based index
-    count = torch.where(first == N - 1, N, first)
-    rank = torch.empty_like(order).scatter_(-1, order, (n - 1).expand_as(order))
-    return open_ & (rank < count)
-
-
 # A selection rule answers "which proposals does this step commit?": rule(p: Proposal, at) -> (B, N) bool inside
-# p.open (checked every step). parallel (True without the attribute): it decides the count itself, so a block
-# takes the steps it needs; False: it follows the family's schedule p.k. A fork's rule is one more such class.
+# p.open. parallel (True without the attribute): the rule decides how many itself, so a block takes the steps it
+# needs; False: it commits the family's schedule p.k, and the family ranks by its remasking score.
 class Schedule:
-    """The k[b] most confident open positions: LLaDA's and Dream's fixed step schedules."""
+    """The k[b] most confident open positions of each row b: LLaDA's and Dream's fixed step schedules."""
     parallel = False
 
     def __call__(self, p: Proposal, at):
-        return select_topk(p.conf, p.open, p.k)
+        order = p.conf.argsort(-1, descending=True)
+        rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
+        return p.open & (rank < p.k[:, None])
 
 
 class Threshold:
-    """Fast-dLLM threshold decoding (Theorem 1): confidence >= tau, always at least the most confident."""
+    """Fast-dLLM threshold decoding (section 3.3, Theorem 1): every open position with confidence >= tau, and always
+    the most confident one, so each step commits a token and decoding ends. A tau above 1 is one token per step."""
     parallel = True
 
     def __init__(self, tau: float):
         self.tau = tau
 
     def __call__(self, p: Proposal, at):
-        return select_threshold(p.conf, p.open, self.tau)
+        best = torch.zeros_like(p.open).scatter_(-1, p.conf.argmax(-1, keepdim=True), True)
+        return p.open & ((p.conf >= self.tau) | best)
 
 
 class Factor:
-    """Fast-dLLM factor decoding: the top n-1 by confidence, n the first rank with (n+1)(1-c(n)) >= f."""
+    """Fast-dLLM factor decoding (section 3.3): by confidence c(1) >= ... >= c(N) over the N open positions, the
+    top n-1, n the first rank with c(n) < 1 - f/(n+1) (rank 1 always passes; all N if none fails; a first failure
+    at the very last candidate still takes all N, an official quirk kept). Compared in float64, as there."""
     parallel = True
 
     def __init__(self, f: float):
         self.f = f
 
     def __call__(self, p: Proposal, at):
-        return select_factor(p.conf, p.open, self.f)
+        N = p.open.sum(-1, keepdim=True)                                        # (B, 1)
+        sorted_conf, order = p.conf.sort(-1, descending=True)
+        n = torch.arange(1, order.shape[-1] + 1, device=order.device)           # 1-based rank
+        bar = (1 - self.f / (n + 1)).to(torch.float64)
+        bar[0] = -1.0
+        fail = (sorted_conf.double() < bar) & (n <= N)
+        first = torch.where(fail.any(-1, keepdim=True), fail.long().argmax(-1, keepdim=True), N)   # 0-based index
+        count = torch.where(first == N - 1, N, first)
+        rank = torch.empty_like(order).scatter_(-1, order, (n - 1).expand_as(order))
+        return p.open & (rank < count)
 
 
 class QuotaThreshold(Threshold):
@@ -180,8 +159,8 @@ class QuotaThreshold(Threshold):
 
     def __call__(self, p: Proposal, at):
         carry = getattr(self, "carry", 0) if at.n else 0       # a new generation starts without one
-        offered = select_topk(p.conf, p.open, p.k + carry)
-        take = offered & select_threshold(p.conf, p.open, self.tau)
+        offered = Schedule()(p._replace(k=p.k + carry), at)
+        take = offered & super().__call__(p, at)
         self.carry = (offered & ~take).sum(-1)
         return take
 
@@ -189,114 +168,108 @@ class QuotaThreshold(Threshold):
 class SampledPositions:
     """Dream's `alg_temp` > 0: draw the schedule's k positions without replacement from softmax(conf / alg_temp),
     over the official code's width (pad(at) -> (left, right) columns at -inf: the canvas, or the fed chunk) so
-    a seeded run picks the same positions. Reads k on the host (one sync: a drawn count is a shape)."""
+    a seeded run picks the same positions. Reads k on the host (one sync: a drawn count is a shape). Fast-dLLM's
+    block sampler decodes a block's first position without a draw (first_token: Dream.propose opens only it)."""
     parallel = False
 
-    def __init__(self, alg_temp: float, generator, pad):
-        self.alg_temp, self.generator, self.pad = alg_temp, generator, pad
+    def __init__(self, alg_temp: float, generator, pad, first_token: bool):
+        self.alg_temp, self.generator, self.pad, self.first_token = alg_temp, generator, pad, first_token
 
     def __call__(self, p: Proposal, at):
         k, (left, right) = int(p.k.max()), self.pad(at)
-        if k == 0:
-            return torch.zeros_like(p.open)
+        if k == 0 or self.first_token and at.i == 0:
+            return p.open & (k > 0)
         scores = F.pad(p.conf / self.alg_temp, (left, right), value=NEG_INF).softmax(-1)
         picked = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
         picked.scatter_(-1, torch.multinomial(scores, k, generator=self.generator), True)
         return p.open & picked[:, left:left + p.open.shape[-1]]
 
 
-class FirstToken:
-    """Fast-dLLM's Dream block sampler (spec/dream.md 7.3) decodes a block's first position at the block's first
-    step, whatever its confidence, then lets `rule` choose."""
-
-    def __init__(self, rule):
-        self.rule, self.parallel = rule, getattr(rule, "parallel", True)
-
-    def __call__(self, p: Proposal, at):
-        if at.i == 0:
-            return p.open & (torch.arange(p.open.shape[1], device=p.open.device) == 0)
-        return self.rule(p, at)
-
-
 # ---------------------------------------------------------------------------------------- step rules
 class StepRule:
     """A family's way to propose, with its state (the schedule, Dream's clock): start_block(x, s, e) at a block's
-    start; propose(logits, at) -> Proposal for the step `at` (cache.Step: what this call fed); more(masks_left,
-    at): another step in this block? (masks_left: does it still hold masks, read once a step on the host)."""
+    start, before its first call (it may fill masks of x, e.g. forced tokens; nothing else); propose(logits, at)
+    -> Proposal for the step `at` (fastdllm.Step), logits (B, n, V) at the block columns at.cols.
+    steps_per_block: the block's scheduled steps (0: none); exact_steps: a block takes exactly that many calls
+    (Dream's own sampler), else a block ends once it has no mask left."""
+    steps_per_block = 0
+    exact_steps = None
 
     def start_block(self, x, s: int, e: int):
         pass
-
-    def more(self, masks_left: bool, at) -> bool:
-        """Until no mask is left in the block. Past its schedule (spb steps) every built-in rule commits at least
-        one token a step: more than spb + N steps is a rule that commits nothing, not slowness."""
-        if at.i > getattr(self, "spb", 0) + at.cand.shape[1]:
-            raise RuntimeError(f"{type(self).__name__}: the block [{at.s}, {at.e}) made no progress in {at.i + 1} "
-                               f"steps: a step rule or selection rule that commits nothing never ends a block")
-        return masks_left
 
 
 class LLaDA(StepRule):
     """LLaDA (Fast-dLLM v1/llada/generate.py): Gumbel-max proposals, confidence = the chosen token's probability
     (`random`: uniform noise); the schedule spreads a block's masks evenly over its steps (num_transfer_tokens)."""
 
-    def __init__(self, steps_per_block: int, temperature: float, remasking: str, generator, mask_id: int):
-        self.spb, self.temperature, self.remasking = steps_per_block, temperature, remasking
+    def __init__(self, *, steps_per_block: int, temperature: float = 0.0, remasking: str = "low_confidence",
+                 generator=None, mask_id: int):
+        self.steps_per_block, self.temperature, self.remasking = steps_per_block, temperature, remasking
         self.generator, self.mask_id = generator, mask_id
 
     def start_block(self, x, s: int, e: int):
-        self.budget = num_transfer_tokens((x[:, s:e] == self.mask_id).sum(-1), self.spb)     # (B, spb)
+        self.budget = num_transfer_tokens((x[:, s:e] == self.mask_id).sum(-1), self.steps_per_block)   # (B, spb)
 
     def propose(self, logits, at) -> Proposal:
-        x0 = argmax_except(add_gumbel_noise(logits, self.temperature, self.generator), self.mask_id)
+        scores = logits if self.temperature == 0 else add_gumbel_noise(logits, self.temperature, self.generator)
+        x0 = argmax_except(scores, self.mask_id)                             # (B, n): never the mask itself
         if self.remasking == "low_confidence":
-            # The un-tempered, noise-free probability of the chosen token, in float32 over the vocabulary (the
-            # official float64 softmax is a (B, n, V) float64 tensor; the golden ids are equal).
-            conf = F.log_softmax(logits.float(), -1).gather(-1, x0[..., None]).squeeze(-1).exp()
+            # The un-tempered probability of the chosen token as the official float64 softmax has it, without a
+            # (B, n, V) float64 tensor: p = 1 / (1 + r), r the other tokens' probabilities over the chosen one's
+            # (float32, each exact to its own size), added in float64. A float32 probability is off by ~1e-6 near a
+            # threshold, and rounds p > 1 - 6e-8 to 1.0, where threshold 1.0 would pass.
+            probs, i = logits.float().softmax(-1), x0[..., None]
+            r = probs.gather(-1, i).reciprocal_().mul_(probs.scatter_(-1, i, 0.0).sum(-1, keepdim=True))
+            conf = r.squeeze(-1).double().add_(1).reciprocal_()
         else:   # `random`: uniforms over the whole fed chunk, as the official code draws them (same seeded stream)
-            (a, b), B = at.span, x0.shape[0]
-            conf = torch.rand((B, b - a), dtype=torch.float64, device=x0.device, generator=self.generator)[:, at.s - a + at.cols]
-        N = at.cand.shape[1]
-        conf = widen(conf, at.cols, N, NEG_INF).masked_fill(~at.cand, NEG_INF)
-        k = self.budget[:, min(at.i, self.spb - 1)]   # parallel steps past the schedule never read it
-        return Proposal(widen(x0, at.cols, N, 0), conf, at.cand, k, logits)
+            conf = torch.rand((x0.shape[0], at.fed.shape[0]), dtype=torch.float64, device=x0.device,
+                              generator=self.generator)[:, at.rows]
+        # (B, n) at the logits' columns -> (B, N), the block's width: -inf where the step may not commit.
+        x0 = torch.zeros_like(at.masked, dtype=x0.dtype).index_copy_(1, at.cols, x0)
+        conf = torch.full_like(at.masked, NEG_INF, dtype=conf.dtype).index_copy_(1, at.cols, conf)
+        k = self.budget[:, min(at.i, self.steps_per_block - 1)]      # parallel steps past the schedule never read it
+        return Proposal(x0, conf.masked_fill_(~at.masked, NEG_INF), at.masked, k, logits)
 
 
 class Dream(StepRule):
     """Dream, Fast-dLLM's block sampler (spec/dream.md 7.3): Dream's sampler proposes (top-p/top-k/temperature,
-    float32), ranked by `alg` (entropy) and counted by Dream's schedule, or by a parallel rule on the max prob
-    (FirstToken takes a block's first position at its first step). Subclasses change only the clock."""
+    float32), ranked by `alg` (the schedule's default: entropy; a parallel rule's: maskgit_plus, the max
+    probability). schedule=True: Dream's schedule counts each step's tokens (a parallel rule needs no count).
+    first_token: a block's first step opens only its first position, decoded whatever its confidence (spec/dream.md
+    7.3). Subclasses change only the clock."""
     first_token = True
 
-    def __init__(self, steps: int, n_blocks: int, block_length: int, temperature, remasking, top_p, top_k,
-                 eps, generator, mask_id: int, device, parallel: bool):
-        self.steps, self.spb, self.n_blocks, self.block_length = steps, steps // n_blocks, n_blocks, block_length
-        self.temperature, self.generator, self.mask_id = temperature, generator, mask_id
+    def __init__(self, *, steps: int, n_blocks: int, block_length: int, temperature: float = 0.0,
+                 alg: str = "entropy", top_p=None, top_k=None, eps: float = 1e-3, generator=None, mask_id: int,
+                 device=None, schedule: bool = True):
+        self.steps, self.steps_per_block = steps, steps // n_blocks
+        self.n_blocks, self.block_length, self.schedule = n_blocks, block_length, schedule
+        self.temperature, self.alg, self.generator, self.mask_id = temperature, alg, generator, mask_id
         self.opts = dict(temperature=temperature, top_p=top_p, top_k=top_k, generator=generator, mask_id=mask_id)
-        self.alg = "maskgit_plus" if parallel or remasking == "origin" else remasking   # origin ranks nothing
         self.timesteps = torch.linspace(1, eps, self.grid_steps() + 1, device=device)
 
     def grid_steps(self) -> int:
-        return self.spb                         # the time grid runs over one block's steps
+        return self.steps_per_block             # the time grid runs over one block's steps
 
     def clock(self, at):
         """Where the step stands on the schedule (spec/dream.md 5 and 7, spec/flashdlm.md 1) -> (t, t_next: the
         step goes from t to t_next on the float32 grid; last: the block's last scheduled step takes every mask
         left; later: masks of later blocks counted in, for FreeCache). Parallel steps past it never read it."""
-        i = min(at.i, self.spb - 1)
-        return self.timesteps[i], self.timesteps[i + 1], at.i == self.spb - 1, 0
+        i = min(at.i, self.steps_per_block - 1)
+        return self.timesteps[i], self.timesteps[i + 1], at.i == self.steps_per_block - 1, 0
 
     def start_block(self, x, s: int, e: int):
         self.block = (s - (x.shape[1] - self.n_blocks * self.block_length)) // self.block_length
 
     def propose(self, logits, at, open_=None) -> Proposal:
-        open_ = at.cand if open_ is None else open_                     # (B, N) the positions this step may commit
-        N, narrow = open_.shape[1], open_[:, at.cols]                   # (B, n) at the logits' columns
+        first = self.first_token and at.i == 0
+        if open_ is None:                                               # (B, N) the positions this step may commit
+            open_ = at.masked & (torch.arange(at.masked.shape[1], device=at.masked.device) == 0) if first else at.masked
+        narrow = open_[:, at.cols]                                      # (B, n) at the logits' columns
         if self.temperature > 0:
-            # One draw per open position in the official row-major order (the first position alone at a block's
-            # first step), so a seeded run draws the same numbers: a gather, one host sync, only when sampling.
-            if self.first_token and at.i == 0:
-                narrow = narrow & (at.cols == 0)
+            # One draw per open position in the official row-major order, so a seeded run draws the same numbers:
+            # a gather, one host sync, only when sampling.
             conf, x0, probs = dream_sample(logits[narrow], **self.opts)
             conf, x0 = (torch.zeros(narrow.shape, dtype=v.dtype, device=v.device).masked_scatter_(narrow, v)
                         for v in (conf, x0))
@@ -304,10 +277,16 @@ class Dream(StepRule):
                 narrow[..., None], probs) if self.alg in ("topk_margin", "entropy") else None
         else:
             conf, x0, probs = dream_sample(logits, **self.opts)
-        score = widen(dream_confidence(self.alg, conf, probs, at.cols, narrow), at.cols, N, NEG_INF)
-        t, t_next, last, later = self.clock(at)
-        k = dream_num_transfer(n := at.cand.sum(-1), t, t_next, last, n + later)
-        return Proposal(widen(x0, at.cols, N, 0), score.masked_fill(~open_, NEG_INF), open_, k, logits)
+        score = dream_confidence(self.alg, conf, probs, at.cols, narrow)
+        if first or not self.schedule:          # the first token alone, or a parallel rule: no count to compute
+            k = open_.sum(-1)
+        else:
+            t, t_next, last, later = self.clock(at)
+            k = dream_num_transfer(n := at.masked.sum(-1), t, t_next, last, n + later)
+        # (B, n) at the logits' columns -> (B, N), the block's width: -inf where the step may not commit.
+        x0 = torch.zeros_like(open_, dtype=x0.dtype).index_copy_(1, at.cols, x0)
+        score = torch.full_like(open_, NEG_INF, dtype=score.dtype).index_copy_(1, at.cols, score)
+        return Proposal(x0, score.masked_fill_(~open_, NEG_INF), open_, k, logits)
 
 
 class DreamFree(Dream):
@@ -320,9 +299,9 @@ class DreamFree(Dream):
         return self.steps
 
     def clock(self, at):
-        i = min(self.block * self.spb + at.i, self.steps - 1)
+        i = min(self.block * self.steps_per_block + at.i, self.steps - 1)
         later = (self.n_blocks - self.block - 1) * self.block_length
-        return self.timesteps[i], self.timesteps[i + 1], at.i == self.spb - 1, later
+        return self.timesteps[i], self.timesteps[i + 1], at.i == self.steps_per_block - 1, later
 
 
 class DreamCanvas(Dream):
@@ -331,9 +310,10 @@ class DreamCanvas(Dream):
     committed with probability 1 - s/t, one uniform per mask drawn row-major before any token, as officially."""
     first_token = False
 
-    def __init__(self, *args, until_done: bool = False, origin: bool = False):
-        super().__init__(*args)
+    def __init__(self, *, until_done: bool = False, origin: bool = False, **kw):
+        super().__init__(**kw)
         self.until_done, self.origin = until_done, origin
+        self.exact_steps = None if until_done else self.steps
 
     def grid_steps(self) -> int:
         return self.steps
@@ -342,21 +322,45 @@ class DreamCanvas(Dream):
         i = min(at.i, self.steps - 1)
         return self.timesteps[i], self.timesteps[i + 1], at.i == self.steps - 1, 0
 
-    def more(self, masks_left: bool, at) -> bool:
-        return super().more(masks_left, at) if self.until_done else at.i + 1 < self.steps
-
     def propose(self, logits, at) -> Proposal:
         if self.origin:      # draw the positions first (one host sync: one uniform per masked position)
             t, t_next, last, _ = self.clock(at)
-            rows, cols = at.cand.nonzero(as_tuple=True)
+            rows, cols = at.masked.nonzero(as_tuple=True)
             take = torch.rand(rows.numel(), device=rows.device, generator=self.generator) < (1 if last else 1 - t_next / t)
-            drawn = torch.zeros_like(at.cand)
+            drawn = torch.zeros_like(at.masked)
             drawn[rows[take], cols[take]] = True
             return super().propose(logits, at, drawn)._replace(k=drawn.sum(-1))   # every drawn one is committed
         p = super().propose(logits, at)
         if self.until_done:                             # gen/steps offered a step (QuotaThreshold adds the carry)
             return p._replace(k=torch.full_like(p.k, self.block_length // self.steps if at.i < self.steps else 0))
         return p
+
+
+def family_rules(cfg, st, whole_canvas: bool, generator, device):
+    """The call's built-in step rule and selection rule for the model's family, from its settings `st` (defaults
+    already decided, fastdllm.resolve); a fork's own select= is used as given."""
+    n_blocks = st.gen_length // st.block_length
+    select = st.select or (Threshold(st.threshold) if st.threshold is not None else
+                           Factor(st.factor) if st.factor is not None else Schedule())
+    schedule = not getattr(select, "parallel", True)
+    if st.propose is not None:
+        return st.propose, select
+    if cfg.family == "llada":
+        return LLaDA(steps_per_block=st.steps // n_blocks, temperature=st.temperature, remasking=st.remasking,
+                     generator=generator, mask_id=cfg.mask_id), select
+    origin = st.remasking == "origin" and schedule
+    kw = dict(steps=st.steps, n_blocks=n_blocks, block_length=st.block_length, temperature=st.temperature,
+              alg=st.remasking, top_p=st.top_p, top_k=st.top_k, eps=st.eps, generator=generator, mask_id=cfg.mask_id,
+              device=device, schedule=schedule and not origin)
+    rule = (DreamCanvas(until_done=st.threshold is not None, origin=origin, **kw) if whole_canvas else
+            (DreamFree if st.cache == "free" else Dream)(**kw))
+    if whole_canvas and st.threshold is not None:
+        select = QuotaThreshold(st.threshold)
+    if st.alg_temp and schedule and not origin:    # the official widths: the canvas, the fed chunk, the block
+        pad = ((lambda at: (at.s, 0)) if whole_canvas else (lambda at: (0, 0)) if st.cache == "free"
+               else (lambda at: (0, at.span[1] - at.e)))
+        select = SampledPositions(st.alg_temp, generator, pad, rule.first_token)
+    return rule, select
 
 
 # ---------------------------------------------------------------------------------------- end of text

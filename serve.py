@@ -17,6 +17,7 @@ in which every row decodes exactly as it would alone (docs/serve.md, "Batching")
 """
 import argparse
 import contextlib
+import errno
 import itertools
 import json
 import os
@@ -33,18 +34,13 @@ import uuid
 from http.server import ThreadingHTTPServer
 
 import cli
-import fastdllm
 from api import (CLIENT_GONE, ApiError, JsonHandler, check_fields, check_text, choice, chunk, envelope, get,
-                 json_object, prompt_fields, quoted, stop_scan, usage)
+                 json_object, prompt_fields, quoted, shutting_down, stop_scan, tokens, usage)
 from chat import decode
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web", "index.html")
 # fastdllm.py flags that have no meaning for a server: its prompts come in requests.
 CLI_ONLY = ("--prompt", "--prompt-file", "--interactive", "--batch-size", "--no-stream", "--trace", "--bench")
-
-
-def shutting_down():
-    return ApiError(503, "the server is shutting down", code="unavailable")
 
 
 class Cancelled(Exception):
@@ -236,14 +232,21 @@ class App:
     def __init__(self, args, model, chat, guide, log=None):
         self.args, self.model, self.chat, self.guide, self.cfg = args, model, chat, guide, model.config
         self.name = args.served_name or args.model
-        self.log = log or (lambda msg: None if args.quiet else print(msg, file=sys.stderr, flush=True))
+        self.log_lock = threading.Lock()
+        self.log = log or self.write_log
         self.conns = {}               # open connection -> "idle" | "reading" (a request) | "waiting" (its answer)
         others = lambda: any(s != "waiting" for s in list(self.conns.values()))   # could still send a request
         self.engine = Engine(model, args, self.log, others)
         self.created = int(time.time())
         self.texts = {}               # token id -> its text, for the event stream
         # An unguided request on a guided server ("guide": false) gets the CLI's default threshold, not none.
-        self.threshold = fastdllm.CLI_DEFAULTS["threshold"] if args.guide else args.threshold
+        self.threshold = cli.CLI_DEFAULTS["threshold"] if args.guide else args.threshold
+
+    def write_log(self, line: str):     # whole, in one write: print() writes the newline apart from its line
+        if not self.args.quiet:
+            with self.log_lock:
+                sys.stderr.write(line + "\n")
+                sys.stderr.flush()
 
     def token_text(self, t: int) -> str:
         if t not in self.texts:
@@ -282,13 +285,13 @@ class App:
             if self.args.fit_gen_length and n_prompt + max_tokens > limit:
                 max_tokens = (limit - n_prompt) // unit * unit
             if max_tokens < 1:
-                raise ApiError(400, f"the prompt ({n_prompt} tokens) leaves no room for a block of {unit} answer "
+                raise ApiError(400, f"the prompt ({tokens(n_prompt)}) leaves no room for a block of {unit} answer "
                                f"tokens in the model's {limit} positions: shorten it", param, "context_length_exceeded")
         gen = -(-max_tokens // unit) * unit
         if n_prompt + gen > limit:
             asked = f"max_tokens {max_tokens}" if name in body else f"the server's default max_tokens {max_tokens}"
             rounded = f" rounded up to a multiple of block_length {unit}" if gen != max_tokens else ""
-            raise ApiError(400, f"the prompt ({n_prompt} tokens) + {gen} answer positions ({asked}{rounded}) exceed "
+            raise ApiError(400, f"the prompt ({tokens(n_prompt)}) + {gen} answer positions ({asked}{rounded}) exceed "
                            f"the model's {limit} positions: lower max_tokens or shorten the prompt",
                            name if name in body else param, "context_length_exceeded")
         return max_tokens, gen
@@ -296,7 +299,8 @@ class App:
     def check_ids(self, ids: list[int], param: str):
         cfg = self.cfg
         if not ids:
-            raise ApiError(400, "the prompt is empty (a chat needs a user message)", param, "invalid_value")
+            why = "a chat needs a user message" if param == "messages" else "send some text or token ids"
+            raise ApiError(400, f"the prompt is empty ({why})", param, "invalid_value")
         bad = next((t for t in ids if not 0 <= t < cfg.vocab_size), None)
         if bad is not None:
             raise ApiError(400, f"token id {quoted(bad)} is outside the vocabulary [0, {cfg.vocab_size})", param,
@@ -375,7 +379,7 @@ class App:
 
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/denoise/stream": "denoise"}
 PATHS = {kind: path for path, kind in ROUTES.items()}
-GETS = ("/", "/index.html", "/v1/models", "/v1/denoise/info", "/health")     # and /v1/models/{name}
+GETS = ("/", "/index.html", "/favicon.ico", "/v1/models", "/v1/denoise/info", "/health")   # and /v1/models/{name}
 
 
 class Handler(JsonHandler):
@@ -394,8 +398,7 @@ class Handler(JsonHandler):
         return "POST" if path in ROUTES else "GET" if path in GETS or path.startswith("/v1/models/") else None
 
     def log_message(self, fmt, *args):
-        if not self.app.args.quiet:
-            sys.stderr.write(f"{self.address_string()} {fmt % args}\n")
+        self.app.log(f"{self.address_string()} {fmt % args}")
 
     def handle_one_request(self):
         try:
@@ -420,6 +423,9 @@ class Handler(JsonHandler):
         if path in ("/", "/index.html"):
             with open(PAGE, "rb") as f:
                 self.send(200, f.read(), "text/html; charset=utf-8", headers={"Cache-Control": "no-store"})
+        elif path == "/favicon.ico":    # no icon (the page names an empty one): "no content", not a 404
+            self.send_response(204)
+            self.end_headers()
         elif path in answers:
             self.send_json(200, answers[path]())
         elif path.startswith("/v1/models/"):
@@ -617,12 +623,15 @@ def parse_args(argv=None):
     p.error = error
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine "
                    "only; 0.0.0.0 is every interface, with no authentication)")
-    p.add_argument("--port", type=int, default=8000, help="port; 0 = any free one (default: %(default)s)")
+    p.add_argument("--port", type=cli.checked(int, lambda n: 0 <= n < 65536, "a port in [0, 65535]"), default=8000,
+                   help="port; 0 = any free one (default: %(default)s)")
     p.add_argument("--served-name", help="the model name clients pass and /v1/models lists (default: --model)")
-    p.add_argument("--batch-window", type=float, default=20.0, help="ms to wait for more requests to batch with "
-                   "the first, while another connection could send one (default: %(default)s)")
-    p.add_argument("--max-batch", type=int, default=8, help="most requests decoded as one batch (default: %(default)s)")
-    p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default: %(default)s)")
+    at_least_1 = cli.checked(int, lambda n: n >= 1, "an integer >= 1")      # a wrong value: named, with its flag
+    p.add_argument("--batch-window", type=cli.checked(float, lambda ms: 0 <= ms < float("inf"), "a number of ms >= 0"),
+                   default=20.0, help="ms to wait for more requests to batch with the first, while another "
+                   "connection could send one (default: %(default)s)")
+    p.add_argument("--max-batch", type=at_least_1, default=8, help="most requests in one batch (default: %(default)s)")
+    p.add_argument("--max-body", type=at_least_1, default=1 << 20, help="largest body in bytes (default: %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no request and batch log on stderr")
     own, rest = p.parse_known_args(argv)
     own.seed_given = any(a.split("=")[0] == "--seed" for a in rest)    # else a sampled request gets a fresh seed
@@ -630,11 +639,10 @@ def parse_args(argv=None):
     if refused:
         raise ValueError(f"{refused[0].split('=')[0]} is a fastdllm.py option with no meaning for the server: "
                          f"prompts come in requests")
-    if own.max_batch < 1 or own.batch_window < 0 or own.max_body < 1 or not 0 <= own.port < 65536:
-        raise ValueError("--max-batch and --max-body must be >= 1, --batch-window >= 0, --port in [0, 65535]")
     # cli.parse_args insists on a prompt; the server's prompts come in requests, so it gets a placeholder.
     args = cli.parse_args(rest + ["--prompt", "(requests)"])
     args.prompt = None
+    cli.check_flags(args, whole_blocks=True)      # the CLI's checks: `--gen-length 30 --block-length 8` is refused
     return argparse.Namespace(**vars(args) | vars(own))
 
 
@@ -645,9 +653,20 @@ def build(args) -> App:
     return App(args, model, chat, args.guide_model)
 
 
-def make_server(app: App, host: str = "127.0.0.1", port: int = 0) -> Server:
-    """The HTTP server around app (port 0 = a free port: server.server_address has it); starts the worker."""
-    server = Server((host, port), Handler)
+def listen(host: str = "127.0.0.1", port: int = 0) -> Server:
+    """The server's socket, listening (port 0: a free one), or one line why not. main() listens before it loads the
+    model (a request meanwhile waits for it): a port in use fails in a second, not after an 8B model's minutes."""
+    try:
+        return Server((host, port), Handler)
+    except OSError as e:
+        why = ("is in use (another server?): pass another --port, or --port 0 for any free one" if e.errno ==
+               errno.EADDRINUSE else f"cannot be listened on ({e.strerror or e}): check --host and --port")
+        raise ValueError(f"port {port} of {host} {why}") from None
+
+
+def make_server(app: App, host: str = "127.0.0.1", port: int = 0, server: Server | None = None) -> Server:
+    """The HTTP server around app (`server`, one listen() made, else a new one); starts the worker."""
+    server = server or listen(host, port)
     server.app = app
     app.engine.start()
     return server
@@ -655,8 +674,8 @@ def make_server(app: App, host: str = "127.0.0.1", port: int = 0) -> Server:
 
 def main(argv=None):
     args = parse_args(argv)
-    app = build(args)
-    server = make_server(app, args.host, args.port)
+    server = listen(args.host, args.port)      # the port first (a second), then the model (minutes)
+    app = make_server(build(args), server=server).app
     host, port = server.server_address[:2]
     if host not in ("127.0.0.1", "localhost"):
         print(f"warning: listening on {host}: anyone who can reach port {port} can use the model (no "
@@ -677,7 +696,7 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, OSError) as e:   # as the CLI: one line, status 2 (a taken port is an OSError too)
+    except (ValueError, OSError) as e:   # as the CLI: one line, status 2
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:            # Ctrl-C while the model loads

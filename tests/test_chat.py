@@ -14,7 +14,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from chat import Chat, render_trace
+from chat import Chat, chat_template, default_system, render_trace, template_style
 from model import ModelConfig
 
 # Qwen2.5's added tokens (ids 151643..151664, the tool/fim/repo ones not special) and Dream's two (151665, 151666).
@@ -266,7 +266,8 @@ def test_hub_download_fetches_dream_tokenizer_files(monkeypatch):
     resolve_model_dir("Dream-org/Dream-v0-Instruct-7B")
     allowed = lambda f: any(fnmatch.fnmatchcase(f, p) for p in seen["p"])   # as huggingface_hub filters files
     for f in ("config.json", "model-00001-of-00004.safetensors", "model.safetensors.index.json", "vocab.json",
-              "merges.txt", "tokenizer_config.json", "added_tokens.json", "special_tokens_map.json"):
+              "merges.txt", "tokenizer_config.json", "added_tokens.json", "special_tokens_map.json",
+              "chat_template.jinja"):      # DiffuCoder keeps its template there
         assert allowed(f), f
     for f in ("pytorch_model.bin", "model.pt", "tokenization_dream.py", "modeling_dream.py", "training_args.pkl"):
         assert not allowed(f), f
@@ -285,3 +286,36 @@ def test_cli_runs_a_dream_folder_with_only_the_slow_tokenizer(tmp_path):
     assert r.returncode == 0, r.stderr
     answer, stats = r.stdout.rstrip("\n").split("\n")[-2:]
     assert stats.startswith("NFE ") and "<unk:" in answer     # the random model writes ids the tokenizer lacks
+
+
+def test_template_text_is_read_where_the_checkpoint_keeps_it(tmp_path):
+    """chat_template.jinja (newer transformers) wins over tokenizer_config.json's "chat_template", which may be a
+    string or a list of named templates ("default" is the chat one)."""
+    d = write_slow_tokenizer(tmp_path)
+    assert chat_template(d) is None
+    config_path = os.path.join(d, "tokenizer_config.json")
+    config = json.load(open(config_path))
+    json.dump({**config, "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default",
+                                                                                   "template": "D"}]},
+              open(config_path, "w"))
+    assert chat_template(d) == "D"
+    open(os.path.join(d, "chat_template.jinja"), "w").write("J")
+    assert chat_template(d) == "J"
+
+
+@pytest.mark.parametrize("text,system", [
+    ("{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}", "You are a helpful assistant."),
+    ("{{ '<|im_start|>system\\nIt\\'s \\\"short\\\".\\nTwo lines.<|im_end|>\\n' }}", "It's \"short\".\nTwo lines."),
+    ("{{ '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}", None),    # the caller's own only
+])
+def test_default_system_prompt_is_the_templates_own_literal(text, system):
+    assert template_style(text + "<|im_end|>") == "chatml" and default_system(text) == system
+
+
+def test_two_default_system_prompts_are_refused(tmp_path):
+    d = write_slow_tokenizer(tmp_path)
+    open(os.path.join(d, "chat_template.jinja"), "w").write(
+        "{{ '<|im_start|>system\\nA<|im_end|>' }}{{ '<|im_start|>system\\nB<|im_end|>' }}")
+    with pytest.raises(ValueError, match="names 2 different default system prompts: pass --no-chat"):
+        Chat(d, DREAM)
+    assert not Chat(d, DREAM, chat=False).chat

@@ -175,3 +175,20 @@ def test_guided_cli_answers_offline(capsys):
 def test_guided_cli_refuses_a_guide_with_other_ids(llada_dir):
     r = cli("--model", DEMO, "--guide", os.path.join(ROOT, "tests", "golden", "qwen2-tiny"), "--prompt", "x")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "guide" in r.stderr
+
+
+def test_prompt_file_blank_lines_keep_the_answers_aligned(tmp_path, capsys):
+    """Issue 28: blank lines were skipped silently, so answer N no longer answered line N. Now a blank line gets
+    an empty answer line; blank lines at the end of the file are dropped."""
+    f = tmp_path / "prompts.txt"
+    f.write_text(f"{QUESTIONS[0]}\n\n   \n{QUESTIONS[1]}\n\n\n")
+    lines = run_main(capsys, "--model", DEMO, "--gen-length", "32", "--block-length", "8", "--prompt-file", str(f),
+                     "--batch-size", "1")
+    alone = [run_main(capsys, "--model", DEMO, "--gen-length", "32", "--block-length", "8", "--prompt", q)[0]
+             for q in QUESTIONS[:2]]
+    assert lines[:4] == [alone[0], "", "", alone[1]] and all(lines[:1] + lines[3:4])
+    assert lines[4].startswith("2 prompts (2 blank lines: empty answers) | NFE ") and len(lines) == 5
+    assert command_line.read_prompts(str(f)) == [QUESTIONS[0], "", "", QUESTIONS[1]]
+    f.write_text("\n\n")
+    with pytest.raises(ValueError, match="has no prompt"):
+        command_line.read_prompts(str(f))

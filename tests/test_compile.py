@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 
 from cache import KVCache
 from fastdllm import Compiled, generate, pad_prompts
-from model import hidden_states, load_model, logits_at
+from model import hidden_states, load_model
 from conftest import GOLDEN
 
 ROWS = {"llada": [[815, 723, 294, 53, 204, 372, 664, 1017, 655, 689, 279, 233], [44, 12, 907, 31, 5]],
@@ -91,8 +91,8 @@ def test_bf16_compiled_equals_eager_bit_for_bit():
     args = ((m.long().cumsum(-1) - 1).clamp(min=0), None, torch.arange(L), m[:, None, None, :] & m[:, None, :, None],
             torch.arange(12, 20))
     with torch.inference_mode():
-        a = logits_at(model, x, args[0], KVCache.for_model(model, 2, L), *args[2:])[0]
-        b = Compiled()(model, x, args[0], KVCache.for_model(model, 2, L), *args[2:])[0]
+        a = model.logits(model.hidden(x, args[0], KVCache.for_model(model, 2, L), *args[2:4]), args[4])
+        b = model.logits(Compiled()(model, x, args[0], KVCache.for_model(model, 2, L), *args[2:4]), args[4])
     assert torch.equal(a, b)
 
 

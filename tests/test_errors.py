@@ -818,7 +818,7 @@ API20_CASES = {
     "unknown setting": (dict(treshold=0.9), r"unknown setting 'treshold': generate\(\) takes .*threshold"),
     "select not callable": (dict(select=3), r"select must be a selection rule, a callable"),
     "select and threshold": (dict(select=lambda p, at: p.open, threshold=0.9), r"pass select or threshold/factor, not both"),
-    "cache an object without span": (dict(cache=object()), r"cache must be a mode name .* or a cache.Feed policy"),
+    "cache an object without span": (dict(cache=object()), r"cache must be a mode name .* or a cache.CachePolicy"),
 }
 
 
@@ -1031,3 +1031,35 @@ def test_boolean_settings_are_typed(llada, name):
     """refresh_every_step="no" used to run as True (a non-empty string is truthy)."""
     with pytest.raises(ValueError, match=rf"{name} must be True"):
         generate(llada, PROMPT, gen_length=8, block_length=8, **{name: "no"})
+
+
+SERVE28 = {   # issue 28: serve.py's start-up errors, each one line naming the flag and its value, before any model
+    "--port 99999": (["--port", "99999"], r"^argument --port: expected a port in \[0, 65535\], got '99999'"),
+    "--max-batch 0": (["--max-batch", "0"], r"^argument --max-batch: expected an integer >= 1, got '0'"),
+    "--batch-window nan": (["--batch-window", "nan"], r"^argument --batch-window: expected a number of ms >= 0"),
+    "--gen-length 30 --block-length 8": (["--gen-length", "30", "--block-length", "8"],
+                                         r"^gen_length 30 is not a multiple of block_length 8"),
+    "--host that does not resolve": (["--host", "no-such-host.invalid"],
+                                     r"^port 8000 of no-such-host\.invalid cannot be listened on \(.+\): check --host"),
+}
+
+
+def test_serve_start_up_errors_are_one_line_and_exit_2():
+    """`python serve.py` as a user runs it, with a bad flag each (all at once: a torch import is seconds each):
+    one line naming the flag and its value, status 2, nothing loaded."""
+    procs = {name: subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), "--model", DEMO20, *argv],
+                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                    start_new_session=True)
+             for name, (argv, _) in SERVE28.items()}
+    results = {}
+    for name, p in procs.items():
+        try:
+            out, err = p.communicate(timeout=120)
+        except subprocess.TimeoutExpired:          # a server that started: its whole group goes
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+        results[name] = (p.returncode, out, err)
+    for name, (code, out, err) in results.items():
+        assert code == 2 and out == "" and "Traceback" not in err, (name, code, out, err)
+        lines = err.splitlines()
+        assert len(lines) == 1 and re.search(SERVE28[name][1], lines[0][len("error: "):]), (name, err)

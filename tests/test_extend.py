@@ -6,17 +6,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cache import Feed, KVCache
+from cache import CachePolicy, KVCache
 from fastdllm import generate, pad_prompts
 from reference import reference_decode
-from sampler import NEG_INF, Proposal, StepRule, argmax_except, select_threshold, widen
+from sampler import LLaDA, NEG_INF, Proposal, StepRule, Threshold, argmax_except
 
 PROMPTS = {"llada": torch.tensor([[815, 723, 294, 53, 204, 372, 664, 1017, 655, 689, 279, 233]]),
            "dream": torch.tensor([[775, 171, 806, 365, 316, 564, 432, 625, 575, 529]])}
 KW = dict(gen_length=32, block_length=8, steps=32)
+OWN = dict(gen_length=32, block_length=8)           # a fork's own step rule takes no steps=
 
 
-class RefreshEvery(Feed):
+class RefreshEvery(CachePolicy):
     """(a) Cache policy: refresh the whole canvas every k calls; in between, feed the block alone (DualCache-like).
     For Dream (shifted logits) the plan widens a block's first span by one, to the position it is predicted from."""
 
@@ -36,8 +37,8 @@ class Margin:
 
     def __call__(self, p, at):
         top2 = p.logits.float().softmax(-1).topk(2, dim=-1).values                 # (B, n, 2) at at.cols
-        margin = widen(top2[..., 0] - top2[..., 1], at.cols, p.open.shape[1], NEG_INF).masked_fill(~p.open, NEG_INF)
-        return select_threshold(margin, p.open, self.m)
+        margin = torch.full(p.open.shape, NEG_INF).index_copy_(1, at.cols, top2[..., 0] - top2[..., 1])   # (B, N)
+        return Threshold(self.m)(p._replace(conf=margin.masked_fill(~p.open, NEG_INF)), at)
 
 
 class ConfidentBlock:
@@ -64,8 +65,8 @@ class LeftToRight(StepRule):
         self.mask_id = mask_id
 
     def propose(self, logits, at):
-        x0 = widen(argmax_except(logits, self.mask_id), at.cols, at.cand.shape[1], 0)
-        first = at.cand & (at.cand.cumsum(-1) == 1)                          # (B, N) each row's leftmost mask
+        x0 = torch.zeros_like(at.masked, dtype=torch.long).index_copy_(1, at.cols, argmax_except(logits, self.mask_id))
+        first = at.masked & (at.masked.cumsum(-1) == 1)                      # (B, N) each row's leftmost mask
         return Proposal(x0, torch.zeros(first.shape).masked_fill(~first, NEG_INF), first, first.sum(-1), logits)
 
 
@@ -159,13 +160,13 @@ def test_stop_rule_ends_blocks_with_their_proposals(model, family):
 @FAMILIES
 def test_step_rule_left_to_right_is_autoregressive_decoding(model, family):
     prompt, mask_id = PROMPTS[family], model.config.mask_id
-    out, st = generate(model, prompt, propose=LeftToRight(mask_id), **KW)
+    out, st = generate(model, prompt, propose=LeftToRight(mask_id), **OWN)
     x = masked(model, prompt)
     for p in range(prompt.shape[1], x.shape[1]):                      # the reference: one position at a time
         with torch.inference_mode():
             x[0, p] = argmax_except(model(x)[0, p], mask_id)
     assert torch.equal(out, x) and st["committed"] == [1] * 32
-    cached, _ = generate(model, prompt, propose=LeftToRight(mask_id), cache="dual", select=Margin(0.5), **KW)
+    cached, _ = generate(model, prompt, propose=LeftToRight(mask_id), cache="dual", select=Margin(0.5), **OWN)
     assert not (cached == mask_id).any()
 
 
@@ -174,7 +175,7 @@ def test_all_four_hooks_on_a_padded_batch_equal_each_row_alone(model, family):
     rows = [PROMPTS[family][0].tolist(), PROMPTS[family][0, 3:].flip(0).tolist()]
     ids, am = pad_prompts(rows, model.config.pad_id or 0)
     kw = dict(cache=RefreshEvery(3), select=Margin(0.2), stop=ConfidentBlock(0.6, model.config.mask_id),
-              propose=LeftToRight(model.config.mask_id) if family == "llada" else None, **KW)
+              **(dict(propose=LeftToRight(model.config.mask_id), **OWN) if family == "llada" else KW))
     batch, _ = generate(model, ids, attention_mask=am, **kw)
     for i, row in enumerate(rows):
         alone, _ = generate(model, torch.tensor([row]), **kw)
@@ -182,7 +183,7 @@ def test_all_four_hooks_on_a_padded_batch_equal_each_row_alone(model, family):
 
 
 # ---------------------------------------------------------------------------------------- contracts
-class Wrong(Feed):
+class Wrong(CachePolicy):
     def __init__(self, span):
         self.fixed = span
 
@@ -190,18 +191,18 @@ class Wrong(Feed):
         return self.fixed(at)
 
 
-class HasSpan:                        # has span() but is not a Feed: it must not silently run as another policy
+class HasSpan:                  # has span() but is not a CachePolicy: it must not silently run as another policy
     def span(self, at):
         return 0, at.x.shape[1]
 
 
 BAD_HOOKS = {
     "select returns None": (dict(select=lambda p, at: None), TypeError, r"select= <lambda> returned None: .*\(2, 8\) bool"),
-    "select returns floats": (dict(select=lambda p, at: p.conf), TypeError, r"select= .* returned a \(2, 8\) torch.float32 tensor"),
+    "select returns floats": (dict(select=lambda p, at: p.conf), TypeError, r"select= .* returned a \(2, 8\) torch.float64 tensor"),
     "select returns one row for two": (dict(select=lambda p, at: p.open[:1]), TypeError, r"returned a \(1, 8\) torch.bool tensor: .*one row per batch row"),
     "select a committed position": (dict(select=lambda p, at: torch.ones_like(p.open) if at.i else Margin(2.0)(p, at)), ValueError,
                                     r"select= <lambda> chose positions outside the proposal's open positions .*overwritten"),
-    "cache with span, not a Feed": (dict(cache=HasSpan()), TypeError, r"cache must be a mode name .* or a cache.Feed policy"),
+    "cache with span, not a policy": (dict(cache=HasSpan()), TypeError, r"cache must be a mode name .* or a cache.CachePolicy"),
     "span outside the canvas": (dict(cache=Wrong(lambda at: (0, 99) if at.n else (0, at.x.shape[1]))), ValueError,
                                 r"cache= Wrong.span\(\) returned \(0, 99\) at step \d of block .* inside the canvas \[0, 44\)"),
     "span not covering the block": (dict(cache=Wrong(lambda at: (at.s + 2, at.e) if at.n else (0, at.x.shape[1]))),
@@ -209,7 +210,7 @@ BAD_HOOKS = {
     "first call not full": (dict(cache=Wrong(lambda at: (at.s, at.e))), ValueError, r"at the first call: it must feed the whole canvas"),
     "span not a pair": (dict(cache=Wrong(lambda at: 3)), TypeError, r"span\(\) returned 3: a span is a pair of ints"),
     "propose an object": (dict(propose=object()), TypeError, r"propose must be a step rule with .propose"),
-    "propose opens committed": (dict(propose=type("Open", (LeftToRight,), {"propose": lambda self, logits, at: LeftToRight.propose(self, logits, at)._replace(open=torch.ones_like(at.cand))})(1000)),
+    "propose opens committed": (dict(propose=type("Open", (LeftToRight,), {"propose": lambda self, logits, at: LeftToRight.propose(self, logits, at)._replace(open=torch.ones_like(at.masked))})(1000)),
                                 ValueError, r"propose= Open.propose\(\) opened positions that are not masks"),
     "propose wrong shape": (dict(propose=type("Short", (LeftToRight,), {"propose": lambda self, logits, at: LeftToRight.propose(self, logits, at)._replace(k=torch.ones(1))})(1000)),
                             TypeError, r"propose= Short.propose\(\) returned k = a \(1,\) torch.float32 tensor: .*shape \(2,\)"),
@@ -223,5 +224,154 @@ def test_a_broken_hook_fails_in_one_line_naming_it(llada, case):
     kw, error, pattern = BAD_HOOKS[case]
     prompt = torch.cat([PROMPTS["llada"]] * 2)
     with pytest.raises(error, match=pattern) as e:
-        generate(llada, prompt, **{**KW, **kw})
+        generate(llada, prompt, **{**(OWN if "propose" in kw else KW), **kw})
     assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------- no silent fork
+# Each case below once ran to the end and returned a wrong answer without a word; now it is one line naming the
+# hook at fault (or, where the behaviour is right, it is stated in the README's hooks table and checked by value).
+class Overwrites(LeftToRight):
+    """A step rule that writes into the canvas it was handed (it may not write it at all)."""
+
+    def propose(self, logits, at):
+        at.x[:, 0] = 7
+        return super().propose(logits, at)
+
+
+def ends_everything(x, at, p):                  # ends every row at once, leaving its masks in the answer
+    return torch.ones(x.shape[0], dtype=torch.bool)
+
+
+def rewrites_prompt(x, at, p):                  # a stop rule that edits the prompt
+    x[:, 0] = 7
+    return torch.zeros(x.shape[0], dtype=torch.bool)
+
+
+SILENT = {
+    "stop ends a row with masks": (dict(stop=ends_everything), ValueError,
+                                   r"stop= ends_everything ended a row that still holds masks at step 1"),
+    "stop overwrites the prompt": (dict(stop=rewrites_prompt), ValueError,
+                                   r"stop= rewrites_prompt changed a token that was not a mask .* at step 1"),
+    "propose writes the canvas": (dict(propose=Overwrites(1000)), ValueError,
+                                  r"^propose= Overwrites changed a token that was not a mask"),
+    "select with a wrong signature": (dict(select=lambda p, cand, k: p.open), TypeError,
+                                      r"select= <lambda> takes \(p, cand, k\): a selection rule is called as rule\(proposal, at\)"),
+    "stop with a wrong signature": (dict(stop=lambda x, at: None), TypeError,
+                                    r"stop= <lambda> takes \(x, at\): a stop rule is called as rule\(x, at, proposal\)"),
+    "propose with a wrong signature": (dict(propose=type("One", (LeftToRight,), {"propose": lambda self, logits: None})(1000)), TypeError,
+                                       r"propose= One.propose takes \(logits\): a step rule's propose is called as propose\(logits, at\)"),
+    "span with a wrong signature": (dict(cache=type("Spans", (CachePolicy,), {"span": lambda self, at, i: (0, 1)})()), TypeError,
+                                    r"cache= Spans.span takes \(at, i\): a cache policy's span is called as span\(at\)"),
+    "on_step not callable": (dict(on_step="print"), TypeError, r"on_step must be a callable on_step\(x, stats\)"),
+    "on_step with a wrong signature": (dict(on_step=lambda x: None), TypeError, r"on_step= <lambda> takes \(x\)"),
+    "select commits nothing": (dict(select=lambda p, at: torch.zeros_like(p.open)), ValueError,
+                               r"select= <lambda> committed nothing: the block \[12, 20\) made no progress"),
+    "propose opens nothing": (dict(propose=type("Shy", (LeftToRight,), {"propose": lambda self, logits, at: LeftToRight.propose(
+        self, logits, at)._replace(open=torch.zeros_like(at.masked))})(1000)), ValueError,
+                              r"propose= Shy.propose\(\) opened no position: the block \[12, 20\) made no progress"),
+    "propose with temperature": (dict(propose=LeftToRight(1000), temperature=1.0),
+                                 ValueError, r"propose= LeftToRight makes its own proposals: temperature set"),
+    "propose with remasking": (dict(propose=LeftToRight(1000), remasking="random"),
+                               ValueError, r"propose= LeftToRight makes its own proposals: remasking"),
+    "propose with steps": (dict(propose=LeftToRight(1000), steps=32), ValueError, r"propose= LeftToRight .*: steps"),
+    "propose with a generator": (dict(propose=LeftToRight(1000), generator=torch.Generator()), ValueError,
+                                 r"propose= LeftToRight .*: generator"),
+}
+
+
+@pytest.mark.parametrize("case", SILENT)
+def test_a_silent_fork_is_refused_in_one_line(llada, case):
+    kw, error, pattern = SILENT[case]
+    with pytest.raises(error, match=pattern) as e:
+        generate(llada, PROMPTS["llada"], **{**(OWN if "propose" in kw else KW), **kw})
+    assert "\n" not in str(e.value)
+
+
+@torch.inference_mode()
+def test_dream_selection_is_called_at_a_blocks_first_step_with_its_first_position_open(dream):
+    """Fast-dLLM's Dream block sampler decodes a block's first position at the block's first step, whatever its
+    confidence (spec/dream.md 7.3): the step rule opens that position alone, and a fork's selection rule is
+    called there too (README hooks table); it is not wrapped, so its errors name it."""
+    seen = []
+
+    def spy(p, at):
+        seen.append((at.i, p.open.clone()))
+        return Threshold(0.9)(p, at)
+    ours, _ = generate(dream, PROMPTS["dream"], select=spy, **KW)
+    assert torch.equal(ours, generate(dream, PROMPTS["dream"], threshold=0.9, **KW)[0])
+    first = [open_ for i, open_ in seen if i == 0]
+    assert len(first) == 4 and all(o.tolist() == [[True] + [False] * 7] for o in first)
+    with pytest.raises(TypeError, match=r"^select= <lambda> returned None"):
+        generate(dream, PROMPTS["dream"], select=lambda p, at: None, **KW)
+
+
+def test_dream_step_rule_passed_as_propose_is_the_default(dream):
+    """propose=sampler.Dream(...) with the settings generate() would pick reproduces the default decode, the
+    first-token rule included (it lives in the step rule, not in a wrapper the plan adds)."""
+    from sampler import Dream
+    mask_id, kw = dream.config.mask_id, dict(gen_length=32, block_length=8)
+    for rule, tau in ((Dream(steps=32, n_blocks=4, block_length=8, alg="maskgit_plus", mask_id=mask_id,
+                             schedule=False), 0.9),
+                      (Dream(steps=32, n_blocks=4, block_length=8, mask_id=mask_id), None)):
+        assert torch.equal(generate(dream, PROMPTS["dream"], propose=rule, threshold=tau, **kw)[0],
+                           generate(dream, PROMPTS["dream"], threshold=tau, **kw)[0])
+
+
+@pytest.mark.parametrize("spb", [2, 8])
+def test_calls_saved_counts_the_step_rules_own_schedule(llada, spb):
+    """calls_saved is the remaining blocks times the calls a block takes: a fork's LLaDA rule with its own steps per
+    block (2 here, where steps= would say 8) saves 2 calls a block; decoding without early stop takes them."""
+    from test_flashdlm import eos_bias
+    rule = lambda: LLaDA(steps_per_block=spb, mask_id=1000)                      # noqa: E731
+    kw = dict(gen_length=64, block_length=8)
+    with eos_bias(llada, 28.0):
+        short, st = generate(llada, PROMPTS["llada"], propose=rule(), stop_at_eos=True, **kw)
+        full, st_full = generate(llada, PROMPTS["llada"], propose=rule(), **kw)
+    assert st["calls_saved"] > 0 and st["calls_saved"] % spb == 0
+    assert st["nfe"] + st["calls_saved"] == st_full["nfe"] == 8 * spb
+
+
+@pytest.fixture(scope="module")
+def demo():
+    from tokenizers import Tokenizer
+    from conftest import ROOT
+    from model import load_model
+    path = f"{ROOT}/demo/llada-arith"
+    return load_model(path, device="cpu", dtype=torch.float32), Tokenizer.from_file(f"{path}/tokenizer.json")
+
+
+def test_threshold_one_is_one_token_per_step_as_in_float64(demo):
+    """The demo model is confident: many of its probabilities are 1 - r with r < 6e-8, which a float32 softmax
+    rounds to exactly 1.0 (threshold 1.0 then commits several tokens a call: 15 calls for 32 tokens). The official
+    float64 softmax keeps them below 1, so threshold 1.0 is one token per step."""
+    model, tok = demo
+    ids = torch.tensor([tok.encode("Tom has 23 apples and buys 45 more. How many apples does he have?",
+                                   add_special_tokens=False).ids])
+    out, st = generate(model, ids, gen_length=32, block_length=8, threshold=1.0, cache="dual")
+    assert st["nfe"] == 32 and st["committed"] == [1] * 32
+    assert torch.equal(out, generate(model, ids, gen_length=32, block_length=8, cache="dual")[0])
+
+
+def test_a_confidence_within_1e7_of_the_threshold_is_decided_as_in_float64(demo):
+    """LLaDA's confidence is the official float64 softmax's to 5e-8 (a float32 softmax is off by up to ~1e-6), on the
+    demo's real steps: a threshold 1e-7 above or below each confidence decides as float64 does."""
+    model, tok = demo
+    ids = torch.tensor([tok.encode("A box has 50 books. Sam takes 12. How many books are left?",
+                                   add_special_tokens=False).ids])
+    steps = []
+
+    def spy(p, at):
+        steps.append((p, at))
+        return Threshold(0.9)(p, at)
+    generate(model, ids, gen_length=32, block_length=8, select=spy)
+    checked = 0
+    for p, at in steps:
+        x0, ours = p.x0[:, at.cols], p.conf[:, at.cols]                                           # (1, n)
+        official = torch.softmax(p.logits.double(), -1).gather(-1, x0[..., None]).squeeze(-1)   # the official conf
+        assert (ours - official).abs().max() < 5e-8
+        for delta in (1e-7, -1e-7):          # what Threshold compares: conf >= tau
+            tau = official + delta
+            assert torch.equal(ours >= tau, official >= tau)
+            checked += tau.numel()
+    assert checked >= 60          # every position of every step, both sides

@@ -372,7 +372,7 @@ def test_compile_is_one_compiled_for_every_batch(monkeypatch):
 
 
 def test_defaults_are_the_clis():
-    """DEFAULTS comes from fastdllm.CLI_DEFAULTS (block_length 32 is generate()'s own): the values docs/eval.md
+    """DEFAULTS comes from cli.CLI_DEFAULTS (block_length 32 is generate()'s own): the values docs/eval.md
     states."""
     d = harness.DEFAULTS
     assert [d[k] for k in ("gen_length", "block_length", "cache", "threshold", "stop_at_eos")] == [256, 32, "dual",
@@ -449,3 +449,31 @@ def test_accelerate_cpu_launch_of_two_processes_is_refused(tmp_path):
     assert "error: accelerate launch asked for several processes but started one" in stderr
     assert "use torchrun --nproc_per_node N harness.py" in stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_block_length_that_does_not_divide_the_default_gen_length():
+    """Issue 28: block_length=7 failed with "gen_length 256 is not a multiple of block_length 7", a gen_length
+    the user never set: each request's max_gen_toks decides it, rounded up to whole blocks. Now it decodes
+    (saying how it rounded), exactly as with that gen_length given; a canvas a request's max_gen_toks makes
+    impossible names max_gen_toks and the fix."""
+    q = heldout(1)[0][0]
+    lm = harness.FastDLLM(model=DEMO_MODEL, block_length=7, device="cpu")
+    (answer,) = lm.generate_until([request(q, max_gen_toks=30)])
+    assert "max_gen_toks 30 -> gen_length 35, a multiple of block_length 7" in lm.said
+    assert [answer] == harness.FastDLLM(model=DEMO_MODEL, block_length=7, gen_length=35,
+                                        device="cpu").generate_until([request(q)])
+    assert FINAL.search(answer)
+    lm = harness.FastDLLM(model=DEMO_MODEL, block_length=8, gen_length=16, steps=2, device="cpu")
+    with pytest.raises(ValueError, match=re.escape("steps 2 is not divisible by the number of blocks 4 (gen_length / "
+                                                   "block_length): use a multiple, e.g. steps=32 (here gen_length 32 is "
+                                                   "the request's max_gen_toks 32: set another with --gen_kwargs "
+                                                   "max_gen_toks=N")):
+        lm.generate_until([request(q, max_gen_toks=32)])
+
+
+@pytest.mark.parametrize("key,near", [("treshold", "threshold"), ("blocklength", "block_length"), ("modle", "model"),
+                                      ("batchsize", "batch_size")])
+def test_an_unknown_model_arg_gets_the_nearest_name(key, near):
+    """Issue 28: a typo got the list of keys but no "did you mean", which the server's unknown fields have."""
+    with pytest.raises(ValueError, match=re.escape(f"unknown --model_args key {key!r} (did you mean {near!r}?): ")):
+        harness.FastDLLM(model=DEMO_MODEL, device="cpu", **{key: 1})

@@ -74,35 +74,34 @@ def test_threshold_reduces_nfe(llada):
 
 
 # ------------------------------------------------------------------------------ selection rules, in isolation
-def conf_and_cand():
+def proposal(k=(0, 0)):
     conf = torch.tensor([[0.95, 0.2, 0.91, 0.5, 0.99, 0.1],
                          [0.3, 0.4, 0.2, 0.1, 0.0, 0.0]], dtype=torch.float64)
     cand = torch.tensor([[1, 1, 1, 1, 0, 1], [1, 1, 0, 0, 0, 0]], dtype=torch.bool)
-    return conf.masked_fill(~cand, S.NEG_INF), cand
+    return S.Proposal(torch.zeros(2, 6, dtype=torch.long), conf.masked_fill(~cand, S.NEG_INF), cand,
+                      torch.tensor(k), None)
 
 
-def test_select_threshold():
-    conf, cand = conf_and_cand()
-    sel = S.select_threshold(conf, cand, 0.9)
-    assert sel.tolist() == [[True, False, True, False, False, False],      # 0.99 is not a candidate
-                            [False, True, False, False, False, False]]     # none clears 0.9: the best one
-    assert S.select_threshold(conf, torch.zeros_like(cand), 0.9).sum() == 0  # finished rows pick nothing
+def test_threshold():
+    p = proposal()
+    assert S.Threshold(0.9)(p, None).tolist() == [[True, False, True, False, False, False],   # 0.99 is not open
+                                                  [False, True, False, False, False, False]]  # none clears 0.9: the best
+    assert S.Threshold(0.9)(p._replace(open=torch.zeros_like(p.open)), None).sum() == 0      # finished rows: nothing
 
 
-def test_select_factor():
-    conf, cand = conf_and_cand()
+def test_factor():
+    p = proposal()
     # row 0 sorted: .95 .91 .5 .2 .1 with bars -1, 1-f/3, 1-f/4, ...; f=1: .91 >= .667, .5 < .75 -> take 2
-    assert S.select_factor(conf, cand, 1.0)[0].tolist() == [True, False, True, False, False, False]
+    assert S.Factor(1.0)(p, None)[0].tolist() == [True, False, True, False, False, False]
     # row 1 has 2 candidates; .3 < 1 - 1/3 fails at the last candidate -> the official rule takes both
-    assert S.select_factor(conf, cand, 1.0)[1].tolist() == [True, True, False, False, False, False]
-    assert S.select_factor(conf, cand, 100.0).sum(-1).tolist() == [5, 2]  # everything passes
+    assert S.Factor(1.0)(p, None)[1].tolist() == [True, True, False, False, False, False]
+    assert S.Factor(100.0)(p, None).sum(-1).tolist() == [5, 2]  # everything passes
     big = torch.tensor([[0.9, 0.8, 0.7, 0.6]], dtype=torch.float64)
-    assert S.select_factor(big, torch.ones_like(big, dtype=torch.bool), 1e-9).sum() == 1
+    assert S.Factor(1e-9)(S.Proposal(None, big, torch.ones_like(big, dtype=torch.bool), None, None), None).sum() == 1
 
 
-def test_select_topk_per_row_budget():
-    conf, cand = conf_and_cand()
-    sel = S.select_topk(conf, cand, torch.tensor([3, 5]))
+def test_schedule_per_row_budget():
+    sel = S.Schedule()(proposal(k=(3, 5)), None)
     assert sel.tolist() == [[True, False, True, True, False, False], [True, True, False, False, False, False]]
 
 

@@ -679,3 +679,126 @@ def test_sigterm_answers_every_request_in_flight():
     for status, headers, body in answers:
         assert status in (200, 503) and ("choices" if status == 200 else "error") in json.loads(body), body
     assert p.returncode == 0 and "stopped" in out and "Traceback" not in err, err
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Issue 28: what a new user still tripped over (the start-up, the log, the shutdown, the wording)
+
+def test_a_port_in_use_fails_at_once_naming_it_before_the_model_loads():
+    """The bug: the model loaded first (minutes for an 8B one), then `[Errno 98] Address already in use`,
+    naming neither the port nor --port."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "serve.py"), "--model", DEMO, *FLAGS, "--port",
+                            str(port)], capture_output=True, text=True, timeout=120)
+    finally:
+        taken.close()
+    assert r.returncode == 2 and r.stdout == "", r
+    assert r.stderr.splitlines() == [f"error: port {port} of 127.0.0.1 is in use (another server?): pass another "
+                                     f"--port, or --port 0 for any free one"]       # and no "loaded ..." line
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--gen-length", "30", "--block-length", "8"], None),      # None: the CLI's own message for the same flags
+    (["--gen-length", "16", "--block-length", "8", "--steps", "3"], None),
+    (["--port", "99999"], "argument --port: expected a port in [0, 65535], got '99999' (see --help)"),
+    (["--max-batch", "0"], "argument --max-batch: expected an integer >= 1, got '0' (see --help)"),
+    (["--max-body", "-5"], "argument --max-body: expected an integer >= 1, got '-5' (see --help)"),
+    (["--batch-window", "-1"], "argument --batch-window: expected a number of ms >= 0, got '-1' (see --help)"),
+])
+def test_server_flags_are_checked_as_the_clis_one_flag_at_a_time(flags, message):
+    """The bugs: `--gen-length 30 --block-length 8` served a 32-position canvas where the CLI refuses the same
+    flags; `--port 99999` and `--max-batch 0` got one line about four flags, naming no value."""
+    if message is None:
+        with pytest.raises(ValueError) as cli_error:
+            args = cli.parse_args(["--model", DEMO, *flags, "--prompt", PROMPT])
+            cli.check_early(cli.settings(args) | {"guide": args.guide}, cli.flag_name)
+        message = str(cli_error.value)
+    with pytest.raises(ValueError) as e:
+        serve.parse_args(["--model", DEMO, *flags])
+    assert str(e.value) == message
+
+
+def test_without_gen_length_any_block_length_serves_as_before():
+    """Without --gen-length a request's canvas is its max_tokens rounded up to whole blocks: a --block-length
+    that does not divide the default 256 is still served (the CLI's check is of the rounded canvas)."""
+    args = serve.parse_args(["--model", DEMO, "--block-length", "7"])
+    assert args.fit_gen_length and args.block_length == 7
+
+
+class Recorder:
+    """sys.stderr that keeps each write() apart."""
+
+    def __init__(self):
+        self.writes, self.lock = [], threading.Lock()
+
+    def write(self, text):
+        with self.lock:
+            self.writes.append(text)
+        time.sleep(0.001)            # a thread switch here is where a line used to be split
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+def test_log_lines_are_written_whole_and_the_favicon_is_no_news(monkeypatch):
+    """The bug: under concurrency the log read `... | 0.050 s127.0.0.1 "POST /v1/completions HTTP/1.1" 200 -`
+    then a blank line (print() writes a line and its newline apart). Every browser's GET /favicon.ico logged a
+    404; now it is a 204 with no log line, and the page names an empty icon, so a browser does not ask."""
+    err = Recorder()
+    with serving() as (app, port, _):
+        monkeypatch.setattr(sys, "stderr", err)            # the server's log from here on (not the load's line)
+        app.args.quiet = False
+        results = at_once(app, port, [chat(p) for p in PROMPTS])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT)
+        conn.request("GET", "/favicon.ico")
+        icon = conn.getresponse()
+        assert (icon.status, icon.read()) == (204, b"")
+        conn.request("GET", "/health")                     # the connection carries the next request
+        assert conn.getresponse().status == 200
+        conn.close()
+        app.args.quiet = True
+    assert all(status == 200 for status, _ in results)
+    assert err.writes and all(w.endswith("\n") and w.count("\n") == 1 for w in err.writes), err.writes
+    lines = [w[:-1] for w in err.writes]
+    assert sum(re.fullmatch(r'127\.0\.0\.1 "POST /v1/chat/completions HTTP/1\.1" 200 -', ln) is not None
+               for ln in lines) == len(PROMPTS)
+    assert any(ln.startswith("batch ") for ln in lines) and any('"GET /health' in ln for ln in lines)
+    assert not any("favicon" in ln for ln in lines), lines
+    with open(serve.PAGE) as f:
+        assert '<link rel="icon" href="data:,">' in f.read()
+
+
+def test_shutdown_503_tells_clients_not_to_retry():
+    """The bug: the openai client retries a 503 (as every 5xx) unless the answer says `x-should-retry:
+    false`; by the retry the server had gone, and its user saw only `APIConnectionError: Connection error.`"""
+    with serving() as (app, port, _):
+        app.engine.stop()
+        for body in (chat(PROMPT), chat(PROMPT, stream=True)):
+            status, headers, raw = raw_answer(http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT), body)
+            assert status == 503 and headers.get("x-should-retry") == "false", headers
+            assert json.loads(raw)["error"] == {"message": "the server is shutting down", "type": "server_error",
+                                                "param": None, "code": "unavailable"}
+        status, headers, _ = raw_answer(http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT), chat(""))
+        assert status == 400 and "x-should-retry" not in headers       # a client's own error: nothing to retry
+
+
+@pytest.mark.parametrize("path,body,param,words,not_words", [
+    ("/v1/completions", {"prompt": ""}, "prompt", "the prompt is empty (send some text or token ids)", "chat"),
+    ("/v1/chat/completions", chat(""), "messages", "the prompt is empty (a chat needs a user message)", None),
+    ("/v1/completions", {"prompt": [5], "max_tokens": 100}, "max_tokens", "the prompt (1 token) + 104 answer", None),
+    ("/v1/completions", {"prompt": [5] * 60}, "prompt", "the prompt (60 tokens) + 32 answer", None),
+    ("/v1/completions", {"prompt": PROMPT, "stop": ["l"] * 17}, "stop", "a list of at most 16 strings (got a list "
+     'of 17: ["l", "l", "l", "l", "l", "l", "l", "l", ...])', None),
+])
+def test_error_wording(server, path, body, param, words, not_words):
+    """The bugs: "the prompt (1 tokens)"; an empty /v1/completions prompt told of a chat; 17 stop strings showed
+    a value cut to `"l",`."""
+    _, port = server
+    status, r = request(port, "POST", path, body)
+    assert status == 400 and r["error"]["param"] == param and words in r["error"]["message"], r
+    assert not_words is None or not_words not in r["error"]["message"]

@@ -4,6 +4,8 @@ tests that need a model of a given shape and not its knowledge.
 
     python tools/checkpoint.py /tmp/mid                                  # LLaDA, d_model 512, 4 layers, 126k vocab
     python tools/checkpoint.py /tmp/d --family dream --d-model 256 --layers 2 --vocab 1024 --shards 3
+    python tools/checkpoint.py /tmp/dc --release apple/DiffuCoder-7B-Instruct   # a released checkpoint's format
+    python tools/checkpoint.py --sizes                                           # their bf16 weight bytes
 
 A checkpoint goes into a new or empty folder only, and its last file, random_checkpoint.json, says that this
 tool wrote it and with which settings: bench.py --dir reuses such a folder and refuses every other non-empty
@@ -107,7 +109,24 @@ def make_checkpoint(folder: str, family: str, d_model: int, n_layers: int, vocab
     hf = lladamoe_config(*shape, **moe) if family == "lladamoe" else hf_config(family, *shape)
     if held_checkpoint(folder, folder) is not None:
         raise ValueError(f"{folder} already holds a checkpoint: pass a new or empty folder")
+    total = write_weights(folder, hf, shards, gain, logit_std, seed, device)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    if family == "dream":   # Dream's from_pretrained requires it; its ids follow config.json
+        with open(os.path.join(GOLDEN, "dream-tiny", "generation_config.json")) as f:
+            gc = json.load(f)
+        gc.update(bos_token_id=hf["bos_token_id"], eos_token_id=hf["eos_token_id"], pad_token_id=hf["pad_token_id"])
+        with open(os.path.join(folder, "generation_config.json"), "w") as f:
+            json.dump(gc, f, indent=2)
+    with open(os.path.join(folder, MARKER), "w") as f:
+        json.dump(dict(written_by="tools/checkpoint.py", **spec(hf, shards, gain, logit_std, seed)), f, indent=2)
+    return total
+
+
+def write_weights(folder: str, hf: dict, shards: int, gain: float, logit_std: float, seed: int, device) -> int:
+    """The random bf16 weights of the config `hf` in the real layout (see make_checkpoint) -> their bytes."""
     cfg = ModelConfig.from_hf(hf)
+    d_model = cfg.dim
     with torch.device("meta"):
         params = dict(Transformer(cfg).named_parameters())
     shapes = {ours: stored_shape(params, ours)[1] for ours in checkpoint_names(cfg).values()}   # experts one by one
@@ -148,16 +167,6 @@ def make_checkpoint(folder: str, family: str, d_model: int, n_layers: int, vocab
         index = {"metadata": {"total_size": total}, "weight_map": {t: files[s] for (t, _), s in zip(names, shard_of)}}
         with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
-    if family == "dream":   # Dream's from_pretrained requires it; its ids follow config.json
-        with open(os.path.join(GOLDEN, "dream-tiny", "generation_config.json")) as f:
-            gc = json.load(f)
-        gc.update(bos_token_id=hf["bos_token_id"], eos_token_id=hf["eos_token_id"], pad_token_id=hf["pad_token_id"])
-        with open(os.path.join(folder, "generation_config.json"), "w") as f:
-            json.dump(gc, f, indent=2)
-    with open(os.path.join(folder, MARKER), "w") as f:
-        json.dump(dict(written_by="tools/checkpoint.py", **spec(hf, shards, gain, logit_std, seed)), f, indent=2)
     return total
 
 
@@ -224,6 +233,173 @@ def random_prompts(cfg: ModelConfig, batch: int, length: int, seed: int = 0) -> 
     """(batch, length) ids below every special id (mask, eos, pad, bos), so no prompt holds one."""
     top = min(i for i in (cfg.mask_id, cfg.eos_id, cfg.pad_id, cfg.bos_id, cfg.vocab_size) if i is not None)
     return torch.randint(0, top, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The released checkpoints, each at tiny sizes in its exact on-disk format: config.json with the real keys and
+# values except the sizes, the real tensor names and shard count, and the real tokenizer files' special tokens
+# (each at its real distance from the end of the vocabulary, so the real vocabulary gets the real ids) and chat
+# template. docs/models.md gives each fact's source, and which ones no public copy of the file confirmed.
+
+# Special tokens by real id. LLaDA: spec/llada.md 1 (tokenizer_config.json). Qwen2.5's 22, the first 14 special;
+# Dream adds <|beginoftext|> and <|mask|> (spec/dream.md 3); DiffuCoder-Instruct adds <|dlm_pad|>.
+LLADA_TOKENS = {126080: "<|startoftext|>", 126081: "<|endoftext|>", 126082: "[CLS]", 126083: "[gMASK]",
+                126336: "<|mdm_mask|>", 126340: "<role>", 126341: "</role>", 126346: "<|start_header_id|>",
+                126347: "<|end_header_id|>", 126348: "<|eot_id|>"}
+QWEN_TOKENS = dict(enumerate(
+    ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>",
+     "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>",
+     "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+     "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"], start=151643))
+QWEN_NOT_SPECIAL = set(range(151657, 151665))
+DREAM_TOKENS = {**QWEN_TOKENS, 151665: "<|beginoftext|>", 151666: "<|mask|>"}
+DIFFUCODER_TOKENS = {**DREAM_TOKENS, 151667: "<|dlm_pad|>"}
+REAL_VOCAB = {"llada": 126464, "dream": 152064}    # embedding rows: LLaDA embedding_size, Dream vocab_size
+
+# Chat templates, written here (jinja, as tokenizer_config.json holds them) to render what each model's own does:
+# LLaDA's (spec/llada.md 1: bos once, header + trimmed content + <|eot_id|> per message, the assistant header
+# always), and ChatML with a default system prompt, in Dream-v0's form (the system inside the loop) and Qwen2.5's
+# (before it).
+LLADA_TEMPLATE = ("{% for message in messages %}{% set content = '<|start_header_id|>' + message['role'] + "
+                  "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+                  "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+                  "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}")
+DREAM_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+                  "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+                  "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+                  "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+QWEN25_TEMPLATE = ("{%- if messages[0]['role'] == 'system' %}\n"
+                   "    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n{%- else %}\n"
+                   "    {{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}\n{%- endif %}\n"
+                   "{%- for message in messages %}\n    {%- if not (loop.first and message.role == 'system') %}\n"
+                   "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}\n"
+                   "    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}\n"
+                   "    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n")
+
+# Dream's generation_config.json (spec/dream.md 1, verbatim; its ids follow config.json).
+DREAM_GENERATION = dict(_from_model_config=True, alg="origin", alg_temp=None, eps=0.001, mask_token_id=None,
+                        output_history=False, steps=512, temperature=0.0, top_k=None, top_p=None,
+                        transformers_version="4.46.2")
+
+LLADA_ROW = dict(family="llada", shape="llada-8b", shards=6, tokens=LLADA_TOKENS, tokenizer="tokenizer.json",
+                 tokenizer_class="PreTrainedTokenizerFast", model_max_length=4096, bos="<|startoftext|>",
+                 eos="<|endoftext|>", pad="<|endoftext|>", mask="<|mdm_mask|>", template=LLADA_TEMPLATE,
+                 template_file=None, ids={}, generation=None)
+DREAM_ROW = dict(family="dream", shape="dream-7b", shards=4, tokens=DREAM_TOKENS, tokenizer="slow",
+                 tokenizer_class="DreamTokenizer", model_max_length=131072, bos="<|beginoftext|>",
+                 eos="<|endoftext|>", pad="<|endoftext|>", mask="<|mask|>", template=DREAM_TEMPLATE,
+                 template_file=None, ids=dict(bos_token_id=151643, eos_token_id=151643, pad_token_id=151643),
+                 generation=DREAM_GENERATION)
+DIFFUCODER_ROW = {**DREAM_ROW, "template": QWEN25_TEMPLATE, "template_file": "chat_template.jinja"}
+# One row per released checkpoint (issue 30); `ids` are config.json's special ids (real values), `eos`/`pad`/`bos`/
+# `mask` the tokenizer files' tokens, `tokenizer` "tokenizer.json" or Qwen2's "slow" files. The weights' shape at
+# real size is SHAPES[shape]; REAL_VOCAB[family] is its vocabulary.
+RELEASES = {
+    "GSAI-ML/LLaDA-8B-Base": LLADA_ROW,
+    "GSAI-ML/LLaDA-8B-Instruct": LLADA_ROW,
+    "GSAI-ML/LLaDA-1.5": LLADA_ROW,
+    "Dream-org/Dream-v0-Base-7B": DREAM_ROW,
+    "Dream-org/Dream-v0-Instruct-7B": DREAM_ROW,
+    # Qwen2.5-Coder's tokenizer: <|im_end|> ends its text; its generation config lists both end tokens.
+    "Dream-org/Dream-Coder-v0-Instruct-7B": {**DREAM_ROW, "template": QWEN25_TEMPLATE, "eos": "<|im_end|>",
+                                            "ids": dict(bos_token_id=151665, eos_token_id=151643, pad_token_id=151643),
+                                            "generation": {**DREAM_GENERATION, "eos_token_id": [151645, 151643]}},
+    "apple/DiffuCoder-7B-Base": DIFFUCODER_ROW,
+    # Instruct-tuned with a new pad token at fixed length: the tokenizer's pad is <|dlm_pad|>, config.json's stays.
+    "apple/DiffuCoder-7B-Instruct": {**DIFFUCODER_ROW, "tokens": DIFFUCODER_TOKENS, "pad": "<|dlm_pad|>"},
+    "apple/DiffuCoder-7B-cpGRPO": {**DIFFUCODER_ROW, "tokens": DIFFUCODER_TOKENS, "pad": "<|dlm_pad|>"},
+}
+
+
+def release_bytes(repo: str) -> int:
+    """The bf16 bytes of a released checkpoint's weights: its real config's parameter count x 2."""
+    shape = SHAPES[RELEASES[repo]["shape"]]
+    hf = hf_config(shape["family"], shape["d_model"], shape["n_layers"], shape["vocab"], shape["n_heads"],
+                   shape["n_kv_heads"], shape["ffn"])
+    with torch.device("meta"):
+        return 2 * sum(p.numel() for p in Transformer(ModelConfig.from_hf(hf)).parameters())
+
+
+def byte_chars() -> list[str]:
+    """GPT-2's byte-level alphabet, in byte order: printable bytes stand for themselves, the others for
+    chr(256 + n) (space -> "Ġ", newline -> "Ċ")."""
+    keep = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    shifted = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(shifted)) for b in range(256)]
+
+
+# A few merges, so the tiny tokenizers are byte-level BPE with merges, as the real ones ("the", " the", "in").
+MERGES = [("h", "e"), ("t", "he"), ("Ġ", "the"), ("i", "n"), ("Ġ", "Ġ")]
+
+
+def write_release_tokenizer(folder: str, row: dict, at) -> None:
+    """The row's tokenizer files, its special tokens at ids at(real id): LLaDA's tokenizer.json, or Dream's slow
+    files (vocab.json, merges.txt, added_tokens.json); then tokenizer_config.json and special_tokens_map.json."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    vocab = {c: b for b, c in enumerate(byte_chars())}
+    for a, b in MERGES:
+        vocab[a + b] = len(vocab)
+    tokens = {at(i): t for i, t in row["tokens"].items()}
+    special = lambda i: i - at(0) not in QWEN_NOT_SPECIAL      # noqa: E731  (i: an id here)
+    entry = lambda i: dict(content=tokens[i], lstrip=False, normalized=False, rstrip=False, single_word=False,
+                           special=special(i))                 # noqa: E731
+    if row["tokenizer"] == "tokenizer.json":
+        tok = Tokenizer(models.BPE({**vocab, **{t: i for i, t in tokens.items()}}, MERGES))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([tokens[i] for i in sorted(tokens)])
+        tok.save(os.path.join(folder, "tokenizer.json"))
+    else:
+        files = {"vocab.json": vocab, "added_tokens.json": {t: i for i, t in tokens.items()}}
+        for name, obj in files.items():
+            with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+                json.dump(obj, f, ensure_ascii=False, indent=2)
+        with open(os.path.join(folder, "merges.txt"), "w", encoding="utf-8") as f:
+            f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in MERGES))
+    names = dict(bos_token=row["bos"], eos_token=row["eos"], pad_token=row["pad"])
+    config = {"add_bos_token": False, "add_eos_token": False,
+              "added_tokens_decoder": {str(i): entry(i) for i in sorted(tokens)}, **names,
+              "model_max_length": row["model_max_length"], "tokenizer_class": row["tokenizer_class"]}
+    if row["template_file"] is None:
+        config["chat_template"] = row["template"]
+    else:
+        with open(os.path.join(folder, row["template_file"]), "w", encoding="utf-8") as f:
+            f.write(row["template"])
+    special_map = {**{k: entry(next(i for i in tokens if tokens[i] == v)) for k, v in names.items()},
+                   "additional_special_tokens": [tokens[i] for i in sorted(tokens) if special(i)]}
+    if row["tokenizer"] == "slow":     # Dream's tokenizer class names its mask
+        special_map["mask_token"] = row["mask"]
+    for name, obj in (("tokenizer_config.json", config), ("special_tokens_map.json", special_map)):
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+            json.dump(obj, f, ensure_ascii=False, indent=2)
+
+
+def make_release(folder: str, repo: str, d_model: int = 64, n_layers: int = 2, vocab: int = 1024, n_heads: int = 4,
+                 n_kv_heads: int = 2, ffn: int = 192, seed: int = 0) -> int:
+    """A random checkpoint of the released `repo` (RELEASES) at these sizes, in its exact format: config.json,
+    generation_config.json, the weights in its real shards, its tokenizer files and chat template. Every special id
+    keeps its real distance from the end of the vocabulary: vocab=REAL_VOCAB[family] gives the real ids.
+    Returns the weights' bytes."""
+    row = RELEASES[repo]
+    if held_checkpoint(folder, folder) is not None:
+        raise ValueError(f"{folder} already holds a checkpoint: pass a new or empty folder")
+    at = lambda i: i - REAL_VOCAB[row["family"]] + vocab       # noqa: E731  (a real id -> its id here)
+    hf = hf_config(row["family"], d_model, n_layers, vocab, n_heads, n_kv_heads, ffn)
+    hf.update({key: at(i) for key, i in row["ids"].items()})
+    total = write_weights(folder, hf, row["shards"], 1.13, 13.0, seed, "cpu")
+    files = {"config.json": hf}
+    if row["generation"] is not None:
+        eos = row["generation"].get("eos_token_id", hf["eos_token_id"])
+        files["generation_config.json"] = {**row["generation"], "bos_token_id": hf["bos_token_id"],
+                                           "pad_token_id": hf["pad_token_id"],
+                                           "eos_token_id": [at(i) for i in eos] if isinstance(eos, list) else eos}
+    for name, obj in files.items():
+        with open(os.path.join(folder, name), "w") as f:
+            json.dump(obj, f, indent=2)
+    write_release_tokenizer(folder, row, at)
+    with open(os.path.join(folder, MARKER), "w") as f:
+        json.dump(dict(written_by="tools/checkpoint.py", release=repo, config=hf, seed=seed), f, indent=2)
+    return total
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -303,7 +479,11 @@ def load_random(args, hf, device, dtype):
 
 def main(argv=None):
     p = Parser(prog="tools/checkpoint.py", description="Write a random checkpoint in the real on-disk format.")
-    p.add_argument("out", type=nonempty, help="the folder to write (new or empty)")
+    p.add_argument("out", type=nonempty, nargs="?", help="the folder to write (new or empty)")
+    p.add_argument("--release", choices=RELEASES, metavar="REPO", help="a released checkpoint's exact format at "
+                   "tiny sizes (tests' size; no shape flags): " + ", ".join(RELEASES))
+    p.add_argument("--sizes", action="store_true", help="print each released checkpoint's bf16 weight bytes at its "
+                   "real size (parameters x 2), then exit")
     shape_arguments(p)
     p.add_argument("--tokenizer", action="store_true", help="also write a word-level tokenizer.json with the "
                    "family's special tokens (lladamoe), for the command line")
@@ -311,6 +491,21 @@ def main(argv=None):
     if args.tokenizer and args.family not in TOKENIZER_SPECIALS:
         raise ValueError(f"--tokenizer writes {', '.join(TOKENIZER_SPECIALS)} tokenizers only: for {args.family}, "
                          f"copy a real tokenizer into the folder")
+    if args.sizes:
+        for repo in RELEASES:
+            print(f"{repo}: {release_bytes(repo):,} bytes ({release_bytes(repo) / 1e9:.2f} GB)")
+        return
+    if not args.out:
+        raise ValueError("no folder to write: pass one (or --sizes)")
+    if args.release:
+        changed = sorted(k for k in SHAPE_DESTS if getattr(args, k) != p.get_default(k))
+        if changed:
+            raise ValueError(f"--{changed[0].replace('_', '-')} does not apply with --release, which writes the "
+                             f"release's tiny test size: drop it")
+        held_checkpoint(args.out, args.out)
+        size = make_release(args.out, args.release)
+        print(f"{args.out}: {args.release} at tiny sizes, {size / 1e6:.2f} MB of weights")
+        return
     hf = shape_config(args)
     held_checkpoint(args.out, args.out)
     check_fits(hf, args.out, torch.device("cpu"), torch.bfloat16)    # the shards are made in bf16 in memory
@@ -319,6 +514,8 @@ def main(argv=None):
         write_word_tokenizer(args.out, args.family)
     print(f"{args.out}: {size / 1e9:.3f} GB")
 
+
+SHAPE_DESTS = {"family", "d_model", "layers", "heads", "kv_heads", "ffn", "vocab", "shards", "gain", "logit_std"}
 
 if __name__ == "__main__":
     try:

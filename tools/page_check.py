@@ -1,8 +1,9 @@
 """
 tools/page_check.py: the browser check of serve.py's live page (a documented script, not a CI test).
 
-    python tools/page_check.py                        # every check, then docs/page.png (about 40 s)
-    python tools/page_check.py --only cut,ctrl-enter  # some checks, no screenshot
+    python tools/page_check.py                        # every check (about 30 s); writes no file
+    python tools/page_check.py --only cut,ctrl-enter  # some checks
+    python tools/page_check.py --out docs/page.png    # every check, then the docs' screenshot
     python tools/page_check.py --out /tmp/p.png --query "threshold=0.5&step=2"
 
 It starts `python serve.py` on the demo model on a free port and opens the page in a real headless Chromium
@@ -12,8 +13,9 @@ Chromium's virtual clock, before a streamed response has arrived. The checks pre
 or Ctrl+Enter), wait for the page to settle and compare what it shows with the server's own answer for the same
 settings. Failures the demo server cannot produce on demand (a 500, a stream cut mid-way, a 2048-token answer)
 come from a stand-in for `fetch` installed in the page (FAULTS below): it passes every other request through,
-and cuts or replaces only the next one it is told to. Then it saves the screenshot. Each check prints PASS or
-FAIL with what it saw; the exit status is 1 if any failed. Standard library only; every wait has a timeout.
+and cuts or replaces only the next one it is told to. The screenshot check compares the page at --query with the
+API's answer, and saves it only where --out says. Each check prints PASS or FAIL with what it saw; the exit
+status is 1 if any failed. Standard library only; every wait has a timeout.
 """
 import argparse
 import base64
@@ -238,7 +240,7 @@ def truth(base: str, prompt: str, **settings) -> dict:
     n = done["fastdllm"]["nfe"]
     labels = [f"step {e['step']} of {n}" for e in events if e["type"] == "step"]
     labels += [f"after step {n}: the rest filled with end of text"] if done["filled"] else []
-    return {"answer": done["text"], "nfe": str(n), "labels": labels}
+    return {"answer": done["text"], "nfe": str(n), "labels": labels, "events": events}
 
 
 def long_answer(gen: int = 2048, steps: int = 1024) -> list:
@@ -319,6 +321,55 @@ def clicks(page, base):
         page.click()
     page.settle()
     return same_run(page, want)
+
+
+# The legend's end-of-text swatch, and the colours of the end cells at the frame on show: in the canvas (those
+# not highlighted as committed this step) and in the trace's row of that frame.
+END_COLOURS = """(() => {
+  const bg = e => getComputedStyle(e).backgroundColor.replace(/ /g, "");
+  const legend = [...document.querySelectorAll(".legend span")].find(s => s.textContent.trim() === "end of text");
+  const spans = [...document.querySelectorAll("#canvas .tok")], t = run.trace, k = run.drawn;
+  const g = $("trace").getContext("2d"), y = Math.floor((k - 1) * t.pitch + 1 + t.ch / 2);
+  const trace = spans.map((s, p) => s.textContent === "EOS" && !s.classList.contains("new") ?
+    g.getImageData(Math.floor(t.left + (p + 0.5) * t.cw), y, 1, 1).data.slice(0, 3).join(",") : null);
+  return {swatch: bg(legend.querySelector("i")), highlighted: spans.filter(s => s.classList.contains("new")).length,
+          canvas: spans.filter(s => s.textContent === "EOS" && !s.classList.contains("new")).map(bg),
+          trace: trace.filter(Boolean).map(c => `rgb(${c})`)};
+})()"""
+
+
+def fill(threshold):
+    """The early stop sets the positions after a finished answer to end of text within the step that ended it.
+    The page counted them as committed ("step 16 of 16 · 17 committed" one token per step) and drew them
+    yellow, as committed this step, where the legend says end of text is grey. The truth is generate()'s own
+    count: tokens_per_call x NFE tokens committed by the model, the rest of the step events' cells filled."""
+    def run_check(page, base):
+        want = truth(base, PROMPT, threshold=threshold)
+        steps, done = [e for e in want["events"] if e["type"] == "step"], want["events"][-1]
+        x = done["fastdllm"]
+        filled = sum(len(e["committed"]) for e in steps) - round(x["tokens_per_call"] * x["nfe"])
+        last = len(steps[-1]["committed"]) - filled
+        label = f"step {x['nfe']} of {x['nfe']} · {last} committed" + \
+            f" · {filled} filled with end of text" * bool(filled) + " · 0 masked"
+        page.load(f"threshold={threshold or 'off'}&speed=0")
+        page.click()
+        s = page.settle()
+        out = [] if s["step"] == label else [f"the last step reads {s['step']!r}, not {label!r}"]
+        if not filled:
+            out.append("the server's stream has no fill to check (the demo's answer should end early)")
+        time.sleep(0.7)               # the cells' colour transition
+        c = page.js(END_COLOURS)
+        if c["highlighted"] != last:
+            out.append(f"{c['highlighted']} cells are highlighted as committed this step, not {last}")
+        for where in ("canvas", "trace"):
+            if not c[where] or set(c[where]) != {c["swatch"]}:
+                out.append(f"the {where}'s end cells are {sorted(set(c[where]))}, the legend's swatch {c['swatch']}")
+        return out + same_run(page, want)
+    return run_check
+
+
+CHECKS["fill-one-per-step"] = fill(None)
+CHECKS["fill-threshold"] = fill(0.9)
 
 
 @check("labels")
@@ -493,18 +544,20 @@ def screenshot(page: Page, base: str, args) -> list:
     if (s["nfe"], s["answer"]) != (str(want["fastdllm"]["nfe"]), want["message"]["content"]):
         out.append(f"NFE {s['nfe']} answer {s['answer']!r} on the page, the API's {want['fastdllm']['nfe']} "
                    f"{want['message']['content']!r}")
-    time.sleep(0.6)                   # the highlight's pop animation
-    png = base64.b64decode(page.browser.call("Page.captureScreenshot", format="png")["data"])
-    with open(args.out, "wb") as f:
-        f.write(png)
-    print(f"wrote {args.out} ({len(png)} bytes) from {page.base}?{query}")
+    if args.out:
+        time.sleep(0.6)               # the highlight's pop animation
+        png = base64.b64decode(page.browser.call("Page.captureScreenshot", format="png")["data"])
+        with open(args.out, "wb") as f:
+            f.write(png)
+        print(f"wrote {args.out} ({len(png)} bytes) from {page.base}?{query}")
     return out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.path.join(ROOT, "docs", "page.png"), help="the screenshot (PNG)")
-    p.add_argument("--only", help=f"comma-separated checks to run, no screenshot: {','.join(CHECKS)},server-down")
+    p.add_argument("--out", help="save the screenshot check's page as this PNG (default: none; docs/page.png is "
+                   "the one docs/serve.md shows)")
+    p.add_argument("--only", help=f"comma-separated checks to run: {','.join(CHECKS)},screenshot,server-down")
     p.add_argument("--query", default="threshold=0.9&step=4", help="page URL parameters of the screenshot: the "
                    "form's fields, and step=N to stop the replay at step N (speed=0 is added)")
     p.add_argument("--prompt", default=PROMPT)
@@ -513,7 +566,8 @@ def main():
     names = args.only.split(",") if args.only else [*CHECKS, "screenshot", "server-down"]
     unknown = set(names) - {*CHECKS, "screenshot", "server-down"}
     if unknown:
-        sys.exit(f"no such check: {', '.join(sorted(unknown))} (choose from {', '.join(CHECKS)}, server-down)")
+        sys.exit(f"no such check: {', '.join(sorted(unknown))} (choose from {', '.join(CHECKS)}, screenshot, "
+                 f"server-down)")
     exe = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
     if exe is None:
         sys.exit("no chromium found: apt-get install chromium")

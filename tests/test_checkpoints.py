@@ -1,0 +1,249 @@
+"""
+Every released checkpoint of the two families (README's model table, docs/models.md), as a tiny random checkpoint
+in its exact on-disk format (tools/checkpoint.py RELEASES): its files are the real ones' (config keys, tensor
+names, dtype, shards, tokenizer files, template file), its special ids and chat template are read from those
+files, and the public paths answer on it offline: `python fastdllm.py --model <folder>`, cli.main in every
+cache mode, serve.py. The template check renders each checkpoint's own template text with jinja2 (the
+library transformers renders it with) and compares it with chat.Chat's written-out one.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import urllib.request
+
+import pytest
+from safetensors import safe_open
+
+import cli
+from chat import Chat, chat_template
+from conftest import GOLDEN, ROOT
+from model import checkpoint_names, load_model, read_config
+from tools.checkpoint import REAL_VOCAB, RELEASES, make_release
+
+FLAGS = ["--gen-length", "16", "--block-length", "8"]
+CONVERSATIONS = [
+    [{"role": "user", "content": " Write a sort in Python.\n"}],
+    [{"role": "system", "content": "Answer in one line."}, {"role": "user", "content": "the cat"}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
+]
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory):
+    """repo -> a tiny checkpoint folder of it (vocab 1024: the special ids at their real distance from the end)."""
+    root = tmp_path_factory.mktemp("releases")
+    folders = {}
+    for i, repo in enumerate(RELEASES):
+        folders[repo] = str(root / str(i))
+        make_release(folders[repo], repo)
+    return folders
+
+
+def tiny_id(repo: str, real_id: int, vocab: int = 1024) -> int:
+    return real_id - REAL_VOCAB[RELEASES[repo]["family"]] + vocab
+
+
+def read(folder, name):
+    with open(os.path.join(folder, name)) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("repo", RELEASES)
+def test_files_are_the_real_format(releases, repo):
+    """config.json has every key of the real file (the golden tiny configs are copies of the real ones); the
+    tensors have the real names, bf16, in the real number of shards named by the index; the tokenizer files are
+    the family's (LLaDA: tokenizer.json; Dream: Qwen2's slow files), the template where the checkpoint keeps it."""
+    d, row = releases[repo], RELEASES[repo]
+    golden = read(os.path.join(GOLDEN, f"{row['family']}-tiny"), "config.json")
+    hf = read(d, "config.json")
+    assert set(hf) == set(golden) and hf["model_type"] == golden["model_type"]
+    assert hf["architectures"] == golden["architectures"]
+    index = read(d, "model.safetensors.index.json")["weight_map"]
+    assert set(index) == set(checkpoint_names(read_config(d)))
+    assert sorted(set(index.values())) == [f"model-{i:05d}-of-{row['shards']:05d}.safetensors"
+                                           for i in range(1, row["shards"] + 1)]
+    for file in set(index.values()):
+        with safe_open(os.path.join(d, file), framework="pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    files = set(os.listdir(d))
+    tokenizer = {"tokenizer.json"} if row["tokenizer"] == "tokenizer.json" else {"vocab.json", "merges.txt",
+                                                                                 "added_tokens.json"}
+    assert tokenizer | {"tokenizer_config.json", "special_tokens_map.json"} <= files
+    in_config = "chat_template" in read(d, "tokenizer_config.json")
+    assert in_config == (row["template_file"] is None) and ("chat_template.jinja" in files) == (not in_config)
+    assert ("generation_config.json" in files) == (row["generation"] is not None)
+
+
+@pytest.mark.parametrize("repo", RELEASES)
+def test_chat_renders_the_checkpoints_own_template(releases, repo):
+    """Chat.render (written out) equals the checkpoint's own template text rendered by jinja2, as transformers'
+    apply_chat_template renders it (trim_blocks, lstrip_blocks; bos_token from the tokenizer files)."""
+    jinja2 = pytest.importorskip("jinja2")
+    d = releases[repo]
+    chat = Chat(d, read_config(d))
+    template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(chat_template(d))
+    bos = read(d, "tokenizer_config.json")["bos_token"]
+    assert chat.chat
+    for messages in CONVERSATIONS:
+        assert chat.render(messages) == template.render(messages=messages, bos_token=bos, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("repo", RELEASES)
+def test_special_ids_come_from_the_files(releases, repo):
+    """The mask is config.json's and is the tokenizer's mask token; an answer ends at config.json's eos, the
+    template's end of turn, and (DiffuCoder-Instruct, cpGRPO) the tokenizer's pad <|dlm_pad|>: the model card
+    cuts its answers there, while config.json's pad_token_id stays <|endoftext|>."""
+    d, row = releases[repo], RELEASES[repo]
+    cfg, chat = read_config(d), Chat(d, read_config(d))
+    assert chat.tok.id_to_token(cfg.mask_id) == row["mask"]
+    if row["family"] == "llada":
+        ends = {126081, 126348}                   # <|endoftext|>, <|eot_id|>
+    else:
+        ends = {151643, 151645} | ({151667} if row["pad"] == "<|dlm_pad|>" else set())   # + <|im_end|>, <|dlm_pad|>
+    assert chat.stop_ids == {tiny_id(repo, i) for i in ends}
+    assert cfg.pad_id == tiny_id(repo, 126081 if row["family"] == "llada" else 151643)
+    word = chat.encode(" the")
+    pad = chat.tok.token_to_id(row["pad"])
+    assert chat.answer(word + [pad] + word) == "the"
+
+
+@pytest.mark.parametrize("repo,ids", [("apple/DiffuCoder-7B-Instruct", {151643, 151645, 151667}),
+                                      ("GSAI-ML/LLaDA-1.5", {126081, 126348})])
+def test_the_real_vocabulary_gets_the_real_ids(tmp_path, repo, ids):
+    """At the real vocabulary size every special id is the real one (a narrow, one-layer model keeps it small)."""
+    d = str(tmp_path / "m")
+    make_release(d, repo, d_model=8, n_layers=1, vocab=REAL_VOCAB[RELEASES[repo]["family"]], n_heads=1,
+                 n_kv_heads=1, ffn=8)
+    cfg = read_config(d)
+    chat = Chat(d, cfg)
+    assert cfg.mask_id == (126336 if "LLaDA" in repo else 151666) and chat.stop_ids == ids
+    prompt = chat.encode(chat.render([{"role": "user", "content": "hi"}]))
+    assert prompt[0] == (126080 if "LLaDA" in repo else 151644)     # <|startoftext|> / <|im_start|>
+
+
+def test_template_and_ids_follow_the_files_not_the_name(releases, tmp_path):
+    """Nothing is keyed to a repo: edit DiffuCoder-Base's files and the default system prompt and the end ids
+    follow them (its template names another system prompt, its tokenizer another pad)."""
+    d = str(tmp_path / "edited")
+    shutil.copytree(releases["apple/DiffuCoder-7B-Base"], d)
+    path = os.path.join(d, "chat_template.jinja")
+    with open(path) as f:
+        text = f.read()
+    with open(path, "w") as f:
+        f.write(text.replace("You are a helpful assistant.", "You write Python. It\\'s short.\\nNo prose."))
+    config = read(d, "tokenizer_config.json")
+    config["pad_token"] = "<|fim_pad|>"
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    chat = Chat(d, read_config(d))
+    assert chat.render([{"role": "user", "content": "x"}]).startswith(
+        "<|im_start|>system\nYou write Python. It's short.\nNo prose.<|im_end|>\n<|im_start|>user\nx")
+    assert chat.tok.token_to_id("<|fim_pad|>") in chat.stop_ids
+
+
+def cli_run(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "fastdllm.py"), *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("repo", RELEASES)
+def test_fastdllm_answers_offline(releases, repo):
+    """`python fastdllm.py --model <folder>` as a user runs it, with the CLI's headline defaults."""
+    r = cli_run("--model", releases[repo], "--prompt", "Write a sort in Python.", *FLAGS)
+    assert r.returncode == 0, r.stderr
+    answer, stats = r.stdout.rstrip("\n").split("\n")[-2:]
+    assert stats.startswith("NFE ") and "tokens/s" in stats
+    assert "<|" not in answer                     # specials never show: the answer is cut at the first end token
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual", "free"])
+@pytest.mark.parametrize("repo", RELEASES)
+def test_every_cache_mode_answers(releases, repo, cache, monkeypatch, capsys):
+    """cli.main in each cache mode: an answer and its stats, and generate() got the checkpoint's end ids."""
+    calls, real = [], cli.generate
+    monkeypatch.setattr(cli, "generate", lambda model, prompt, **kw: calls.append(kw) or real(model, prompt, **kw))
+    assert cli.main(["--model", releases[repo], "--prompt", "the cat", "--cache", cache, *FLAGS]) is None
+    lines = capsys.readouterr().out.splitlines()
+    assert re.match(r"NFE \d+ \| ", lines[-1])
+    d = releases[repo]
+    assert [kw["cache"] for kw in calls] == [cache] and calls[0]["eos_ids"] == sorted(Chat(d, read_config(d)).stop_ids)
+
+
+def test_served_diffucoder_answers(releases):
+    """serve.py on DiffuCoder-Instruct: a chat completion, its answer cut at the checkpoint's end ids."""
+    import serve
+    d = releases["apple/DiffuCoder-7B-Instruct"]
+    app = serve.build(serve.parse_args(["--model", d, *FLAGS, "--port", "0", "--quiet"]))
+    httpd = serve.make_server(app, "127.0.0.1", 0)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        body = json.dumps({"messages": [{"role": "user", "content": "Write a sort in Python."}]}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{httpd.server_address[1]}/v1/chat/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = json.loads(r.read())
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        app.engine.stop()
+    assert isinstance(out["choices"][0]["message"]["content"], str) and out["choices"][0]["fastdllm"]["nfe"] >= 1
+    assert tiny_id("apple/DiffuCoder-7B-Instruct", 151667) in app.chat.stop_ids
+
+
+def one_line_error(r, *words):
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert all(w in r.stderr for w in words), r.stderr
+
+
+def test_unknown_or_wrong_architecture_is_one_line(releases, tmp_path):
+    """An architecture we do not run (a model_type no row has), or a config that does not describe its
+    weights (LLaDA-1.5's tensors under Dream-Coder's config.json), is one line; nothing loads half a model."""
+    d = str(tmp_path / "unknown")
+    shutil.copytree(releases["apple/DiffuCoder-7B-cpGRPO"], d)
+    hf = read(d, "config.json")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump({**hf, "model_type": "DiffuCoderMoE", "architectures": ["DiffuCoderMoEModel"]}, f)
+    one_line_error(cli_run("--model", d, "--prompt", "x", *FLAGS), "DiffuCoderMoE")
+    d = str(tmp_path / "wrong")
+    shutil.copytree(releases["GSAI-ML/LLaDA-1.5"], d)
+    shutil.copy(os.path.join(releases["Dream-org/Dream-Coder-v0-Instruct-7B"], "config.json"), d)
+    one_line_error(cli_run("--model", d, "--prompt", "x", "--no-chat", *FLAGS), "model.transformer")
+    with pytest.raises(ValueError, match="unexpected tensor"):
+        load_model(d, device="cpu")
+
+
+def test_a_template_we_do_not_write_out_is_one_line(releases, tmp_path):
+    """A chat template in neither format, or one whose markers the tokenizer lacks, is refused (never rendered
+    wrong); --no-chat sends the raw prompt."""
+    d = str(tmp_path / "m")
+    shutil.copytree(releases["apple/DiffuCoder-7B-Instruct"], d)
+    with open(os.path.join(d, "chat_template.jinja"), "w") as f:
+        f.write("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    one_line_error(cli_run("--model", d, "--prompt", "x", *FLAGS), "neither LLaDA's", "--no-chat")
+    r = cli_run("--model", d, "--prompt", "x", "--no-chat", *FLAGS)
+    assert r.returncode == 0, r.stderr
+    d = str(tmp_path / "llada")
+    shutil.copytree(releases["GSAI-ML/LLaDA-1.5"], d)
+    with open(os.path.join(d, "tokenizer_config.json")) as f:
+        config = json.load(f)
+    config["chat_template"] = config["chat_template"].replace("<|eot_id|>", "<|im_end|>").replace(
+        "<|start_header_id|>", "<|im_start|>")
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    one_line_error(cli_run("--model", d, "--prompt", "x", *FLAGS), "<|im_start|>", "which its tokenizer lacks")
+
+
+def test_weight_bytes_of_the_real_sizes(capsys):
+    """README's GPU memory column: parameters x 2 bytes at each release's real config. LLaDA-8B's equals its
+    safetensors index's total_size (16,031,162,368, spec/llada.md); the Dream-7B shape's 15.23 GB is what
+    DiffuCoder-7B's four shards add up to on its model page (4.88 + 4.93 + 4.33 + 1.09 GB)."""
+    from tools import checkpoint
+    assert checkpoint.release_bytes("GSAI-ML/LLaDA-1.5") == 16_031_162_368
+    assert checkpoint.release_bytes("apple/DiffuCoder-7B-cpGRPO") == 15_231_233_024
+    checkpoint.main(["--sizes"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(RELEASES) and lines[-1] == "apple/DiffuCoder-7B-cpGRPO: 15,231,233,024 bytes (15.23 GB)"
