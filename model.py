@@ -1,19 +1,23 @@
 """
-model.py: tokens -> logits for the two masked-diffusion LLM families we run and for the small causal model
-that guides them, and nothing else.
+model.py: tokens -> logits for the masked-diffusion LLM families we run and for the small causal model that
+guides them, and nothing else.
 
-- LLaDA-8B (config.json `model_type: "llada"`): a Llama-style "llama" block model, plain multi-head
+- LLaDA-8B / LLaDA-1.5 (config.json `model_type: "llada"`): a Llama-style "llama" block model, plain multi-head
   attention, no biases, SwiGLU MLP, untied LM head, RMSNorm, rotate-half RoPE (theta 500000).
+- LLaDA-MoE-7B-A1B (`model_type: "lladamoe"`, or `"llada"` with `LLaDAMoEModelLM`): the same diffusion LM with an
+  OLMoE-style block: q/k RMSNorm per head, and a sparse mixture of experts (a router's top-k of 64 experts)
+  in place of the MLP (`MoE`, spec/lladamoe.md).
 - Dream-7B (`model_type: "Dream"`): the Qwen2.5-7B layout with grouped-query attention and q/k/v biases,
-  and a next-token LM head, hence the one-position logits shift (see `Transformer.forward`).
+  and a next-token LM head, hence the one-position logits shift (see `Transformer.logits`).
 - The guide of FlashDLM's guided diffusion (arXiv 2505.21467; spec/flashdlm.md 2; Qwen2.5-1.5B-Instruct for Dream-7B,
   `model_type: "qwen2"`): the same Qwen2 blocks as Dream, but an ordinary autoregressive LM: causal attention,
   no logits shift, and usually a tied LM head. guided.Guide holds its state (the KV cache of committed text).
 
 The diffusion families are run *bidirectionally*: a diffusion LM predicts every masked position from the whole
-canvas, so attention has no causal mask; only the guide masks the future. Weights are read straight from the
-Hugging Face safetensors with one explicit name table per family (`WEIGHT_MAP`); there is no `transformers` and
-no remote code. Decoding policies live in sampler.py, the loop in fastdllm.py, the KV cache in cache.py.
+canvas, so attention has no causal mask; only the guide masks the future. What each checkpoint architecture needs
+(how its config.json reads, its tensor names, what we refuse) is one row of archs.py's `ARCHS`; weights are read
+straight from the Hugging Face safetensors, with no `transformers` and no remote code. Decoding policies live in
+sampler.py, the loop in fastdllm.py, the KV cache in cache.py.
 """
 import json
 import math
@@ -24,18 +28,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from archs import ARCHS, WEIGHT_MAP, MoEConfig, arch_of  # noqa: F401  (model.WEIGHT_MAP for callers)
 from cache import KVCache
 
 
 @dataclass
 class ModelConfig:
-    family: str = "llada"      # "llada" | "dream" | "qwen2": weight table, RoPE precision, logits alignment, masking
+    family: str = "llada"      # the decoding family: "llada" | "dream" | "qwen2" (sampler, chat template, checks)
     vocab_size: int = 1024     # rows of the embedding / LM head (LLaDA: `embedding_size`, larger than the tokenizer)
     dim: int = 32
     n_layers: int = 2
     n_heads: int = 4
     n_kv_heads: int = 4        # < n_heads means grouped-query attention (Dream-7B: 28 query heads, 4 kv heads)
-    ffn_dim: int = 64
+    ffn_dim: int = 64          # the dense MLP's width (LLaDA-MoE: its dense layers', dense_intermediate_size)
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     qkv_bias: bool = False     # Dream's q/k/v projections have biases, LLaDA's do not
@@ -46,119 +51,59 @@ class ModelConfig:
     pad_id: int | None = None
     bos_id: int | None = None
     tie_embeddings: bool = False   # the LM head *is* the embedding matrix (Qwen2.5 <= 3B: tie_word_embeddings)
+    arch: str = ""             # the row of ARCHS that reads this checkpoint (default: the family's own)
+    qk_norm: bool = False      # RMSNorm over each head's q and k before RoPE (LLaDA-MoE qk_layernorm)
+    clip_qkv: float | None = None  # clamp q, k, v to [-c, c] (LLaDA-MoE clip_qkv)
+    rope_fraction: float = 1.0     # RoPE rotates the first head_dim * this dims (partial_rotary_factor)
+    moe: MoEConfig | None = None
 
     def __post_init__(self):
         if not self.eos_ids and self.eos_id is not None:
             self.eos_ids = (self.eos_id,)
+        self.arch = self.arch or self.family
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
     @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope_fraction)    # as HF's default RoPE init rounds it
+
+    @property
     def shift_logits(self) -> bool:
         # Dream keeps Qwen's next-token head: hidden state i predicts token i+1 (spec/dream.md section 4).
-        return self.family == "dream"
+        return ARCHS[self.arch].shift_logits
 
     @property
     def rope_fp32(self) -> bool:
-        # LLaDA rotates q/k in float32 (`rope_full_precision`); Dream casts cos/sin to the activation dtype.
-        return self.family == "llada"
+        # LLaDA rotates q/k in float32 (`rope_full_precision`); Dream and LLaDA-MoE cast cos/sin to the activations'.
+        return ARCHS[self.arch].rope_fp32
 
     @property
     def causal(self) -> bool:
         # The guide is an autoregressive LM: row i sees tokens 0..i only and predicts token i+1 (no shift needed
         # because nothing is masked: its logits row i is "the next token after i", as the verifier wants them).
-        return self.family == "qwen2"
+        return ARCHS[self.arch].causal
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
-        """Translate a Hugging Face config.json dict. Dispatch is on `model_type`, never on a folder name."""
-        kind = str(hf.get("model_type", "")).lower()
-        for key, value in UNSUPPORTED.get(kind, {}).items():
+        """Translate a Hugging Face config.json dict through its row of ARCHS (never a folder name)."""
+        name = arch_of(hf)
+        if name is None:
+            known = ", ".join(f"{a.title} (model_type {a.model_types[0]!r})" for a in ARCHS.values())
+            raise ValueError(f"unknown model_type {hf.get('model_type')!r} in config.json: fastdllm runs {known} "
+                             f"checkpoints")
+        a = ARCHS[name]
+        for key, value in a.fixed.items():
             if hf.get(key, value) != value:   # an architecture variant we would otherwise load silently wrong
-                raise ValueError(f"config.json sets {key} = {hf[key]!r}; fastdllm implements the LLaDA-8B / "
-                                 f"Dream-7B / Qwen2.5 architecture ({key} = {value!r}) only")
+                raise ValueError(f"config.json sets {key} = {hf[key]!r}; fastdllm implements {a.title} with "
+                                 f"{key} = {value!r} only")
         # eos_token_id may be a list (Qwen2.5's generation config lists two): every one of them ends the text.
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else () if eos is None else (eos,)
-        ids = dict(eos_id=eos_ids[0] if eos_ids else None, eos_ids=eos_ids, pad_id=hf.get("pad_token_id"),
-                   bos_id=hf.get("bos_token_id"))
-        if kind == "llada":
-            return cls(family="llada", vocab_size=hf.get("embedding_size") or hf["vocab_size"], dim=hf["d_model"],
-                       n_layers=hf["n_layers"], n_heads=hf["n_heads"], n_kv_heads=hf.get("n_kv_heads") or hf["n_heads"],
-                       ffn_dim=hf["mlp_hidden_size"], rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"],
-                       qkv_bias=bool(hf.get("include_qkv_bias")),
-                       max_seq_len=hf["max_sequence_length"], mask_id=hf.get("mask_token_id", 126336), **ids)
-        if kind == "dream":
-            return cls(family="dream", vocab_size=hf["vocab_size"], dim=hf["hidden_size"],
-                       n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
-                       n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-                       ffn_dim=hf["intermediate_size"], rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"],
-                       qkv_bias=True, max_seq_len=hf["max_position_embeddings"], mask_id=hf["mask_token_id"], **ids)
-        if kind == "qwen2":
-            # The guide: Dream's blocks (Qwen2 hard-codes q/k/v biases; there is no attention_bias field), no mask.
-            return cls(family="qwen2", vocab_size=hf["vocab_size"], dim=hf["hidden_size"],
-                       n_layers=hf["num_hidden_layers"], n_heads=hf["num_attention_heads"],
-                       n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-                       ffn_dim=hf["intermediate_size"], rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"],
-                       qkv_bias=True, max_seq_len=hf["max_position_embeddings"], mask_id=None,
-                       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), **ids)
-        raise ValueError(f"unknown model_type {hf.get('model_type')!r} in config.json: fastdllm runs LLaDA "
-                         f"(model_type 'llada') and Dream (model_type 'Dream') checkpoints only, guided by a "
-                         f"Qwen2 model (model_type 'qwen2')")
-
-
-# config.json fields whose other values change the architecture, with the value both real models use.
-UNSUPPORTED = {
-    "llada": {"block_type": "llama", "layer_norm_type": "rms", "activation_type": "silu", "rope": True,
-              "alibi": False, "include_bias": False, "weight_tying": False, "input_emb_norm": False,
-              "scale_logits": False, "attention_layer_norm": False},
-    "dream": {"hidden_act": "silu", "tie_word_embeddings": False, "rope_scaling": None, "use_sliding_window": False},
-    # tie_word_embeddings may be either: Qwen2.5-0.5B..3B tie the head, 7B and up do not.
-    "qwen2": {"hidden_act": "silu", "rope_scaling": None, "use_sliding_window": False},
-}
-
-# Our parameter name -> checkpoint name, one table per family ({} = layer index). Mirrors the checkpoints;
-# the traps are LLaDA's `ff_out` (MLP down-proj inside a block, LM head at top level) and `ff_proj` (= gate).
-WEIGHT_MAP = {
-    "llada": {
-        "embed.weight": "model.transformer.wte.weight",
-        "layers.{}.attn_norm.weight": "model.transformer.blocks.{}.attn_norm.weight",
-        "layers.{}.attn.wq.weight": "model.transformer.blocks.{}.q_proj.weight",
-        "layers.{}.attn.wk.weight": "model.transformer.blocks.{}.k_proj.weight",
-        "layers.{}.attn.wv.weight": "model.transformer.blocks.{}.v_proj.weight",
-        "layers.{}.attn.wq.bias": "model.transformer.blocks.{}.q_proj.bias",      # only with include_qkv_bias
-        "layers.{}.attn.wk.bias": "model.transformer.blocks.{}.k_proj.bias",
-        "layers.{}.attn.wv.bias": "model.transformer.blocks.{}.v_proj.bias",
-        "layers.{}.attn.wo.weight": "model.transformer.blocks.{}.attn_out.weight",
-        "layers.{}.mlp_norm.weight": "model.transformer.blocks.{}.ff_norm.weight",
-        "layers.{}.mlp.w_gate.weight": "model.transformer.blocks.{}.ff_proj.weight",
-        "layers.{}.mlp.w_up.weight": "model.transformer.blocks.{}.up_proj.weight",
-        "layers.{}.mlp.w_down.weight": "model.transformer.blocks.{}.ff_out.weight",
-        "norm.weight": "model.transformer.ln_f.weight",
-        "lm_head.weight": "model.transformer.ff_out.weight",
-    },
-    "dream": {
-        "embed.weight": "model.embed_tokens.weight",
-        "layers.{}.attn_norm.weight": "model.layers.{}.input_layernorm.weight",
-        "layers.{}.attn.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
-        "layers.{}.attn.wq.bias": "model.layers.{}.self_attn.q_proj.bias",
-        "layers.{}.attn.wk.weight": "model.layers.{}.self_attn.k_proj.weight",
-        "layers.{}.attn.wk.bias": "model.layers.{}.self_attn.k_proj.bias",
-        "layers.{}.attn.wv.weight": "model.layers.{}.self_attn.v_proj.weight",
-        "layers.{}.attn.wv.bias": "model.layers.{}.self_attn.v_proj.bias",
-        "layers.{}.attn.wo.weight": "model.layers.{}.self_attn.o_proj.weight",
-        "layers.{}.mlp_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
-        "layers.{}.mlp.w_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
-        "layers.{}.mlp.w_up.weight": "model.layers.{}.mlp.up_proj.weight",
-        "layers.{}.mlp.w_down.weight": "model.layers.{}.mlp.down_proj.weight",
-        "norm.weight": "model.norm.weight",
-        "lm_head.weight": "lm_head.weight",
-    },
-}
-# The guide's checkpoint uses Dream's names (both are Qwen2 layouts); a tied head has no lm_head.weight.
-WEIGHT_MAP["qwen2"] = WEIGHT_MAP["dream"]
+        return cls(family=a.family, arch=name, eos_id=eos_ids[0] if eos_ids else None, eos_ids=eos_ids,
+                   pad_id=hf.get("pad_token_id"), bos_id=hf.get("bos_token_id"), **a.read(hf))
 
 
 class RMSNorm(nn.Module):
@@ -168,22 +113,25 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Both official models normalise in float32, cast back, *then* scale by the weight.
+        # Every official model normalises in float32, casts back, *then* scales by the weight.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
 
-def rope_cos_sin(pos: torch.Tensor, head_dim: int, theta: float):
-    """cos/sin of shape (B, 1, T, head_dim) in float32 for integer positions `pos` (B, T)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=pos.device, dtype=torch.float32) / head_dim))
-    angles = pos.float()[..., None] * inv_freq                      # (B, T, head_dim/2)
-    emb = torch.cat((angles, angles), dim=-1)[:, None]               # (B, 1, T, head_dim): rotate-half layout
+def rope_cos_sin(pos: torch.Tensor, rotary_dim: int, theta: float):
+    """cos/sin of shape (B, 1, T, rotary_dim) in float32 for integer positions `pos` (B, T)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=pos.device, dtype=torch.float32) / rotary_dim))
+    angles = pos.float()[..., None] * inv_freq                      # (B, T, rotary_dim/2)
+    emb = torch.cat((angles, angles), dim=-1)[:, None]               # (B, 1, T, rotary_dim): rotate-half layout
     return emb.cos(), emb.sin()
 
 
 def apply_rope(x, cos, sin, fp32: bool):
-    # Rotate-half (NeoX / HF Llama) convention, as both checkpoints were trained: no weight permutation needed.
+    # Rotate-half (NeoX / HF Llama) convention, as every checkpoint was trained: no weight permutation needed.
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:   # partial rotary (LLaDA-MoE partial_rotary_factor < 1): the rest of the head passes as is
+        return torch.cat((apply_rope(x[..., :rd], cos, sin, fp32), x[..., rd:]), dim=-1)
     dtype = x.dtype
     if fp32:
         x = x.float()
@@ -202,20 +150,27 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
+        if cfg.qk_norm:    # LLaDA-MoE: one head_dim-wide RMSNorm weight, shared by every head
+            self.q_norm, self.k_norm = RMSNorm(hd, cfg.norm_eps), RMSNorm(hd, cfg.norm_eps)
 
     def forward(self, x, cos, sin, kv=None, start=0, mask=None):
         B, T, _ = x.shape
-        hd = self.cfg.head_dim
-        q = self.wq(x).view(B, T, -1, hd).transpose(1, 2)            # (B, nh, T, hd)
-        k = self.wk(x).view(B, T, -1, hd).transpose(1, 2)            # (B, nkv, T, hd)
-        v = self.wv(x).view(B, T, -1, hd).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin, self.cfg.rope_fp32), apply_rope(k, cos, sin, self.cfg.rope_fp32)
+        cfg, hd = self.cfg, self.cfg.head_dim
+        q = self.wq(x).view(B, T, -1, hd)                             # (B, T, nh, hd)
+        k = self.wk(x).view(B, T, -1, hd)                             # (B, T, nkv, hd)
+        v = self.wv(x).view(B, T, -1, hd)
+        if cfg.qk_norm:    # per head, before RoPE (spec/lladamoe.md 2)
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cfg.clip_qkv is not None:   # after the q/k norm, as the official attention clamps
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, hd)
+        q, k = apply_rope(q, cos, sin, cfg.rope_fp32), apply_rope(k, cos, sin, cfg.rope_fp32)
         if kv is not None:
             # Keys are stored after RoPE: a position's rotation never changes, so this equals the official
             # "store raw, rotate every call" bit for bit and saves the re-rotation. kv = (KVCache, layer, slots).
             cache, layer, slots = kv
             k, v = cache.update(layer, k, v, slots)                  # (B, nkv, L, hd): the whole canvas
-        if self.cfg.causal:
+        if cfg.causal:
             # The guide: the chunk at [start, start+T) sees the cached text [0, start) and itself causally, and
             # nothing after it (cache rows past the chunk hold stale drafts from earlier verifications).
             # SDPA's is_causal aligns the diagonal top-left, which is only right when start == 0; the offset
@@ -234,23 +189,73 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.w_gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w_up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
-        self.w_down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w_gate = nn.Linear(dim, hidden, bias=False)
+        self.w_up = nn.Linear(dim, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))    # SwiGLU
 
 
-class Block(nn.Module):
+class MoE(nn.Module):
+    """
+    LLaDA-MoE's sparse block, as its official forward computes it (spec/lladamoe.md 3; the remote code's
+    LLaDAMoESparseMoeBlock): router probabilities softmax(router(x)) in float32 whatever the dtype, plus the expert
+    bias if any (added *before* the top-k and kept in the weights: an official quirk), the top-k of them as weights,
+    never renormalised (the official block sets norm_topk_prob = False itself and never reads the config key),
+    cast to the activations' dtype; out = sum over the k experts of weight * down(silu(gate(x)) * up(x)), plus the
+    shared expert's output if the config has one. The experts are stacked, (experts, ffn, dim) each, so the block
+    is a few fixed-shape matmuls: no loop over experts, no shape that depends on the routing, no host sync.
+    """
+    transposed = ("w_down",)   # (experts, ffn, dim): each expert's down_proj (dim, ffn) is loaded transposed
+
     def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        m = cfg.moe
+        self.top_k = m.top_k
+        self.router = nn.Linear(cfg.dim, m.n_experts, bias=False)
+        self.w_gate = nn.Parameter(torch.empty(m.n_experts, m.ffn_dim, cfg.dim))
+        self.w_up = nn.Parameter(torch.empty(m.n_experts, m.ffn_dim, cfg.dim))
+        self.w_down = nn.Parameter(torch.empty(m.n_experts, m.ffn_dim, cfg.dim))
+        self.expert_bias = nn.Parameter(torch.zeros(m.n_experts)) if m.expert_bias else None
+        self.shared = MLP(cfg.dim, m.shared_ffn_dim) if m.shared_ffn_dim else None
+
+    def forward(self, x):
+        B, T, D = x.shape
+        E, Fe, _ = self.w_gate.shape
+        x = x.reshape(B * T, D)                                           # (N, D): routing is per token
+        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)   # (N, E)
+        if self.expert_bias is not None:
+            probs = probs + self.expert_bias.float()
+        weights, ids = probs.topk(self.top_k, dim=-1)                     # (N, k)
+        weights = weights.to(x.dtype)
+        if ids.numel() < E:
+            # Fewer (token, expert) pairs than experts (a step of a few tokens): gather the chosen experts' weights
+            # by index, as gpt-fast's mixtral-moe does, and read only those.
+            w_gate, w_up, w_down = self.w_gate[ids], self.w_up[ids], self.w_down[ids]   # (N, k, ffn, D)
+            h = F.silu(torch.einsum("nd,nkfd->nkf", x, w_gate)) * torch.einsum("nd,nkfd->nkf", x, w_up)
+            y = torch.einsum("nkf,nkfd->nd", h * weights[..., None], w_down)
+        else:
+            # Otherwise gathered copies (N, k, ffn, D) would move more bytes than the experts themselves: run every
+            # expert on every token as one SwiGLU of width E * ffn, weight 0 where a token did not choose it. It
+            # reads each expert once; the union of a step's routed experts may be fewer (docs/benchmarks.md).
+            combine = torch.zeros_like(probs, dtype=x.dtype).scatter(1, ids, weights)   # (N, E)
+            h = F.silu(F.linear(x, self.w_gate.flatten(0, 1))) * F.linear(x, self.w_up.flatten(0, 1))  # (N, E*ffn)
+            y = (h.view(-1, E, Fe) * combine[..., None]).flatten(1) @ self.w_down.flatten(0, 1)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y.view(B, T, D)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.moe and cfg.moe.sparse[i] else MLP(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x, cos, sin, kv=None, start=0, mask=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, kv, start, mask)
@@ -264,7 +269,7 @@ class Transformer(nn.Module):
         # _weight skips nn.Embedding's N(0, 1) init, which on the meta device (load_model) imports torch._dynamo:
         # 2-4 s and 75 MB per process. Loading (and demo/train.py's init) sets every weight anyway.
         self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.zeros(cfg.vocab_size, cfg.dim))
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -294,7 +299,7 @@ class Transformer(nn.Module):
         slots = start if isinstance(start, torch.Tensor) else torch.arange(start, start + T, device=idx.device)
         if pos is None:
             pos = slots.expand(B, T)
-        cos, sin = rope_cos_sin(pos, self.config.head_dim, self.config.rope_theta)
+        cos, sin = rope_cos_sin(pos, self.config.rotary_dim, self.config.rope_theta)
         x = self.embed(idx)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, None if cache is None else (cache, i, slots), start, mask)
@@ -443,6 +448,9 @@ def read_config(model_dir: str) -> ModelConfig:
         raise ValueError(f"{path} is not valid JSON ({e}): re-download the checkpoint") from None
     if not isinstance(hf, dict):
         raise ValueError(f"{path} is not a config object: re-download the checkpoint")
+    if "mask_token_id" not in hf and arch_of(hf) == "lladamoe":   # the release's config.json names no mask id
+        mask = added_token_id(model_dir, "<|mask|>")
+        hf = hf if mask is None else dict(hf, mask_token_id=mask)
     try:
         cfg = ModelConfig.from_hf(hf)
     except KeyError as e:
@@ -457,6 +465,9 @@ def read_config(model_dir: str) -> ModelConfig:
     if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
         raise ValueError(f"{path}: a width of {cfg.dim} does not split into {cfg.n_heads} heads, or {cfg.n_heads} "
                          f"heads into {cfg.n_kv_heads} key/value heads: re-download the checkpoint")
+    if cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
+        raise ValueError(f"{path}: RoPE would rotate {cfg.rotary_dim} of a head's {cfg.head_dim} dims "
+                         f"(partial_rotary_factor {cfg.rope_fraction}), not a positive even number: fix the config")
     if not cfg.causal and (type(cfg.mask_id) is not int or not 0 <= cfg.mask_id < cfg.vocab_size):
         raise ValueError(f"{path}: mask_token_id {cfg.mask_id!r} is not a token id below {cfg.vocab_size}: "
                          f"re-download the checkpoint")
@@ -468,6 +479,16 @@ def read_config(model_dir: str) -> ModelConfig:
         if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{path} gives {key} = {value!r}, not a positive number: re-download the checkpoint")
     return cfg
+
+
+def added_token_id(model_dir: str, content: str) -> int | None:
+    """The id of the special token `content` in the folder's tokenizer.json, or None (no file, no such token)."""
+    try:
+        with open(os.path.join(model_dir, "tokenizer.json"), encoding="utf-8") as f:
+            added = json.load(f).get("added_tokens") or []
+        return next((t["id"] for t in added if t.get("content") == content and type(t.get("id")) is int), None)
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None        # an unreadable tokenizer is the CLI's to report (chat.py); config.json's default stands
 
 
 def shard_files(model_dir: str) -> list[str]:
@@ -495,15 +516,32 @@ def shard_files(model_dir: str) -> list[str]:
                             f"fastdllm loads safetensors checkpoints only")
 
 
-def checkpoint_names(cfg: ModelConfig) -> dict[str, str]:
-    """checkpoint tensor name -> our parameter name, every layer expanded."""
+def checkpoint_names(cfg: ModelConfig, model: nn.Module | None = None) -> dict[str, str]:
+    """checkpoint tensor name -> our parameter name, every layer (and expert) expanded, for the parameters the
+    config's model has: no bias LLaDA does not use, no second copy of a tied head, no experts in a dense layer.
+    An expert's tensor is one row of a stacked parameter: our name is '<stacked>.<expert>'."""
+    if model is None:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+    params = dict(model.named_parameters())          # a tied head is listed once, as the embedding
     out = {}
-    for ours, theirs in WEIGHT_MAP[cfg.family].items():
-        if ours.endswith(".bias") and not cfg.qkv_bias or ours == "lm_head.weight" and cfg.tie_embeddings:
-            continue   # no biases stored; a tied head is stored once, as the embedding
-        for i in range(cfg.n_layers) if "{}" in ours else [None]:
-            out[theirs.format(i)] = ours.format(i)
+    for ours, theirs in WEIGHT_MAP[cfg.arch].items():
+        for i in range(cfg.n_layers) if "{}" in ours else [0]:
+            o, t = ours.replace("{}", str(i), 1), theirs.replace("{}", str(i), 1)
+            if "{}" in o and o[:-3] in params:       # 'layers.i.mlp.w_gate.{}': one tensor per expert
+                out.update({t.format(e): o.format(e) for e in range(params[o[:-3]].shape[0])})
+            elif o in params:
+                out[t] = o
     return out
+
+
+def stored_shape(params: dict, ours: str) -> tuple[str | None, tuple, bool]:
+    """Our tensor `ours` (checkpoint_names) as stored: (its stacked parameter or None, its shape, transposed?)."""
+    if ours in params:
+        return None, tuple(params[ours].shape), False
+    stack = ours.rpartition(".")[0]
+    flip = stack.rpartition(".")[2] in MoE.transposed
+    return stack, tuple(params[stack].shape[1:])[::-1 if flip else 1], flip
 
 
 def load_model(name_or_path: str, device=None, dtype=None, progress=None) -> Transformer:
@@ -512,7 +550,8 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None) -> Tra
     tensor, converting each one straight to `dtype` on `device`: an 8B bf16 checkpoint never exists twice,
     nor as a float32 copy. When no conversion is needed (a bf16 checkpoint as bf16 on the CPU), safetensors
     hands out tensors that map the file copy-on-write: nothing is read until a forward pass touches it, and
-    the files must not be rewritten in place while the model lives (replacing them is fine).
+    the files must not be rewritten in place while the model lives (replacing them is fine). LLaDA-MoE's
+    experts are copied one by one into their stacked parameter, allocated once: no second copy either.
     Strict: a missing, unexpected or misshapen tensor is an error naming it.
     Default: bfloat16 on CUDA, float32 on CPU. progress(shard, n_shards, bytes_done, bytes_total), if given, is
     called after each tensor (bytes of the checkpoint's files; the CLI shows it on stderr).
@@ -533,9 +572,9 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None) -> Tra
     cfg = read_config(model_dir)
     with torch.device("meta"):
         model = Transformer(cfg)
-    expected = {n: p.shape for n, p in model.named_parameters()}
-    names = checkpoint_names(cfg)
-    state, files, done = {}, shard_files(model_dir), 0
+    params = dict(model.named_parameters())
+    names = checkpoint_names(cfg, model)
+    state, loaded, files, done = {}, set(), shard_files(model_dir), 0
     total = sum(os.path.getsize(p) for p in files)
     for shard, path in enumerate(files, 1):
         try:
@@ -547,18 +586,25 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None) -> Tra
                                          "tie_word_embeddings: true (the head is the embedding): set it to false")
                     if ours is None:
                         raise ValueError(f"unexpected tensor {key!r} in {os.path.basename(path)}: this is not a "
-                                         f"{cfg.family} checkpoint of the layout config.json describes")
-                    if ours in state:
+                                         f"{ARCHS[cfg.arch].title} checkpoint of the layout config.json describes")
+                    if ours in loaded:
                         raise ValueError(f"tensor {key!r} is stored twice (again in {os.path.basename(path)}): "
                                          f"the checkpoint is inconsistent, re-download it")
                     t = f.get_tensor(key)
-                    if t.shape != expected[ours]:
+                    stack, shape, flip = stored_shape(params, ours)
+                    if tuple(t.shape) != shape:
                         raise ValueError(f"tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
-                                         f"{tuple(expected[ours])}: the checkpoint and its config disagree")
+                                         f"{shape}: the checkpoint and its config disagree")
                     if not t.is_floating_point():
                         raise ValueError(f"tensor {key!r} has dtype {t.dtype}, not a float: this checkpoint is "
                                          f"quantized or corrupt; fastdllm loads float16/bfloat16/float32 weights")
-                    state[ours] = t.to(device=device, dtype=dtype)
+                    if stack is None:
+                        state[ours] = t.to(device=device, dtype=dtype)
+                    else:   # expert e of a stack: fill its row of the one preallocated tensor
+                        if stack not in state:
+                            state[stack] = torch.empty(params[stack].shape, device=device, dtype=dtype)
+                        state[stack][int(ours.rpartition(".")[2])].copy_(t.t() if flip else t)
+                    loaded.add(ours)
                     done += t.nbytes
                     del t
                     if progress:
@@ -566,7 +612,7 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None) -> Tra
         except SafetensorError as e:
             raise ValueError(f"{os.path.basename(path)} is not a readable safetensors file ({e}): "
                              f"it is truncated or corrupt, re-download it") from None
-    missing = [theirs for theirs, ours in names.items() if ours not in state]
+    missing = [theirs for theirs, ours in names.items() if ours not in loaded]
     if "lm_head.weight" in missing and cfg.family == "qwen2":
         raise ValueError("tensor 'lm_head.weight' is missing from the checkpoint: if its head is the embedding, "
                          "config.json must set tie_word_embeddings: true")

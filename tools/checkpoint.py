@@ -12,6 +12,7 @@ tool wrote it and with which settings: bench.py --dir reuses such a folder and r
 one, so no file of anyone else's is ever overwritten.
 """
 import json
+import math
 import os
 import re
 import shutil
@@ -24,7 +25,7 @@ sys.path.insert(0, ROOT)   # run as a script from anywhere
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from model import ModelConfig, Transformer, checkpoint_names, load_model  # noqa: E402
+from model import ModelConfig, Transformer, checkpoint_names, load_model, stored_shape  # noqa: E402
 from tools.flags import Parser, nonempty, shape_arguments, writable  # noqa: E402
 
 GOLDEN = os.path.join(ROOT, "tests", "golden")
@@ -36,16 +37,23 @@ SHAPES = {
     "dream-7b": dict(family="dream", d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn=18944, vocab=152064),
     "llada-tiny": dict(family="llada", d_model=64, n_layers=2, n_heads=2, n_kv_heads=2, ffn=192, vocab=1024),
     "dream-tiny": dict(family="dream", d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn=192, vocab=1024),
+    # LLaDA-MoE-7B-A1B (docs/models.md: 16 layers, every one sparse, 64 experts of width 1024, top-8; `ffn` is
+    # dense_intermediate_size, which no layer of the release uses).
+    "lladamoe-7b": dict(family="lladamoe", d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, ffn=8192,
+                        vocab=157184, experts=64, top_k=8, expert_ffn=1024),
 }
 # Special ids keep their distance from the end of the vocabulary, so the real vocabulary gets the real ids
 # (LLaDA: mask 126336, eos = pad 126081; Dream: mask 151666, bos = eos = pad 151643).
-SPECIALS_FROM_END = {"llada": dict(mask=128, eos=383), "dream": dict(mask=398, eos=421)}
+SPECIALS_FROM_END = {"llada": dict(mask=128, eos=383), "dream": dict(mask=398, eos=421),
+                     "lladamoe": dict(mask=289, eos=292)}    # LLaDA-MoE: mask 156895, eos = pad 156892 of 157184
 
 
 def hf_config(family: str, d_model: int, n_layers: int, vocab: int, n_heads: int, n_kv_heads: int,
               ffn: int) -> dict:
     """config.json with every field the real one has: the golden tiny checkpoint's (a copy of the real
     file at small sizes), resized."""
+    if family == "lladamoe":
+        return lladamoe_config(d_model, n_layers, vocab, n_heads, n_kv_heads, ffn)
     with open(os.path.join(GOLDEN, f"{family}-tiny", "config.json")) as f:
         cfg = json.load(f)
     mask, eos = vocab - SPECIALS_FROM_END[family]["mask"], vocab - SPECIALS_FROM_END[family]["eos"]
@@ -60,9 +68,25 @@ def hf_config(family: str, d_model: int, n_layers: int, vocab: int, n_heads: int
     return cfg
 
 
+def lladamoe_config(d_model: int, n_layers: int, vocab: int, n_heads: int, n_kv_heads: int, ffn: int,
+                    experts: int = 64, top_k: int = 8, expert_ffn: int | None = None, **switches) -> dict:
+    """LLaDA-MoE's config.json: the golden tiny one's keys and values (written by the official classes), resized,
+    every layer sparse as in the release; `switches` set any other key (qk_layernorm, clip_qkv, moe_layer_freq,
+    moe_router_enable_expert_bias, shared_expert_intermediate_size, partial_rotary_factor, ...).
+    Defaults: the release's 64 experts, top-8, each expert half as wide as the model (1024 of 2048)."""
+    with open(os.path.join(GOLDEN, "lladamoe-tiny", "config.json")) as f:
+        cfg = json.load(f)
+    mask, eos = vocab - SPECIALS_FROM_END["lladamoe"]["mask"], vocab - SPECIALS_FROM_END["lladamoe"]["eos"]
+    cfg.update(hidden_size=d_model, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+               num_key_value_heads=n_kv_heads, dense_intermediate_size=ffn, vocab_size=vocab, num_experts=experts,
+               num_experts_per_tok=top_k, expert_intermediate_size=expert_ffn or d_model // 2,
+               moe_layer_freq=[1] * n_layers, mask_token_id=mask, eos_token_id=eos, pad_token_id=eos)
+    return dict(cfg, **switches)
+
+
 def make_checkpoint(folder: str, family: str, d_model: int, n_layers: int, vocab: int, n_heads: int | None = None,
                     n_kv_heads: int | None = None, ffn: int | None = None, shards: int = 1, gain: float = 1.13,
-                    logit_std: float = 13.0, seed: int = 0, device="cpu") -> int:
+                    logit_std: float = 13.0, seed: int = 0, device="cpu", **moe) -> int:
     """
     Write a random bf16 checkpoint in the real layout into `folder`: config.json, the real tensor names
     (model.WEIGHT_MAP, which the golden tests check against the official formats), one model.safetensors or
@@ -77,9 +101,12 @@ def make_checkpoint(folder: str, family: str, d_model: int, n_layers: int, vocab
     0.99 (90%), 30% of positions at >= 0.9, and threshold 0.9 commits ~2.5 tokens per call.
     device: where the random numbers are drawn ("cuda" writes an 8B checkpoint in seconds, not minutes).
     Defaults: head_dim 128 (both real models), ffn 3x d_model (LLaDA-8B's ratio).
+    moe: LLaDA-MoE's experts, top_k, expert_ffn and any other config.json key (lladamoe_config). Its expert
+    bias, if enabled, is N(0, 0.01^2) (the official buffer starts at zero; a trained one is not).
     """
     n_heads = n_heads or max(1, d_model // 128)
-    hf = hf_config(family, d_model, n_layers, vocab, n_heads, n_kv_heads or n_heads, ffn or 3 * d_model)
+    shape = (d_model, n_layers, vocab, n_heads, n_kv_heads or n_heads, ffn or 3 * d_model)
+    hf = lladamoe_config(*shape, **moe) if family == "lladamoe" else hf_config(family, *shape)
     if held_checkpoint(folder, folder) is not None:
         raise ValueError(f"{folder} already holds a checkpoint: pass a new or empty folder")
     total = write_weights(folder, hf, shards, gain, logit_std, seed, device)
@@ -101,14 +128,15 @@ def write_weights(folder: str, hf: dict, shards: int, gain: float, logit_std: fl
     cfg = ModelConfig.from_hf(hf)
     d_model = cfg.dim
     with torch.device("meta"):
-        shapes = {n: p.shape for n, p in Transformer(cfg).named_parameters()}
+        params = dict(Transformer(cfg).named_parameters())
+    shapes = {ours: stored_shape(params, ours)[1] for ours in checkpoint_names(cfg).values()}   # experts one by one
 
     def layer(item):   # the checkpoints store tensors layer by layer: embeddings, blocks 0..n-1, norm, head
         ours = item[1]
         m = re.match(r"layers\.(\d+)\.", ours)
         return (1, int(m[1])) if m else (0, 0) if ours.startswith("embed") else (2, 0)
     names = sorted(checkpoint_names(cfg).items(), key=layer)      # [(checkpoint name, our name)]
-    sizes = [shapes[ours].numel() * 2 for _, ours in names]
+    sizes = [math.prod(shapes[ours]) * 2 for _, ours in names]
     total = sum(sizes)
     # Shard i holds the tensors whose middle falls in the i-th part of the bytes, as HF's sharding does.
     shard_of, offset = [], 0
@@ -127,6 +155,8 @@ def write_weights(folder: str, hf: dict, shards: int, gain: float, logit_std: fl
             shape = shapes[ours]
             if ours.endswith("norm.weight"):
                 t = torch.ones(shape)
+            elif ours.endswith("expert_bias"):
+                t = torch.randn(shape, generator=gen, device=device).mul_(0.01)
             else:
                 std = (logit_std if ours == "lm_head.weight" else gain) / d_model ** 0.5
                 t = torch.randn(shape, generator=gen, device=device).mul_(std)
@@ -176,6 +206,27 @@ def held_checkpoint(folder: str, what: str) -> dict | None:
     if not writable(parent):
         raise ValueError(f"cannot write {what}: the folder {parent} is not writable")
     return None
+
+
+# The special tokens a tokenizer for a random checkpoint gets, at the config's ids. LLaDA-MoE: <|mask|> (the
+# mask token dllm-trainer's tokenizer fix-up names; id 156895 in the model card) and <|endoftext|> (eos 156892; the
+# name is not confirmed by a public copy of the file: docs/models.md).
+TOKENIZER_SPECIALS = {"lladamoe": {"mask_token_id": "<|mask|>", "eos_token_id": "<|endoftext|>"}}
+
+
+def write_word_tokenizer(folder: str, family: str):
+    """A word-level tokenizer.json over the checkpoint's vocabulary: token i is "w{i}", except the family's
+    special tokens (TOKENIZER_SPECIALS) at config.json's ids, so `python fastdllm.py --model folder` runs offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    with open(os.path.join(folder, "config.json")) as f:
+        hf = json.load(f)
+    specials = {hf[key]: content for key, content in TOKENIZER_SPECIALS[family].items()}
+    vocab = {specials.get(i, f"w{i}"): i for i in range(hf["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()   # joins words with spaces
+    tok.add_special_tokens(list(specials.values()))
+    tok.save(os.path.join(folder, "tokenizer.json"))
 
 
 def random_prompts(cfg: ModelConfig, batch: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -434,7 +485,12 @@ def main(argv=None):
     p.add_argument("--sizes", action="store_true", help="print each released checkpoint's bf16 weight bytes at its "
                    "real size (parameters x 2), then exit")
     shape_arguments(p)
+    p.add_argument("--tokenizer", action="store_true", help="also write a word-level tokenizer.json with the "
+                   "family's special tokens (lladamoe), for the command line")
     args = p.parse_args(argv)
+    if args.tokenizer and args.family not in TOKENIZER_SPECIALS:
+        raise ValueError(f"--tokenizer writes {', '.join(TOKENIZER_SPECIALS)} tokenizers only: for {args.family}, "
+                         f"copy a real tokenizer into the folder")
     if args.sizes:
         for repo in RELEASES:
             print(f"{repo}: {release_bytes(repo):,} bytes ({release_bytes(repo) / 1e9:.2f} GB)")
@@ -454,6 +510,8 @@ def main(argv=None):
     held_checkpoint(args.out, args.out)
     check_fits(hf, args.out, torch.device("cpu"), torch.bfloat16)    # the shards are made in bf16 in memory
     size = write(args.out, args)
+    if args.tokenizer:
+        write_word_tokenizer(args.out, args.family)
     print(f"{args.out}: {size / 1e9:.3f} GB")
 
 

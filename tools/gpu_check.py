@@ -17,7 +17,11 @@ what runs must not depend on the machine's speed).
    cache + activations) and their share of the device's HBM bandwidth, read from the device's properties.
 3. batch: 16 rows decoded together against each row alone, eager and compiled (bf16 kernels may differ with
    the batch size: the share of equal rows is the finding).
-4. golden: the official golden runs (tests/golden) on this device, float32 (must be exact) and bf16 (agreement).
+4. golden: the official golden runs (tests/golden) on this device, float32 (must be exact) and bf16 (agreement),
+   LLaDA-MoE's included (its deterministic runs).
+5. moe: the speed rows again on LLaDA-MoE-7B-A1B's shape (16 layers, 64 experts of width 1024, top-8;
+   random weights made on the device), in "moe_speed": its bytes per step are every weight but the embedding, as
+   our MoE block reads every expert once when a step routes more (token, expert) pairs than there are experts.
 """
 import argparse
 import ctypes
@@ -36,11 +40,11 @@ import torch  # noqa: E402
 from cli import pick_device_dtype  # noqa: E402
 from fastdllm import Compiled, generate  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
-from tools.checkpoint import SHAPES, hf_config, random_prompts  # noqa: E402
+from tools.checkpoint import SHAPES, hf_config, lladamoe_config, random_prompts  # noqa: E402
 from tools.flags import Parser, integer, listing, out_file  # noqa: E402
 
 MODES = {"baseline": dict(cache="none"), "dual 0.9": dict(cache="dual", threshold=0.9)}
-PHASES, VARIANTS = ("speed", "batch", "golden"), ("eager", "compiled")
+PHASES, VARIANTS = ("speed", "batch", "golden", "moe"), ("eager", "compiled")
 
 
 def budget(text: str) -> float:
@@ -76,11 +80,18 @@ def hbm_bandwidth(device) -> tuple[float, str]:
     return 2 * clock_khz * 1e3 * bus_bits / 8, f"{source}: {clock_khz / 1e3:.0f} MHz x {bus_bits} bits x 2"
 
 
-def build(shape: str, device, dtype):
-    """A random model of the real shape, made on the device in `dtype` (meta first: nothing is allocated twice)."""
-    s = SHAPES["llada-8b" if shape == "8b" else "llada-tiny"]
-    cfg = ModelConfig.from_hf(hf_config("llada", s["d_model"], s["n_layers"], s["vocab"], s["n_heads"],
-                                        s["n_kv_heads"], s["ffn"]))
+def build(shape: str, device, dtype, moe: bool = False):
+    """A random model of the real shape, made on the device in `dtype` (meta first: nothing is allocated twice).
+    moe: LLaDA-MoE-7B-A1B's shape (tiny: 2 layers of width 64, 8 experts of width 32, top-2)."""
+    if moe:
+        s = SHAPES["lladamoe-7b"] if shape == "8b" else dict(d_model=64, n_layers=2, vocab=1024, n_heads=4,
+                                                            n_kv_heads=4, ffn=128, experts=8, top_k=2, expert_ffn=32)
+        hf = lladamoe_config(s["d_model"], s["n_layers"], s["vocab"], s["n_heads"], s["n_kv_heads"], s["ffn"],
+                             s["experts"], s["top_k"], s["expert_ffn"])
+    else:
+        s = SHAPES["llada-8b" if shape == "8b" else "llada-tiny"]
+        hf = hf_config("llada", s["d_model"], s["n_layers"], s["vocab"], s["n_heads"], s["n_kv_heads"], s["ffn"])
+    cfg = ModelConfig.from_hf(hf)
     with torch.device("meta"):
         model = Transformer(cfg).to(dtype)
     model.to_empty(device=device)
@@ -97,7 +108,8 @@ def step_bytes(model, B: int, fed: int, L: int, cols: int) -> int:
     c, e = model.config, model.lm_head.weight.element_size()
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("embed"))
     kv = 2 * c.n_layers * B * c.n_kv_heads * c.head_dim * (L + fed) * e
-    per_layer = fed * (2 * c.dim + 2 * c.n_kv_heads * c.head_dim + 2 * c.dim + 3 * c.ffn_dim) * e
+    width = c.moe.n_experts * c.moe.ffn_dim if c.moe else c.ffn_dim     # the MoE block: one SwiGLU over every expert
+    per_layer = fed * (2 * c.dim + 2 * c.n_kv_heads * c.head_dim + 2 * c.dim + 3 * width) * e
     return weights + kv + B * c.n_layers * per_layer + B * cols * c.vocab_size * e
 
 
@@ -130,13 +142,13 @@ def busy(model, prompt, kw, compile_) -> dict:
     return dict(profiled_wall_s=wall, kernel_s=kernels, busy=kernels / wall)
 
 
-def speed(model, prompt, args, bandwidth, compiled, out, left):
+def speed(model, prompt, args, bandwidth, compiled, out, left, key="speed"):
     kw = dict(gen_length=args.gen_length, block_length=args.block_length)
     rows = []
     for variant, c in (("eager", False), ("compiled", compiled)):
         for name, mode in MODES.items() if variant in args.variants else ():
             if left() < (150 if c else 30):
-                print(f"speed {variant} {name}: skipped, {left():.0f} s left", flush=True)
+                print(f"{key} {variant} {name}: skipped, {left():.0f} s left", flush=True)
                 continue
             warm = time.perf_counter()
             if c:
@@ -156,9 +168,9 @@ def speed(model, prompt, args, bandwidth, compiled, out, left):
                                  hbm=nbytes / (ms / 1e3) / bandwidth if bandwidth else None)
             row.update(busy(model, prompt, dict(kw, **mode, gen_length=args.block_length), c))
             rows.append(row)
-            out["speed"] = rows
+            out[key] = rows
             write(args.out, out)
-            print(f"speed {json.dumps(row)}", flush=True)
+            print(f"{key} {json.dumps(row)}", flush=True)
     return rows
 
 
@@ -197,6 +209,15 @@ for family, name, prompt, kw, want, nfe in (
     out, st = generate(model, torch.tensor(prompt, device=dev), **kw)
     want_t = torch.tensor(want, device=dev)
     runs.append(dict(name=name, exact=bool(torch.equal(out, want_t)) and st["nfe"] == nfe,
+                     agreement=(out == want_t).float().mean().item()))
+import test_moe as M
+moe = load_model(f"{{G.GOLDEN}}/lladamoe-tiny", device=dev, dtype=dtype)
+for r in M.DETERMINISTIC:
+    if "rng" in r["flags"]:
+        continue                 # the official draws came from the CPU's generator
+    out, st = M.official_call(moe, r)
+    want_t = torch.tensor(r["output"], device=dev)
+    runs.append(dict(name="lladamoe " + r["name"], exact=bool(torch.equal(out, want_t)) and st["nfe"] == r["nfe"],
                      agreement=(out == want_t).float().mean().item()))
 print(json.dumps(runs))
 """
@@ -266,6 +287,18 @@ def main(argv=None):
         else:     # no time box: still bounded, by what the golden runs take on a slow CPU many times over
             out.setdefault("golden", {})[dt] = golden(device, dt, min(left() - 10, 1800))
         print(f"golden {dt}: {out['golden'][dt]}", flush=True)
+    if "moe" in args.phases and left() < 60:
+        print(f"moe: skipped, {left():.0f} s left", flush=True)
+    elif "moe" in args.phases:
+        t0 = time.perf_counter()
+        moe = build(args.shape, device, dtype, moe=True)
+        out["moe_build_s"] = time.perf_counter() - t0
+        print(f"moe build: {out['moe_build_s']:.1f} s, {sum(p.numel() for p in moe.parameters()) / 1e9:.2f} B "
+              f"parameters", flush=True)
+        with torch.inference_mode():
+            speed(moe, random_prompts(moe.config, 1, args.prompt_length).to(device), args, bandwidth, Compiled(), out,
+                  left, key="moe_speed")
+        del moe
     out["total_s"] = time.perf_counter() - start
     write(args.out, out)
     print(f"done in {out['total_s']:.0f} s: {args.out}")

@@ -4,11 +4,14 @@ times are noise. A TorchDispatchMode sees every aten op generate() dispatches: e
 GPU, and some make the host wait for the device (a value read back: `.item()`, `bool(t)`, `.tolist()`,
 `nonzero`, boolean indexing, ...). Reported per step, split into the loop's own ops (sampling, selection,
 commit, stop, the one read), the model call's ops outside its layers, and the ops of one layer, then scaled to
-32 layers (LLaDA-8B; Dream-7B has 28). Then CPU seconds of generate() eager against compile=True on one
-checkpoint, side by side, with the ids of both.
+32 layers (LLaDA-8B; Dream-7B has 28, LLaDA-MoE 16: the last column is at the real depth). Then CPU seconds of
+generate() eager against compile=True on one checkpoint, side by side, with the ids of both. `moe`: the bytes of
+weights a LLaDA-MoE step reads, against the dense LLaDA-8B.
 
     python tools/step_count.py counts                          # every mode, both families, batch 1 and 16
     python tools/step_count.py counts --shape real --batch 1 --modes dual   # the same at LLaDA-8B/Dream-7B widths
+    python tools/step_count.py counts --families llada,lladamoe --shape real --batch 1 --modes dual
+    python tools/step_count.py moe --shape real --batch 1 --modes dual     # LLaDA-MoE: weight bytes per step
     python tools/checkpoint.py /tmp/mid512 --d-model 512 --layers 2 && python tools/step_count.py wall --model /tmp/mid512
 
 The counts do not depend on widths or the vocabulary (`--shape real` gives the same numbers, 2 layers at the
@@ -112,9 +115,10 @@ def counted(model, prompt, guide=None, **kw):
 def random_model(family: str, shape: str, dtype):
     """A random model of the family: the real widths with 2 layers (--shape real), or 2 small layers with the
     real models' special ids at a 4,096 vocabulary (the counts are the same)."""
-    base = {"llada": "llada-8b", "dream": "dream-7b", "qwen2": "dream-7b"}[family]
+    base = {"llada": "llada-8b", "dream": "dream-7b", "qwen2": "dream-7b", "lladamoe": "lladamoe-7b"}[family]
     s = dict(SHAPES[base], n_layers=2) if shape == "real" else dict(family=family, d_model=128, n_layers=2,
-                                                                      n_heads=4, n_kv_heads=2 if family != "llada" else 4,
+                                                                      n_heads=4,
+                                                                      n_kv_heads=4 if "llada" in family else 2,
                                                                       ffn=256, vocab=4096)
     hf = hf_config("dream" if family == "qwen2" else family, s["d_model"], 2, s["vocab"], s["n_heads"],
                    s["n_kv_heads"], s["ffn"])
@@ -129,6 +133,7 @@ def random_model(family: str, shape: str, dtype):
     return model.to(dtype).eval()
 
 
+DEPTH = {"llada": 32, "dream": 28, "lladamoe": 16}     # the released checkpoints' layers
 MODES = {"none": dict(cache="none"), "prefix": dict(cache="prefix"), "dual": dict(cache="dual"),
          "free": dict(cache="free"), "guided": dict(cache="prefix", guide=True), "guided-free": dict(cache="free", guide=True)}
 
@@ -160,14 +165,67 @@ def counts(args):
                     rows.append(dict(family=family, mode=name, rule=rule, batch=B, steps=n,
                                      syncs=mean("syncs"), syncs_max=max(c["syncs"] for c in cached),
                                      loop=mean("loop"), call=mean("call"), layer=layer, guide=mean("guide"),
-                                     at32=mean("loop") + mean("call") + 32 * layer + mean("guide")))
+                                     at32=mean("loop") + mean("call") + 32 * layer + mean("guide"),
+                                     at_depth=mean("loop") + mean("call") + DEPTH[family] * layer + mean("guide")))
                     print(row_text(rows[-1]), flush=True)
     return rows
 
 
 def row_text(r) -> str:
     return (f"| {r['family']} | {r['mode']} | {r['rule']} | {r['batch']} | {r['syncs']:.2f} (max {r['syncs_max']}) | "
-            f"{r['loop']:.0f} | {r['call']:.0f} | {r['layer']:.0f} | {r['guide']:.0f} | {r['at32']:.0f} |")
+            f"{r['loop']:.0f} | {r['call']:.0f} | {r['layer']:.0f} | {r['guide']:.0f} | {r['at32']:.0f} | "
+            f"{r['at_depth']:.0f} |")
+
+
+def moe_weights(args):
+    """LLaDA-MoE: bytes of weights one decoding step reads, against the dense LLaDA-8B (bf16, the embedding aside:
+    a step reads only its rows). Per token only its top-k experts are needed; a step's tokens together need the
+    union of theirs (measured here on the random checkpoint's routing, cached steps of the given mode); our MoE
+    block reads every expert once when the step routes more (token, expert) pairs than there are experts."""
+    from model import MoE
+    model = (load_model(args.model, device="cpu", dtype=torch.bfloat16) if args.model else
+             random_model("lladamoe", args.shape, torch.bfloat16))
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    E, F_, D = moes[0].w_gate.shape
+    k, per_expert = moes[0].top_k, 3 * F_ * D * 2
+    depth = SHAPES["lladamoe-7b"]["n_layers"]
+    nbytes = lambda m: sum(p.numel() * 2 for n, p in m.named_parameters() if not n.startswith("embed"))  # noqa: E731
+    experts = sum(3 * p.numel() * 2 for m in moes for p in [m.w_gate])
+    other = (nbytes(model) - experts - model.lm_head.weight.numel() * 2) / len(moes)     # one layer's non-experts
+    head = model.lm_head.weight.numel() * 2
+    seen, steps = [], []
+
+    def route(module, inputs):
+        x = inputs[0].reshape(-1, D)
+        ids = torch.softmax(module.router(x).float(), -1).topk(k, -1).indices
+        seen.append((x.shape[0], ids.unique().numel()))
+    hooks = [m.register_forward_pre_hook(route) for m in moes]
+    prompt = random_prompts(model.config, args.batch[0], 64)
+    mode = dict(MODES[args.modes[0]], gen_length=128, block_length=32, threshold=0.9)
+    with torch.inference_mode():
+        generate(model, prompt, on_step=lambda x, st: (steps.append((st["fed"][-1], list(seen))), seen.clear()), **mode)
+    for h in hooks:
+        h.remove()
+    L = prompt.shape[1] + 128
+    cached = [layers for fed, layers in steps[1:] if fed < args.batch[0] * L]
+    union = sum(u for layers in cached for _, u in layers) / sum(len(layers) for layers in cached)
+    with torch.device("meta"):
+        dense = Transformer(ModelConfig.from_hf(hf_config("llada", **{key: v for key, v in SHAPES["llada-8b"].items()
+                                                                          if key != "family"})))
+    N = cached[0][0][0] if cached else 0
+    uniform = E * (1 - (1 - k / E) ** N)      # if each token's k experts were drawn uniformly at random
+    rows = [("LLaDA-8B (dense): every weight", nbytes(dense)),
+            (f"LLaDA-MoE: every expert (our block, {E} per layer)", depth * (other + E * per_expert) + head),
+            (f"LLaDA-MoE: the union of the step's routed experts ({union:.1f} of {E} per layer, measured)",
+             depth * (other + union * per_expert) + head),
+            (f"LLaDA-MoE: the same if routing were uniform ({uniform:.1f} of {E})",
+             depth * (other + uniform * per_expert) + head),
+            (f"LLaDA-MoE: one token's {k} experts per layer", depth * (other + k * per_expert) + head)]
+    print(f"{len(cached)} cached steps ({args.modes[0]}, batch {args.batch[0]}, {N} tokens fed per step), "
+          f"{depth} layers, bf16, embedding aside")
+    print("| weights read per step | GB |\n|---|---|")
+    for name, b in rows:
+        print(f"| {name} | {b / 1e9:.2f} |")
 
 
 def wall(args):
@@ -199,19 +257,21 @@ def wall(args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="tools/step_count.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("counts", "wall"))
+    p.add_argument("what", choices=("counts", "wall", "moe"))
     p.add_argument("--families", type=lambda t: t.split(","), default=["llada", "dream"])
     p.add_argument("--modes", type=lambda t: t.split(","), default=list(MODES))
     p.add_argument("--batch", type=lambda t: [int(b) for b in t.split(",")], default=[1, 16])
     p.add_argument("--shape", choices=("small", "real"), default="small")
-    p.add_argument("--model", help="wall: a checkpoint folder (tools/checkpoint.py)")
+    p.add_argument("--model", help="wall, moe: a checkpoint folder (tools/checkpoint.py)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--root", default=ROOT, help="the checkout whose generate() is counted (before/after)")
     args = p.parse_args(argv)
     if args.what == "counts":
         print("| family | mode | rule | batch | host syncs / cached step | loop ops | call ops | ops / layer | "
-              "guide ops | ops / step at 32 layers |\n|---|---|---|---|---|---|---|---|---|---|")
+              "guide ops | ops / step at 32 layers | at the real depth |\n" + "|---" * 11 + "|")
         counts(args)
+    elif args.what == "moe":
+        moe_weights(args)
     else:
         wall(args)
 

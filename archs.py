@@ -1,0 +1,180 @@
+"""
+archs.py: what each checkpoint architecture needs, one row of ARCHS: which config.json it is (its `model_type`,
+`architectures` or keys), how that file reads into the model's settings (model.ModelConfig), the checkpoint's
+tensor names, and the config values we refuse because they would change the architecture. model.py dispatches on
+this table and never on a folder name. A new checkpoint of a known architecture (LLaDA-1.5: LLaDA; Dream-Coder,
+DiffuCoder: Dream) needs no row; a new architecture is a row with its reader and its weight table.
+"""
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    n_experts: int
+    top_k: int                 # experts per token (num_experts_per_tok)
+    ffn_dim: int               # one expert's SwiGLU width (expert_intermediate_size)
+    sparse: tuple              # per layer: True = a sparse MoE block, False = a dense MLP of ModelConfig.ffn_dim
+    shared_ffn_dim: int = 0    # a shared expert every token goes through beside its routed ones (0: none)
+    expert_bias: bool = False  # a learned per-expert bias added to the router's probabilities
+
+
+@dataclass(frozen=True)
+class Arch:
+    title: str                 # for messages
+    family: str                # the decoding family (ModelConfig.family)
+    model_types: tuple         # config.json `model_type`s (lower case) it reads; the first is its own
+    read: Callable             # config.json dict -> ModelConfig fields (a missing key raises KeyError)
+    weights: dict              # our parameter name -> checkpoint tensor name ({} = layer index, then expert index)
+    fixed: dict                # config.json keys whose other values change the architecture -> the value we run
+    architectures: tuple = ()  # config.json `architectures` names that pick this row over its model_type's own
+    keys: tuple = ()           # ... or config.json keys that do (converted copies without `architectures`)
+    rope_fp32: bool = False
+    shift_logits: bool = False
+    causal: bool = False
+
+
+def arch_of(hf: dict) -> str | None:
+    """The row of ARCHS for a config.json: one named by its `architectures` or its keys, else its model_type's
+    own. (LLaDA-MoE's release and dInfer's converted copies say model_type "llada", as the dense LLaDA does.)"""
+    kind = str(hf.get("model_type", "")).lower()
+    named = hf.get("architectures")
+    named = set(named) if isinstance(named, list) and all(isinstance(n, str) for n in named) else set()
+    rows = [n for n, a in ARCHS.items() if kind in a.model_types]
+    for n in rows:
+        if named & set(ARCHS[n].architectures) or ARCHS[n].keys and all(k in hf for k in ARCHS[n].keys):
+            return n
+    return next((n for n in rows if ARCHS[n].model_types[0] == kind), None)
+
+
+def hf_sizes(hf: dict, ffn_key: str) -> dict:
+    """The widths of a Qwen2 / OLMoE-style config.json (Dream, the guide, LLaDA-MoE)."""
+    return dict(vocab_size=hf["vocab_size"], dim=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
+                n_heads=hf["num_attention_heads"],
+                n_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+                ffn_dim=hf[ffn_key], rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"],
+                max_seq_len=hf["max_position_embeddings"])
+
+
+def read_llada(hf: dict) -> dict:
+    return dict(vocab_size=hf.get("embedding_size") or hf["vocab_size"], dim=hf["d_model"], n_layers=hf["n_layers"],
+                n_heads=hf["n_heads"], n_kv_heads=hf.get("n_kv_heads") or hf["n_heads"], ffn_dim=hf["mlp_hidden_size"],
+                rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"], qkv_bias=bool(hf.get("include_qkv_bias")),
+                max_seq_len=hf["max_sequence_length"], mask_id=hf.get("mask_token_id", 126336))
+
+
+# LLaDA-MoE's configuration class stores routing switches its forward never reads (spec/lladamoe.md 3): the
+# official block always scores with a float32 softmax and never renormalises, scales or groups the top-k. So a
+# checkpoint that sets one of them is computed by the official code as if it had not, and its trainer may well
+# have meant otherwise: we refuse it rather than guess. The values under which ignoring the key is exact:
+MOE_UNREAD = {   # key: (values under which ignoring it is exact, what the official block does, the value to set)
+    "moe_router_score_function": ((None, "softmax"), "always scores with a float32 softmax", "softmax"),
+    "norm_topk_prob": ((None, False), "hard-codes norm_topk_prob = False (it never reads the key)", False),
+    "routed_scaling_factor": ((None, 1), "never scales the routed weights", 1),
+    "router_num_group": ((None, -2, -1, 0, 1), "never limits the top-k to groups of experts", None),
+}
+
+
+def read_lladamoe(hf: dict) -> dict:
+    """LLaDA-MoE's config.json (configuration_lladamoe.py; spec/lladamoe.md 'Checkpoint'): every switch the official
+    forward reads is implemented; one it stores but ignores is refused unless ignoring it is exact (MOE_UNREAD)."""
+    def refuse(key, why):
+        raise ValueError(f"config.json sets {key} = {hf[key]!r}; {why}")
+    for key, (values, why, fix) in MOE_UNREAD.items():
+        if hf.get(key) not in values:
+            refuse(key, f"the official LLaDA-MoE forward {why}, so what the checkpoint means is unknown: "
+                        f"fastdllm runs {key} = {json.dumps(fix)} only")
+    n, freq = hf["num_hidden_layers"], hf["moe_layer_freq"]
+    if not (isinstance(freq, list) and len(freq) == n and all(f in (0, 1) for f in freq)):
+        refuse("moe_layer_freq", f"it must list 0 (dense MLP) or 1 (sparse MoE) for each of the {n} layers")
+    shared, clip, rope = hf.get("shared_expert_intermediate_size"), hf.get("clip_qkv"), hf["partial_rotary_factor"]
+    if shared is not None and not (type(shared) is int and shared > 0):
+        refuse("shared_expert_intermediate_size", "it must be null (no shared expert) or a positive width")
+    if clip is not None and not (type(clip) in (int, float) and clip > 0):
+        refuse("clip_qkv", "it must be null or a positive bound")
+    if not (type(rope) in (int, float) and 0 < rope <= 1):
+        refuse("partial_rotary_factor", "it must be a fraction of the head in (0, 1]")
+    moe = MoEConfig(n_experts=hf["num_experts"], top_k=hf["num_experts_per_tok"],
+                    ffn_dim=hf["expert_intermediate_size"],
+                    sparse=tuple(bool(f) for f in freq), shared_ffn_dim=shared or 0,
+                    expert_bias=bool(hf.get("moe_router_enable_expert_bias")))
+    if not all(type(v) is int and v > 0 for v in (moe.n_experts, moe.top_k, moe.ffn_dim)) or moe.top_k > moe.n_experts:
+        raise ValueError(f"config.json gives num_experts = {moe.n_experts!r}, num_experts_per_tok = {moe.top_k!r}, "
+                         f"expert_intermediate_size = {moe.ffn_dim!r}: positive, and top-k at most the experts")
+    # The release's config.json has no mask_token_id: read_config looks for "<|mask|>" in its tokenizer.json, and
+    # 156895 is the model card's generate(mask_id=156895) (spec/lladamoe.md; docs/models.md).
+    return dict(hf_sizes(hf, "dense_intermediate_size"), mask_id=hf.get("mask_token_id", 156895),
+                qk_norm=bool(hf.get("qk_layernorm")), clip_qkv=clip, rope_fraction=rope, moe=moe)
+
+
+# Our parameter name -> checkpoint name. Mirrors the checkpoints; the traps are LLaDA's `ff_out` (MLP down-proj
+# inside a block, LM head at top level) and `ff_proj` (= gate). A name our model does not have (a bias LLaDA
+# does not use, a tied head, a dense layer's experts) is skipped: see checkpoint_names.
+LLADA_WEIGHTS = {
+    "embed.weight": "model.transformer.wte.weight",
+    "layers.{}.attn_norm.weight": "model.transformer.blocks.{}.attn_norm.weight",
+    "layers.{}.attn.wq.weight": "model.transformer.blocks.{}.q_proj.weight",
+    "layers.{}.attn.wk.weight": "model.transformer.blocks.{}.k_proj.weight",
+    "layers.{}.attn.wv.weight": "model.transformer.blocks.{}.v_proj.weight",
+    "layers.{}.attn.wq.bias": "model.transformer.blocks.{}.q_proj.bias",      # only with include_qkv_bias
+    "layers.{}.attn.wk.bias": "model.transformer.blocks.{}.k_proj.bias",
+    "layers.{}.attn.wv.bias": "model.transformer.blocks.{}.v_proj.bias",
+    "layers.{}.attn.wo.weight": "model.transformer.blocks.{}.attn_out.weight",
+    "layers.{}.mlp_norm.weight": "model.transformer.blocks.{}.ff_norm.weight",
+    "layers.{}.mlp.w_gate.weight": "model.transformer.blocks.{}.ff_proj.weight",
+    "layers.{}.mlp.w_up.weight": "model.transformer.blocks.{}.up_proj.weight",
+    "layers.{}.mlp.w_down.weight": "model.transformer.blocks.{}.ff_out.weight",
+    "norm.weight": "model.transformer.ln_f.weight",
+    "lm_head.weight": "model.transformer.ff_out.weight",
+}
+QWEN2_WEIGHTS = {   # Dream, the guide, and LLaDA-MoE's attention and dense layers
+    "embed.weight": "model.embed_tokens.weight",
+    "layers.{}.attn_norm.weight": "model.layers.{}.input_layernorm.weight",
+    "layers.{}.attn.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "layers.{}.attn.wq.bias": "model.layers.{}.self_attn.q_proj.bias",
+    "layers.{}.attn.wk.weight": "model.layers.{}.self_attn.k_proj.weight",
+    "layers.{}.attn.wk.bias": "model.layers.{}.self_attn.k_proj.bias",
+    "layers.{}.attn.wv.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "layers.{}.attn.wv.bias": "model.layers.{}.self_attn.v_proj.bias",
+    "layers.{}.attn.wo.weight": "model.layers.{}.self_attn.o_proj.weight",
+    "layers.{}.mlp_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+    "layers.{}.mlp.w_gate.weight": "model.layers.{}.mlp.gate_proj.weight",
+    "layers.{}.mlp.w_up.weight": "model.layers.{}.mlp.up_proj.weight",
+    "layers.{}.mlp.w_down.weight": "model.layers.{}.mlp.down_proj.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+LLADAMOE_WEIGHTS = QWEN2_WEIGHTS | {
+    "layers.{}.attn.q_norm.weight": "model.layers.{}.self_attn.q_norm.weight",      # head_dim wide
+    "layers.{}.attn.k_norm.weight": "model.layers.{}.self_attn.k_norm.weight",
+    "layers.{}.mlp.router.weight": "model.layers.{}.mlp.gate.weight",               # (experts, dim)
+    "layers.{}.mlp.expert_bias": "model.layers.{}.mlp.expert_bias",                 # a buffer in the official model
+    "layers.{}.mlp.w_gate.{}": "model.layers.{}.mlp.experts.{}.gate_proj.weight",   # expert e: row e of a stack
+    "layers.{}.mlp.w_up.{}": "model.layers.{}.mlp.experts.{}.up_proj.weight",
+    "layers.{}.mlp.w_down.{}": "model.layers.{}.mlp.experts.{}.down_proj.weight",   # stored transposed (MoE)
+    "layers.{}.mlp.shared.w_gate.weight": "model.layers.{}.shared_expert.gate_proj.weight",
+    "layers.{}.mlp.shared.w_up.weight": "model.layers.{}.shared_expert.up_proj.weight",
+    "layers.{}.mlp.shared.w_down.weight": "model.layers.{}.shared_expert.down_proj.weight",
+}
+
+ARCHS = {
+    "llada": Arch("LLaDA-8B", "llada", ("llada",), read_llada, LLADA_WEIGHTS, rope_fp32=True, fixed=dict(
+        block_type="llama", layer_norm_type="rms", activation_type="silu", rope=True, alibi=False,
+        include_bias=False, weight_tying=False, input_emb_norm=False, scale_logits=False,
+        attention_layer_norm=False)),
+    "lladamoe": Arch("LLaDA-MoE", "llada", ("lladamoe", "llada"), read_lladamoe, LLADAMOE_WEIGHTS,
+                     architectures=("LLaDAMoEModelLM", "LLaDAMoEModel"), keys=("num_experts",),
+                     fixed=dict(hidden_act="silu", rope_scaling=None, attention_bias=False, tie_word_embeddings=False)),
+    "dream": Arch("Dream-7B", "dream", ("dream",), lambda hf: dict(
+        hf_sizes(hf, "intermediate_size"), qkv_bias=True, mask_id=hf["mask_token_id"]), QWEN2_WEIGHTS,
+        shift_logits=True, fixed=dict(hidden_act="silu", tie_word_embeddings=False, rope_scaling=None,
+                                      use_sliding_window=False)),
+    # The guide: Dream's blocks (Qwen2 hard-codes q/k/v biases; there is no attention_bias field), no mask.
+    # tie_word_embeddings may be either: Qwen2.5-0.5B..3B tie the head, 7B and up do not.
+    "qwen2": Arch("Qwen2.5 guide", "qwen2", ("qwen2",), lambda hf: dict(
+        hf_sizes(hf, "intermediate_size"), qkv_bias=True, mask_id=None,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False))), QWEN2_WEIGHTS, causal=True,
+        fixed=dict(hidden_act="silu", rope_scaling=None, use_sliding_window=False)),
+}
+WEIGHT_MAP = {name: a.weights for name, a in ARCHS.items()}
