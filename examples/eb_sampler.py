@@ -1,0 +1,48 @@
+"""
+EB-Sampler: entropy-bounded unmasking (Ben-Hamu, Gat, Severo, Nolte, Karrer; arXiv 2505.24857), as a selection rule.
+
+Each step ranks the block's masked positions by an error proxy and commits the longest prefix of that order whose
+entropies, summed, minus the largest of them stay <= gamma (the first always passes: 0 <= gamma). A step thus
+commits many tokens where the model is sure of them jointly, one where it is not; gamma = 0 is about one token a
+step, gamma = inf the whole block. Official code: none found; the rule is the one the public ports share
+(nkalyanv99/UNI-D2 eb_sampler.py, HF diffusers EntropyBoundScheduler, Kamichanw/d2Cache confidence_unmasking).
+
+Defaults: gamma = 0.01 (--gamma; the ports use 0.001 to 0.1). Proxy: confidence, the step rule's own p.conf (LLaDA:
+the chosen token's probability; Dream: the max probability), so the fork changes only how many tokens a step
+commits, never the family's order; the paper also names entropy and margin. Entropies in nats, float64, over the
+whole vocabulary. Any cache (the rule reads only the block's logits); on Dream, Fast-dLLM's block sampler opens a
+block's first position alone at its first step, so that step commits it alone.
+
+Contract parts used: select= (a rule(p, at) with parallel = True), p.open, p.conf, p.logits at at.cols.
+
+    python examples/eb_sampler.py --model demo/llada-arith --gen-length 32 --block-length 8 --gamma 0.01 --prompt "..."
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+
+class EBSampler:
+    parallel = True      # the rule decides how many tokens a step commits
+
+    def __init__(self, gamma: float = 0.01):
+        if not gamma >= 0:
+            raise ValueError(f"EB-Sampler's gamma is an entropy bound in nats, >= 0 (got {gamma})")
+        self.gamma = gamma
+
+    def __call__(self, p, at):
+        logp = p.logits.double().log_softmax(-1)                            # (B, n, V) at the block columns at.cols
+        h = torch.zeros(p.conf.shape, dtype=logp.dtype, device=logp.device)
+        h[:, at.cols] = -(logp.exp() * logp).sum(-1)                        # (B, N) entropies
+        order = p.conf.argsort(dim=-1, descending=True, stable=True)        # the proxy: most confident first
+        h = h.gather(-1, order).masked_fill(~p.open.gather(-1, order), 0)   # closed positions (conf -inf) sort last
+        count = (h.cumsum(-1) - h.cummax(-1).values <= self.gamma).sum(-1, keepdim=True)   # longest valid prefix
+        take = torch.arange(order.shape[-1], device=order.device) < count   # (B, N) in sorted order
+        return p.open & torch.zeros_like(take).scatter_(-1, order, take)
+
+
+if __name__ == "__main__":
+    import cli
+    cli.run(lambda gamma: dict(select=EBSampler(gamma)), gamma=0.01)
