@@ -1,17 +1,16 @@
 """
-Prophet: early commit once the answer is settled (Li et al., "Diffusion Language Models Know the Answer Before
+Prophet, early commit once the answer is settled (Li et al., "Diffusion Language Models Know the Answer Before
 Decoding", arXiv 2508.19982; code pixeli99/Prophet, its loop read in the public fork duterscmy/Prophet:
-generate_earlyexit.py, eval_llada.py). LLaDA decodes as usual (the schedule's k most confident masks a step,
-greedy) with a suffix forced into the canvas ("The answer is"). After each call the mean top-1 minus top-2 raw
-logit gap over the 5 answer positions starting two after the suffix meets a threshold falling with progress =
-calls / total steps (7.5 below 0.33, 5.0 below 0.67, then 2.5): then every mask left takes this call's argmax.
-Official defaults (GSM8K, LLaDA-8B-Instruct): gen 256, block 32, steps 256 (32 a block), no cache, the suffix at
-answer offsets 200-202 (window 204-208). Offsets here count from the canvas end, so one flag fits any --gen-length
-(official: --suffix-at -56 at gen 256); the default fits the demo (gen 32: answer offset 9, where it writes it).
-Contract: propose= a sampler.LLaDA whose start_block writes the suffix (masks only), exact_steps (a block takes its
-steps, as officially); stop= the same object: at.logits(lo, L) at the window and every mask left (a feed that
-covers them: cache none, or prefix, whose later steps skip the test once the block is past the window), at.s at
-at.n == 0 (the answer's start); select= the schedule. A row's progress counts its own calls (as alone).
+generate_earlyexit.py, eval_llada.py). LLaDA decodes as usual (the schedule's k most confident masks a step, greedy)
+with a suffix forced into the canvas ("The answer is"). Once the mean top-1 minus top-2 raw logit gap over the 5
+answer positions two after the suffix reaches 7.5 / 5.0 / 2.5 (progress = calls / total steps below 0.33 / below
+0.67 / else), every mask left takes this call's argmax. Official defaults (GSM8K, LLaDA-8B-Instruct): gen 256,
+block 32, steps 256, no cache, the suffix at answer offsets 200-202 (window 204-208). Offsets count here from the
+canvas end, one flag for any --gen-length (official: --suffix-at -56 at gen 256); the default fits the demo (gen 32:
+offset 9, where it writes it). Contract: propose= a sampler.LLaDA whose start_block writes the suffix (masks only),
+with exact_steps (a block takes its steps, as officially); stop= the same object: at.logits(lo, L) at the window and
+every mask left (a feed covering them: cache none, or prefix, whose later steps skip the test once past the window),
+at.s at at.n == 0; select= the schedule. A row's progress counts its own calls (those it makes alone).
 """
 import os
 import sys
@@ -27,6 +26,9 @@ class Prophet(S.LLaDA):
     """The step rule (LLaDA with the suffix) and the stop rule (the gap test) in one object: they share the steps."""
 
     def __init__(self, *, suffix_ids, suffix_at: int, steps_per_block: int, mask_id: int, taus=(7.5, 5.0, 2.5)):
+        if not suffix_at < 0 <= -suffix_at - len(suffix_ids):
+            raise ValueError(f"prophet: --suffix-at {suffix_at} counts from the canvas end (-1 is its last position): "
+                             f"the suffix's {len(suffix_ids)} token(s) need one <= {-max(len(suffix_ids), 1)}")
         super().__init__(steps_per_block=steps_per_block, mask_id=mask_id)
         self.exact_steps, self.suffix_at, self.taus = steps_per_block, suffix_at, torch.tensor(taus).double()
         self.suffix, self.canvas = torch.tensor(suffix_ids, dtype=torch.long), None
@@ -47,8 +49,7 @@ class Prophet(S.LLaDA):
                              f"[{at.s - L}, -1]")
         served = at.masked.any(-1) | (self.canvas is x)  # the calls a row makes alone (a block waits for no row)
         self.calls = served.double() if at.n == 0 else self.calls + served
-        if at.n == 0:
-            self.total = (L - at.s) // (at.e - at.s) * self.steps_per_block
+        self.total = (L - at.s) // (at.e - at.s) * self.steps_per_block if at.n == 0 else self.total
         w = L + self.suffix_at + len(self.suffix) + 1    # the window [w, w + 5), cut at the end
         lo = min(w, at.s) if a + at.shift <= w else at.s  # prefix, past the window: no test
         logits = at.logits(lo, L)
@@ -62,12 +63,13 @@ class Prophet(S.LLaDA):
 
 
 def hooks(suffix, suffix_at, steps_per_block, cache, early, mid, late):
+    """The command line's hooks. A fork's builder sees its own flags only: the suffix's ids and the mask id come
+    from the --model folder, read here."""
     import cli
     from chat import load_tokenizer
     from model import read_config, resolve_model_dir
     if cache not in ("none", "prefix"):
         raise ValueError(f"--cache {cache}: prophet reads logits outside the block: use none (official) or prefix")
-    # A fork's builder sees its own flags only: the suffix's ids and the mask id come from the --model folder.
     folder = resolve_model_dir(cli.own_flags(sys.argv[1:], model="GSAI-ML/LLaDA-8B-Instruct")[0]["model"])
     ids = load_tokenizer(folder).encode(" " + suffix, add_special_tokens=False).ids if suffix else []
     rule = Prophet(suffix_ids=ids, suffix_at=suffix_at, steps_per_block=steps_per_block,

@@ -128,6 +128,9 @@ def test_prefix_cache_runs_and_other_caches_are_refused(llada):
             decode(llada, torch.tensor([PROMPTS["llada"][0]]), 8, SUFFIX, -10, cache=cache)
     with pytest.raises(ValueError, match="--suffix-at -40 lies before the answer"):
         decode(llada, torch.tensor([PROMPTS["llada"][0]]), 8, SUFFIX, -40, cache="none")
+    for at in (-2, 0, 3):      # the suffix past the canvas end
+        with pytest.raises(ValueError, match=f"--suffix-at {at} counts from the canvas end"):
+            decode(llada, torch.tensor([PROMPTS["llada"][0]]), 8, SUFFIX, at, cache="none")
 
 
 def run_example(*args):
