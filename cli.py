@@ -5,6 +5,7 @@ keywords, batches of prompts, interactive turns and prompt files, and loading (t
 then the guide and the model, with progress on stderr). The method itself is in fastdllm.py.
 """
 import argparse
+import inspect
 import math
 import os
 import sys
@@ -24,6 +25,7 @@ from model import Compiled, check_readable, load_model, read_config, resolve_mod
 # The command line's defaults where they differ from generate()'s: the methods' headline setting (Fast-dLLM's
 # DualCache with threshold 0.9) and early stop at the end of text. serve.py and harness.py read them too.
 CLI_DEFAULTS = dict(gen_length=256, cache="dual", threshold=0.9, stop_at_eos=True)
+DEFAULT_MODEL = "GSAI-ML/LLaDA-8B-Instruct"
 
 
 # Flags that only mean something beside another flag: given without it they are an error, never ignored.
@@ -230,7 +232,7 @@ def parse_args(argv=None, hooks=()):
         raise ValueError(f"{message} (see --help)")
     p.error = error
     # SUPPRESS: --gen-length and --threshold are absent unless given, so we can tell a default from a choice.
-    p.add_argument("--model", default="GSAI-ML/LLaDA-8B-Instruct", help="Hugging Face repo id or local folder "
+    p.add_argument("--model", default=DEFAULT_MODEL, help="Hugging Face repo id or local folder "
                    "(default: %(default)s)")
     p.add_argument("--prompt", help="the user message (required unless --prompt-file; with --interactive: the "
                    "first turn)")
@@ -450,13 +452,19 @@ def own_flags(argv: list, **defaults) -> tuple[dict, list]:
 
 def run(fork=None, **own):
     """`python fastdllm.py ...`: main() with one-line errors and Unix exit statuses. A fork's program (examples/)
-    passes fork(**its own flags) -> its hooks, and its flags with their defaults."""
+    passes fork(**its own flags) -> its hooks, and its flags with their defaults; a fork that takes `config` or
+    `tokenizer` also gets the --model checkpoint's (its ModelConfig, its tokenizers.Tokenizer)."""
     if sys.stdout is None:   # started with stdout closed (`>&-`): the answers would go nowhere
         print("error: standard output is closed: the answer has nowhere to go (drop `>&-`, or redirect to a "
               "file or /dev/null)", file=sys.stderr)
         sys.exit(2)
     try:
         values, argv = own_flags(sys.argv[1:], **own)
+        needs = inspect.signature(fork).parameters if fork else {}
+        if "config" in needs or "tokenizer" in needs:      # the fork's parts depend on the checkpoint
+            folder = resolve_model_dir(own_flags(argv, model=DEFAULT_MODEL)[0]["model"])
+            values |= {k: v() for k, v in dict(config=lambda: read_config(folder),
+                                               tokenizer=lambda: load_tokenizer(folder)).items() if k in needs}
         status = main(argv, **(fork(**values) if fork else {}))
         sys.stdout.flush()     # here, so that a closed pipe is caught below, not at the interpreter's exit
         sys.exit(status)

@@ -242,12 +242,13 @@ class Dream(StepRule):
 
     def __init__(self, *, steps: int, n_blocks: int, block_length: int, temperature: float = 0.0,
                  alg: str = "entropy", top_p=None, top_k=None, eps: float = 1e-3, generator=None, mask_id: int,
-                 device=None, schedule: bool = True):
+                 device=None, schedule: bool = True, first_token: bool | None = None):
         self.steps, self.steps_per_block = steps, steps // n_blocks
         self.n_blocks, self.block_length, self.schedule = n_blocks, block_length, schedule
         self.temperature, self.alg, self.generator, self.mask_id = temperature, alg, generator, mask_id
         self.opts = dict(temperature=temperature, top_p=top_p, top_k=top_k, generator=generator, mask_id=mask_id)
         self.timesteps = torch.linspace(1, eps, self.grid_steps() + 1, device=device)
+        self.first_token = self.first_token if first_token is None else first_token
 
     def grid_steps(self) -> int:
         return self.steps_per_block             # the time grid runs over one block's steps
