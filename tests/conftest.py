@@ -11,6 +11,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOLDEN = os.path.join(ROOT, "tests", "golden")
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "apps"))      # the server, the lm-eval model, the benchmark
 
 from model import load_model  # noqa: E402
 

@@ -160,7 +160,7 @@ def test_golden_runs_with_the_whole_head(llada, dream, llada_golden, dream_golde
 
 
 def bench_cli(*args, timeout=120):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, os.path.join(ROOT, "apps", "bench.py"), *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -249,7 +249,7 @@ def test_gpu_check_small_shape_on_cpu(tmp_path):
 
 
 def test_the_library_never_imports_the_benchmark(capsys):
-    """python bench.py is the benchmark's entry point; the library and its CLI never load bench.py or tools/
+    """python apps/bench.py is the benchmark's entry point; the library and its CLI never load bench.py or tools/
     (no import cycle), and fastdllm.py's --help has no benchmark flags."""
     import ast
     for name in sorted(f for f in os.listdir(ROOT) if f.endswith(".py") and f != "bench.py"):
@@ -389,13 +389,13 @@ def test_json_output_overwrites_only_an_earlier_result(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,error", [
-    (["bench.py", "compare", "{rows}", "{rows}"], "has no measured rows"),
-    (["bench.py", "modes", *SHAPE, "--guide", "{missing}"], "guide folder '{missing}' not found"),
-    (["bench.py", "modes", *SHAPE, "--guide", "demo/llada-arith"], "the guide is a llada model, not a causal LM"),
+    (["apps/bench.py", "compare", "{rows}", "{rows}"], "has no measured rows"),
+    (["apps/bench.py", "modes", *SHAPE, "--guide", "{missing}"], "guide folder '{missing}' not found"),
+    (["apps/bench.py", "modes", *SHAPE, "--guide", "demo/llada-arith"], "the guide is a llada model, not a causal LM"),
     (["tools/checkpoint.py", "{file}", "--d-model", "64"], "is a file, not a folder"),
     # a folder nothing can be written in, even by root (os.access said yes: the write failed after the run)
-    (["bench.py", "modes", *SHAPE, "--json", "/proc/fastdllm.json"], "cannot write '/proc/fastdllm.json'"),
-    (["bench.py", "modes", *SHAPE, "--dir", "/proc/fastdllm"], "cannot write --dir /proc/fastdllm"),
+    (["apps/bench.py", "modes", *SHAPE, "--json", "/proc/fastdllm.json"], "cannot write '/proc/fastdllm.json'"),
+    (["apps/bench.py", "modes", *SHAPE, "--dir", "/proc/fastdllm"], "cannot write --dir /proc/fastdllm"),
     (["tools/loop_time.py", "--model", "{missing}"], "model folder '{missing}' not found"),
     (["tools/loop_time.py", "--model", "demo/llada-arith", "--root", "{missing}"], "holds no fastdllm.py"),
     (["tools/loop_time.py", "--model", "demo/llada-arith", "--gen-length", "0"], "expected an integer >= 1"),

@@ -883,7 +883,7 @@ def test_api20_stop_at_eos_k_and_eos_ids_work(llada):
 def bench_cases(tmp):
     """name: (script and argv, the flag (or file) the one error line must name)."""
     demo, bad_dir = os.path.join(ROOT, "demo", "llada-arith"), os.path.join(tmp, "no-such-folder", "x.json")
-    run = ["bench.py", "run", "--model", demo, "--gen-length", "32", "--block-length", "8"]
+    run = ["apps/bench.py", "run", "--model", demo, "--gen-length", "32", "--block-length", "8"]
     small = ["--d-model", "64", "--layers", "1", "--vocab", "1024"]
     return {
         "run --batch 0": ([*run, "--batch", "0"], "--batch"),
@@ -893,15 +893,15 @@ def bench_cases(tmp):
         "run --caches bogus": ([*run, "--caches", "prefix,bogus"], "--caches"),
         "run --json in a missing folder": ([*run, "--json", bad_dir], "--json"),
         "run --cache (no meaning in a table)": ([*run, "--cache", "dual"], "--cache"),
-        "modes --heads that do not divide": (["bench.py", "modes", "--d-model", "100", "--heads", "3"], "--heads"),
-        "modes --gen-length not a block multiple": (["bench.py", "modes", *small, "--gen-length", "100"],
+        "modes --heads that do not divide": (["apps/bench.py", "modes", "--d-model", "100", "--heads", "3"], "--heads"),
+        "modes --gen-length not a block multiple": (["apps/bench.py", "modes", *small, "--gen-length", "100"],
                                                     "--gen-length"),
-        "modes --guide ''": (["bench.py", "modes", *small, "--guide", ""], "--guide"),
-        "modes --gain nan": (["bench.py", "modes", *small, "--gain", "nan"], "--gain"),
-        "sweep --lengths 0": (["bench.py", "sweep", *small, "--lengths", "0,32"], "--lengths"),
-        "sweep --thresholds with two values": (["bench.py", "sweep", *small, "--thresholds", "0.9,0.5"],
+        "modes --guide ''": (["apps/bench.py", "modes", *small, "--guide", ""], "--guide"),
+        "modes --gain nan": (["apps/bench.py", "modes", *small, "--gain", "nan"], "--gain"),
+        "sweep --lengths 0": (["apps/bench.py", "sweep", *small, "--lengths", "0,32"], "--lengths"),
+        "sweep --thresholds with two values": (["apps/bench.py", "sweep", *small, "--thresholds", "0.9,0.5"],
                                                "--thresholds"),
-        "compare a file that is not JSON": (["bench.py", "compare", os.path.join(ROOT, "README.md"), "x"], "README.md"),
+        "compare a file that is not JSON": (["apps/bench.py", "compare", os.path.join(ROOT, "README.md"), "x"], "README.md"),
         "checkpoint --layers 0": (["tools/checkpoint.py", os.path.join(tmp, "ck"), "--layers", "0"], "--layers"),
         "gpu_check --batch 0": (["tools/gpu_check.py", "--out", os.path.join(tmp, "g.json"), "--batch", "0"],
                                 "--batch"),
@@ -1063,9 +1063,9 @@ SERVE28 = {   # issue 28: serve.py's start-up errors, each one line naming the f
 
 
 def test_serve_start_up_errors_are_one_line_and_exit_2():
-    """`python serve.py` as a user runs it, with a bad flag each (all at once: a torch import is seconds each):
+    """`python apps/serve.py` as a user runs it, with a bad flag each (all at once: a torch import is seconds each):
     one line naming the flag and its value, status 2, nothing loaded."""
-    procs = {name: subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), "--model", DEMO20, *argv],
+    procs = {name: subprocess.Popen([sys.executable, os.path.join(ROOT, "apps", "serve.py"), "--model", DEMO20, *argv],
                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                     start_new_session=True)
              for name, (argv, _) in SERVE28.items()}

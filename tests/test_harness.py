@@ -50,7 +50,7 @@ def demo():
 
 
 def lm_eval_run(monkeypatch, tmp_path, model_args: str, *args, tasks="demo_arith", include="demo"):
-    """harness.py's command line, as `python harness.py ...` from the repo root -> (exit code, results,
+    """harness.py's command line, as `python apps/harness.py ...` from the repo root -> (exit code, results,
     {task: samples sorted by doc_id}, throughput). monkeypatch: the fixture, or a pytest.MonkeyPatch()."""
     out = tmp_path / "out"
     monkeypatch.chdir(ROOT)
@@ -389,7 +389,7 @@ TWO_PROCESSES = """import functools, sys
 import datasets, lm_eval.tasks
 datasets.config.HF_DATASETS_CACHE = sys.argv.pop(1)
 lm_eval.tasks.TaskManager = functools.partial(lm_eval.tasks.TaskManager, include_defaults=False)
-sys.path.insert(0, {root!r})
+sys.path.insert(0, {root!r} + "/apps")
 import harness
 sys.exit(harness.main())
 """
@@ -447,7 +447,7 @@ def test_accelerate_cpu_launch_of_two_processes_is_refused(tmp_path):
     stdout, stderr = proc.stdout, proc.stderr
     assert proc.returncode != 0 and "|demo_arith|" not in stdout
     assert "error: accelerate launch asked for several processes but started one" in stderr
-    assert "use torchrun --nproc_per_node N harness.py" in stderr
+    assert "use torchrun --nproc_per_node N apps/harness.py" in stderr
     assert not (tmp_path / "out").exists()
 
 

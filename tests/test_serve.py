@@ -2,7 +2,7 @@
 serve.py end to end on the demo model, with a standard-library client: the OpenAI answers equal the CLI's,
 streamed or not; concurrent requests are batched and every answer equals its solo answer; each bad input gets
 its status and error JSON; a client that disconnects mid-stream costs nobody else anything; the page and its
-per-step event stream. The server runs in-process on an ephemeral port (and once as `python serve.py`, for
+per-step event stream. The server runs in-process on an ephemeral port (and once as `python apps/serve.py`, for
 the CLI comparison and Ctrl-C). Every request and subprocess has a timeout.
 """
 import contextlib
@@ -37,7 +37,7 @@ PROMPTS = [PROMPT, "A box has 50 books. Sam takes 12. How many books are left?",
            "A box has 90 coins. Anna takes 45. How many coins are left?",
            "Tom has 3 cards and sells 2. How many cards does he have left?"]
 TIMEOUT = 30
-STARTUP = 180     # `python serve.py` until it prints its URL: a torch import and the model's load, on a busy VM
+STARTUP = 180     # `python apps/serve.py` until it prints its URL: a torch import and the model's load, on a busy VM
 
 
 @contextlib.contextmanager
@@ -630,9 +630,9 @@ def test_stop_scan_never_takes_back_text():
 
 
 def test_serve_py_command_and_ctrl_c():
-    """`python serve.py` as a user runs it: answers the README's curl request, then Ctrl-C stops it cleanly.
+    """`python apps/serve.py` as a user runs it: answers the README's curl request, then Ctrl-C stops it cleanly.
     Its own process group, killed whole on any failure; a server that never prints its URL fails in STARTUP s."""
-    p = bounded.start([sys.executable, os.path.join(ROOT, "serve.py"), "--model", DEMO, *FLAGS, "--port", "0"],
+    p = bounded.start([sys.executable, os.path.join(ROOT, "apps", "serve.py"), "--model", DEMO, *FLAGS, "--port", "0"],
                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = bounded.read_line(p, p.stdout, STARTUP)
@@ -667,7 +667,7 @@ def test_sigterm_answers_every_request_in_flight():
     """Issue 25: SIGTERM with requests in flight left some of 12 clients without any answer (the process exited
     under its handler threads; once with status -6). Now the server stops accepting, answers each request
     (decoded, or 503 when it was still queued) and exits with status 0."""
-    p = bounded.start([sys.executable, os.path.join(ROOT, "serve.py"), "--model", DEMO, *FLAGS, "--port", "0",
+    p = bounded.start([sys.executable, os.path.join(ROOT, "apps", "serve.py"), "--model", DEMO, *FLAGS, "--port", "0",
                        "--batch-window", "3000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         port = int(re.search(r"http://127\.0\.0\.1:(\d+)/", bounded.read_line(p, p.stdout, STARTUP))[1])
@@ -701,7 +701,7 @@ def test_a_port_in_use_fails_at_once_naming_it_before_the_model_loads():
     taken.listen()
     port = taken.getsockname()[1]
     try:
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "serve.py"), "--model", DEMO, *FLAGS, "--port",
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "apps", "serve.py"), "--model", DEMO, *FLAGS, "--port",
                             str(port)], capture_output=True, text=True, timeout=120)
     finally:
         taken.close()

@@ -1,7 +1,7 @@
 """
 tools/load.py: many clients against a running serve.py, for the throughput of batching (docs/serve.md).
 
-    python serve.py --model demo/llada-arith --gen-length 32 --block-length 8 --quiet &   # then:
+    python apps/serve.py --model demo/llada-arith --gen-length 32 --block-length 8 --quiet &   # then:
     python tools/load.py --port 8000 --clients 8 --requests 8
 
 Each client sends its requests one after another (chat, four demo questions in turn); prints requests/s, the

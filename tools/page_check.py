@@ -6,7 +6,7 @@ tools/page_check.py: the browser check of serve.py's live page (a documented scr
     python tools/page_check.py --out docs/page.png    # every check, then the docs' screenshot
     python tools/page_check.py --out /tmp/p.png --query "threshold=0.5&step=2"
 
-It starts `python serve.py` on the demo model on a free port and opens the page in a real headless Chromium
+It starts `python apps/serve.py` on the demo model on a free port and opens the page in a real headless Chromium
 (`apt-get install chromium`), driven over its DevTools protocol on a pipe (--remote-debugging-pipe: JSON
 messages ending in a NUL byte), so it waits for the page in real time: a plain `--screenshot` fires on
 Chromium's virtual clock, before a streamed response has arrived. The checks press Denoise (a real mouse click
@@ -574,7 +574,7 @@ def main():
     width, height = map(int, args.size.split("x"))
     tmp = tempfile.mkdtemp()
     # A batch window of 300 ms keeps each stream open long enough for a second press to land during it.
-    server = subprocess.Popen([sys.executable, os.path.join(ROOT, "serve.py"), "--model", "demo/llada-arith",
+    server = subprocess.Popen([sys.executable, os.path.join(ROOT, "apps", "serve.py"), "--model", "demo/llada-arith",
                                "--gen-length", "32", "--block-length", "8", "--port", "0", "--quiet",
                                "--batch-window", "300"], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                               env=os.environ | {"OMP_NUM_THREADS": "1"})

@@ -2,10 +2,10 @@
 bench.py: what each decoding mode costs (time, model calls, tokens fed, memory) and what its approximations
 cost in quality (agreement with the exact decode), in one table.
 
-    python bench.py run --model demo/llada-arith --gen-length 32 --block-length 8   # a real model and prompt
-    python bench.py modes --d-model 512 --layers 4            # the same table on a random LLaDA-format checkpoint
-    python bench.py sweep --lengths 128,256,512,1024          # cost per generated token as the answer grows
-    python bench.py compare before.json after.json            # two `--json` results side by side, row by row
+    python apps/bench.py run --model demo/llada-arith --gen-length 32 --block-length 8   # a real model and prompt
+    python apps/bench.py modes --d-model 512 --layers 4            # the same table on a random LLaDA-format checkpoint
+    python apps/bench.py sweep --lengths 128,256,512,1024          # cost per generated token as the answer grows
+    python apps/bench.py compare before.json after.json            # two `--json` results side by side, row by row
 
 (tools/checkpoint.py writes the random checkpoints; tools/gpu_check.py is the prepared GPU check.)
 
@@ -32,7 +32,9 @@ import time
 
 import torch
 
-import cli
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)     # the method's modules (fastdllm.py, model.py, ...) live at the repository's root
+import cli  # noqa: E402
 from checks import GUIDED_ONLY, check_settings
 from fastdllm import generate
 from guided import check_guide
@@ -40,7 +42,6 @@ from model import ModelConfig, load_model, read_config, resolve_model_dir
 from tools.checkpoint import check_fits, load_random, random_prompts, reusable, shape_config
 from tools.flags import Parser, integer, listing, nonempty, random_arguments, rows_arguments, run_arguments
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
 MiB = 2 ** 20
 PROMPT = "Tom has 23 apples and buys 45 more. How many apples does he have?"   # `run`'s default
 

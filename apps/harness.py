@@ -3,12 +3,12 @@ harness.py: fastdllm as an lm-evaluation-harness model, so that every decoding m
 on lm-eval's tasks (GSM8K, HumanEval, MATH...) the way the Fast-dLLM and FlashDLM tables are.
 
     pip install -r requirements-eval.txt
-    python harness.py --model fastdllm --model_args model=demo/llada-arith,block_length=8 \
+    python apps/harness.py --model fastdllm --model_args model=demo/llada-arith,block_length=8 \
         --include_path demo --tasks demo_arith --output_path out            # offline, CPU, seconds
-    accelerate launch harness.py --model fastdllm --model_args model=GSAI-ML/LLaDA-8B-Instruct \
+    accelerate launch apps/harness.py --model fastdllm --model_args model=GSAI-ML/LLaDA-8B-Instruct \
         --tasks gsm8k --num_fewshot 5 --output_path out                      # the paper's GSM8K row
 
-`python harness.py ARGS` is lm-eval's own command line (`lm-eval run ARGS`) with the model "fastdllm"
+`python apps/harness.py ARGS` is lm-eval's own command line (`lm-eval run ARGS`) with the model "fastdllm"
 registered, as lm-eval's docs do it for a model outside its tree (`@register_model`, then `cli_evaluate()`).
 Its --model_args are model (folder or Hugging Face id), guide, dtype, device, batch_size, seed, and every
 setting of fastdllm.generate() (gen_length, block_length, steps, cache, threshold, factor, ...: read from
@@ -42,6 +42,9 @@ import time
 from pathlib import Path
 
 import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)     # the method's modules (fastdllm.py, model.py, ...) live at the repository's root
 
 try:
     from lm_eval.__main__ import cli_evaluate
@@ -371,7 +374,7 @@ def distributed(device: str | None):
             what = ("accelerate launch asked for several processes but started one (it runs several on CPUs only "
                     "through MPI, on GPUs one per GPU)" if accelerate else
                     "mpirun started processes without a torch.distributed rank (each would score every request)")
-            raise ValueError(f"{what}: use torchrun --nproc_per_node N harness.py ... (CPUs: gloo; GPUs: one "
+            raise ValueError(f"{what}: use torchrun --nproc_per_node N apps/harness.py ... (CPUs: gloo; GPUs: one "
                              f"process per GPU), or one process without --num_processes")
         return 0, 1, device
     local = int(os.environ.get("LOCAL_RANK", "0"))

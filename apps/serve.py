@@ -3,7 +3,7 @@ serve.py: fastdllm behind an OpenAI-compatible HTTP API, plus a live web page th
 step. Python's standard library only (http.server, json, queue, threading) on top of cli.run_batch(),
 the CLI's own decoding path.
 
-    python serve.py --model demo/llada-arith --gen-length 32 --block-length 8
+    python apps/serve.py --model demo/llada-arith --gen-length 32 --block-length 8
     curl -s 127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Tom has 23 apples and buys 45 more. How many apples does he have?"}]}'
     open http://127.0.0.1:8000/ for the page
 
@@ -33,10 +33,12 @@ import traceback
 import uuid
 from http.server import ThreadingHTTPServer
 
-import cli
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)     # the method's modules (fastdllm.py, model.py, ...) live at the repository's root
+import cli  # noqa: E402
 from api import (CLIENT_GONE, ApiError, JsonHandler, check_fields, check_text, choice, chunk, envelope, get,
                  json_object, prompt_fields, quoted, shutting_down, stop_scan, tokens, usage)
-from chat import decode
+from chat import decode  # noqa: E402
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web", "index.html")
 # fastdllm.py flags that have no meaning for a server: its prompts come in requests.
