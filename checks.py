@@ -2,8 +2,8 @@
 checks.py: every check of a generate() call, in one place, each once. An impossible request fails in one line
 that names the problem and the fix, never deep inside torch. The CLI runs `check_early` before it loads
 gigabytes of weights; generate() runs `check_call` (all of them, and the hooks' signatures) before it decides
-anything. While it runs, the plan (fastdllm.Plan) checks the hooks' answers at the boundary, in plain code; the
-one-line refusals it raises when a check fails are the `refuse_*` functions at the end of this file.
+anything else. While it runs, the plan (fastdllm.Plan) checks the hooks' answers at the boundary (`answers`, the
+values in its one read); the one-line refusals it raises when a check fails are at the end of this file.
 Guided diffusion's own checks are guided.py's.
 """
 import dataclasses
@@ -299,20 +299,23 @@ def refuse_span(cache, at, span, first: int, last: int):
                                                           "from p - 1)" if at.shift else ""))
 
 
-def kind(v) -> str:
-    return "bool" if v.dtype == torch.bool else "float" if v.is_floating_point() else "long"
-
-
-def refuse_answers(p, take, B: int, N: int, step_rule, select):
-    """The step rule's proposal or the selection is not of the shapes and dtypes the commit needs."""
-    for f, shape, dtype in (("x0", (B, N), "long"), ("conf", (B, N), "float"), ("open", (B, N), "bool"),
-                            ("k", (B,), "long")):
+def answers(p, take, ended, shape, step_rule, select, stop):
+    """The hooks' answers at the boundary (fastdllm.Plan.read; and when the commit fails on one of them): the
+    proposal's fields, the selection and the stop result of the shapes and dtypes the loop needs (host metadata)."""
+    B, N = shape
+    kind = lambda v: "bool" if v.dtype == torch.bool else "float" if v.is_floating_point() else "integer"  # noqa: E731
+    for f, want, dtype in (("x0", (B, N), "integer"), ("conf", (B, N), "float"), ("open", (B, N), "bool"),
+                           ("k", (B,), "integer")):
         v = getattr(p, f, None)
-        if not (isinstance(v, torch.Tensor) and v.shape == shape and kind(v) == dtype):
+        if not (isinstance(v, torch.Tensor) and v.shape == want and kind(v) == dtype):
             raise TypeError(f"propose= {name(step_rule)}.propose() returned {f} = {described(v)}: a sampler.Proposal "
-                            f"holds {f} of shape {shape} ({'integer' if dtype == 'long' else dtype})")
-    refuse_answer("select=", select, take, f"a selection rule returns a ({B}, {N}) bool tensor, one row per batch "
-                  f"row, True = commit")
+                            f"holds {f} of shape {want} ({dtype})")
+    if not (isinstance(take, torch.Tensor) and take.shape == (B, N) and take.dtype == torch.bool):
+        refuse_answer("select=", select, take, f"a selection rule returns a ({B}, {N}) bool tensor, one row per batch "
+                      f"row, True = commit")
+    if ended is not None and not (isinstance(ended, torch.Tensor) and ended.shape == (B,) and ended.dtype == torch.bool):
+        refuse_answer("stop=", stop, ended, f"a stop rule returns a ({B},) bool tensor, True = the row's answer has "
+                      f"ended")
 
 
 def refuse_answer(hook: str, rule, got, what: str):
@@ -327,7 +330,7 @@ def key_mask(keys, shape, cache):
                     f"tensor (True = the step may attend to that position), or None")
 
 
-def positions(fed, at, cols, cache):
+def positions(fed, at, cols, keeps_cache: bool, cache):
     """A fork's set of positions, checked with one host read: a sorted 1-D long tensor inside the canvas, the
     whole canvas at a generation's first call (a KV cache starts empty), holding each open position of the block
     and, for a shifted family, the one before it. -> the rows of the block's open columns among them."""
@@ -342,7 +345,7 @@ def positions(fed, at, cols, cache):
     if lo < 0 or hi >= L or unsorted:
         bad(f"cache= {name(cache)}.span() returned positions {where} that are not sorted and unique inside the canvas "
             f"[0, {L})")
-    if at.n == 0 and cache.keeps_cache and fed.numel() != L:
+    if at.n == 0 and keeps_cache and fed.numel() != L:
         bad(f"cache= {name(cache)}.span() fed {fed.numel()} positions at the first call: it must feed the whole "
             f"canvas ({L}), the cache starts empty")
     if missing:
@@ -359,19 +362,19 @@ def slots(got, B: int, fed, cache):
                     f"{fed.numel()}) long tensor (a canvas position, or the discard slot), or None")
 
 
-def refuse_step(v, at, cache, step_rule, select, stop):
-    """The values the step's one host read brought back (fastdllm.Values) broke a rule of the hooks."""
+def refuse_step(nonfinite, opened, outside, overwrote, unfilled, at, step_rule, select, stop):
+    """The values the step's one host read brought back (fastdllm.Plan.read) broke a rule of the hooks."""
     step = f"at step {at.n + 1}"
-    if v.nonfinite:
+    if nonfinite:
         bad(f"the model produced NaN/inf logits {step}: the weights hold NaN/inf, or the activations overflowed "
             f"(try --dtype float32)")
-    if v.opened:
+    if opened:
         bad(f"propose= {name(step_rule)}.propose() opened positions that are not masks {step}: a proposal's open "
             f"positions lie inside at.masked")
-    if v.outside:
+    if outside:
         bad(f"select= {name(select)} chose positions outside the proposal's open positions {step} (committed tokens "
             f"would be overwritten): return a subset of proposal.open")
-    if v.unfilled:
+    if unfilled:
         bad(f"stop= {name(stop)} ended a row that still holds masks {step}: a stop rule fills an ended row's masks "
             f"(e.g. with an end token) before it returns True for it")
     custom = [f"{hook} {name(h)}" for hook, h in (("stop=", stop), ("propose=", step_rule), ("select=", select))
@@ -380,9 +383,9 @@ def refuse_step(v, at, cache, step_rule, select, stop):
         f"{step}: hooks may only fill masked positions (the stop rule; a step rule's start_block)")
 
 
-def no_progress(v, at, step_rule, select):
+def no_progress(proposed, at, step_rule, select):
     """A block that is still open after its schedule and one step per position: a rule that commits nothing."""
-    hook = (f"select= {name(select)} committed nothing" if v.proposed else
+    hook = (f"select= {name(select)} committed nothing" if proposed else
             f"propose= {name(step_rule)}.propose() opened no position")
     bad(f"{hook}: the block [{at.s}, {at.e}) made no progress in {at.i + 1} steps; a block ends only once its "
         f"masks are committed")

@@ -74,7 +74,6 @@ class Step(NamedTuple):
     rows: torch.Tensor = None    # (n,) long: where the block columns are among the fed positions
     hidden: torch.Tensor = None  # (B, T, dim): the fed positions' hidden states
     head: Callable = None        # the model's LM head (model.Transformer.logits)
-    seen: torch.Tensor = None    # (B, L): the canvas as the last host read saw it (no hook may overwrite a token)
 
     def logits(self, lo: int, hi: int) -> torch.Tensor:
         """The model's logits (B, hi - lo, V) at canvas positions [lo, hi), for a hook that needs more than the block's
@@ -86,114 +85,86 @@ class Step(NamedTuple):
         return self.head(self.hidden, torch.arange(lo - a, hi - a, device=self.hidden.device))
 
 
-class Read(NamedTuple):
-    """What the step's one host read tells the loop (Plan.read)."""
-    seen: torch.Tensor           # (B, L) a copy of the canvas it read
-    cols: torch.Tensor = None    # (n,) long, on the device: the block's columns still masked in some row
-    first: int = 0               # the first and the last of them, on the host (the next span's checks)
-    last: int = 0
-    answer_ended: bool = False   # every row's answer has ended
-    block_ended: bool = False    # the block has no mask left (or its step rule's exact steps are done)
-
-
-class Values(NamedTuple):
-    """The device values a step reads in one go, by name (Plan.read); the first five are checks of the hooks
-    (checks.refuse_step says what each means)."""
-    nonfinite: int
-    opened: int
-    outside: int
-    overwrote: int
-    unfilled: int
-    proposed: int        # the proposal opened some position
-    all_ended: int       # every row's answer has ended
-    committed: int       # tokens the selection committed (all rows)
-    changed: int         # tokens that changed: the committed ones and the stop rule's fills
-
-
 @dataclass
 class Plan:
-    """What one generate() call decided before its loop: the blocks, and the parts the loop calls, by name."""
+    """What one generate() call decided before its loop, by name: the blocks, the parts the loop calls and what the
+    model call needs. The last three fields are what the last host read saw, for the next step (Plan.read)."""
     blocks: list              # [(s, e)] the semi-autoregressive blocks of the answer
     cache: CachePolicy        # the cache policy: what each step feeds (cache.py)
+    keys: Callable | None     # its keys(at) -> (B, L) bool, the keys a step may attend to (a fork's; None: all)
+    slots: Callable | None    # its slots(at, fed) -> (B, T) per-row KV slots (FreeCache in a batch; None: fed)
     step_rule: S.StepRule     # proposes tokens and confidences (sampler.py, guided.py, or a fork's)
     select: Callable          # the selection rule: which proposals a step commits
     stop: Callable            # the stop rule: which rows' answers have ended
     model: torch.nn.Module
-    hidden: Callable          # the model's layers, model.hidden or its compiled form (compile=True)
+    layers: Callable          # the model's layers: model.hidden, or its compiled form (compile=True)
     kv: KVCache | None        # keys/values of the whole canvas (None: cache "none" attends over what it feeds)
     pos: torch.Tensor         # (B, L) RoPE positions (a left-padded row counts from its first token)
-    mask: torch.Tensor | None # (B, 1, L, L) the attention mask of padded rows
+    mask: torch.Tensor | None # (B, 1, L, L) the attention mask of padded rows, or None
+    mask_id: int
+    shift: int                # the family's logits shift (Dream: position p is predicted from hidden state p - 1)
+    P: int                    # the prompt's length: the answer is [P, L)
+    exact_steps: int | None   # a block takes exactly these calls (Dream's own sampler); None: until no mask is left
+    patience: int             # calls after which a block still open is a rule that commits nothing
     calls_per_block: int      # the fewest calls a block takes (for calls_saved)
     eos: torch.Tensor         # the end-of-text ids (answer_tokens)
+    ar: torch.Tensor          # arange(L): spans and columns as views, no kernel
+    seen: torch.Tensor        # (B, L) the canvas the last read saw: no hook may overwrite one of its tokens
+    cols: torch.Tensor = None # (n,) long, on the device: the block's columns still masked in some row...
+    open: list = None         # ... and on the host (the span's checks)
 
-    def __post_init__(self):
-        cfg = self.model.config
-        self.mask_id, self.shift, self.P = cfg.mask_id, int(cfg.shift_logits), self.blocks[0][0]
-        self.ar = torch.arange(self.pos.shape[1], device=self.pos.device)   # spans and columns as views, no kernel
-
-    def feed(self, x, n: int, i: int, s: int, e: int, last: Read) -> tuple[Step, torch.Tensor]:
+    def feed(self, x, n: int, i: int, s: int, e: int) -> tuple[Step, torch.Tensor]:
         """1. feed: where this step stands, what the cache policy feeds, one model call -> (at, logits (B, n, V) at the
         block's open columns). A span from the first open position starts one earlier for Dream (p from p - 1)."""
-        at = Step(n, i, s, e, x, x[:, s:e] == self.mask_id, self.shift, self.mask_id, last.cols, seen=last.seen)
-        span, L = self.cache.span(at), x.shape[1]
-        if isinstance(span, torch.Tensor):          # a fork's set of positions: checked with one more host read
-            fed, span, chunk, rows = span, None, span, checks.positions(span, at, last.cols, self.cache)
+        cols, open_ = (self.ar[:e - s], list(range(e - s))) if i == 0 else (self.cols, self.open)   # a block: all open
+        at = Step(n, i, s, e, x, x[:, s:e] == self.mask_id, self.shift, self.mask_id, cols)
+        wanted, L = self.cache.span(at), x.shape[1]
+        if isinstance(wanted, torch.Tensor):       # a fork's set of positions: checked with one more host read
+            fed, span, chunk, rows = wanted, None, wanted, checks.positions(wanted, at, cols, self.kv is not None, self.cache)
         else:
-            a, b = span if isinstance(span, (tuple, list)) and len(span) == 2 else (None, None)
-            a = a - self.shift if a == s + last.first else a
-            if not (type(a) is int and type(b) is int and 0 <= a < b <= L and a + self.shift <= s + last.first
-                    and s + last.last < b and (n > 0 or not self.cache.keeps_cache or (a, b) == (0, L))):
-                checks.refuse_span(self.cache, at, span, last.first, last.last)
-            fed, span, chunk, rows = self.ar[a:b], (a, b), slice(a, b), last.cols + (s - a)
-        keys = self.cache.keys and checks.key_mask(self.cache.keys(at), x.shape, self.cache)   # (B, L) bool, or None
+            a, b = wanted if isinstance(wanted, (tuple, list)) and len(wanted) == 2 else (None, None)
+            a = a - self.shift if a == s + open_[0] else a
+            if not (type(a) is int and type(b) is int and 0 <= a < b <= L and a + self.shift <= s + open_[0]
+                    and s + open_[-1] < b and (n > 0 or self.kv is None or (a, b) == (0, L))):
+                checks.refuse_span(self.cache, at, wanted, open_[0], open_[-1])
+            fed, span, chunk, rows = self.ar[a:b], (a, b), slice(a, b), cols + (s - a)
+        keys = self.keys and checks.key_mask(self.keys(at), x.shape, self.cache)   # (B, L) bool, or None
         mask = self.mask        # padding (B, 1, L, L): the fed queries' rows; keys: the canvas (a KV cache), else the fed
         if mask is not None:
             mask = mask[:, :, chunk] if self.kv is not None else mask[:, :, chunk][..., chunk]
         if keys is not None:
             keys = (keys if self.kv is not None else keys[:, chunk])[:, None, None, :]
             mask = keys if mask is None else mask & keys
-        slots = self.cache.slots and checks.slots(self.cache.slots(at, fed), at.x.shape[0], fed, self.cache)
-        h = self.hidden(x[:, chunk], self.pos[:, chunk], self.kv, fed if slots is None else slots, mask)
+        slots = self.slots and checks.slots(self.slots(at, fed), x.shape[0], fed, self.cache)
+        h = self.layers(x[:, chunk], self.pos[:, chunk], self.kv, fed if slots is None else slots, mask)
         return at._replace(fed=fed, span=span, rows=rows, hidden=h, head=self.model.logits), self.model.logits(h, rows)
 
-    def check(self, at: Step, p: S.Proposal, take):
-        """The proposal and the selection at the boundary, before the commit uses them: shapes and dtypes (host
-        metadata; their values are checked in the step's read). A refusal is one line naming the hook."""
-        B, N = at.masked.shape
-        kinds = [(getattr(p, f, None), shape, dtype) for f, shape, dtype in (("x0", (B, N), "long"), ("conf", (B, N),
-                 "float"), ("open", (B, N), "bool"), ("k", (B,), "long"))] + [(take, (B, N), "bool")]
-        for v, shape, dtype in kinds:
-            if not (isinstance(v, torch.Tensor) and v.shape == shape and checks.kind(v) == dtype):
-                checks.refuse_answers(p, take, B, N, self.step_rule, self.select)
-
-    def read(self, x, at: Step, p: S.Proposal, take, ended, stats: dict) -> Read:
-        """The step's one host read: every value check of the hooks, the stats, the block's open columns for the next
-        step; then the one decision: does the block, or the answer, end here?"""
-        B, N = at.masked.shape
-        if not (isinstance(ended, torch.Tensor) and ended.dtype == torch.bool and ended.shape == (B,)):
-            checks.refuse_answer("stop=", self.stop, ended, f"a stop rule returns a ({B},) bool tensor, True = the "
-                                 f"row's answer has ended")
-        changed, answer = x != at.seen, x[:, self.P:] == self.mask_id      # (B, L), (B, gen_length)
+    def read(self, x, at: Step, p: S.Proposal, take, ended, stats: dict) -> tuple[bool, bool]:
+        """The step's one host read: the hooks' answers checked (shapes and dtypes on the host; values in the read),
+        the stats, the block's open columns for the next step; then the one decision -> (every row's answer has
+        ended, the block has)."""
+        checks.answers(p, take, ended, at.masked.shape, self.step_rule, self.select, self.stop)
+        changed, answer = x != self.seen, x[:, self.P:] == self.mask_id      # (B, L), (B, gen_length)
         open_cols = answer[:, at.s - self.P:at.e - self.P].any(0)           # (N,) the block's columns still masked
-        values = [~torch.isfinite(p.logits.sum(-1, dtype=torch.float32)).all(), (p.open & ~at.masked).any(),
-                  (take & ~p.open).any(), (changed & (at.seen != self.mask_id)).any(), (ended[:, None] & answer).any(),
-                  p.open.any(), ended.all(), take.sum(), changed.sum()]
+        flags = [~torch.isfinite(p.logits.sum(-1, dtype=torch.float32)).all(), (p.open & ~at.masked).any(),
+                 (take & ~p.open).any(), (changed & (self.seen != self.mask_id)).any(), (ended[:, None] & answer).any()]
         stats["row_nfe"] = stats["row_nfe"] + at.masked.any(-1)           # device tensors until the end
         stats["row_committed"] = stats["row_committed"] + take.sum(-1)
-        got = torch.cat([torch.stack(values), open_cols]).tolist()        # the read
-        v, n = Values(*got[:len(values)]), sum(got[len(values):])
-        if v.nonfinite or v.opened or v.outside or v.overwrote or v.unfilled:
-                checks.refuse_step(v, at, self.cache, self.step_rule, self.select, self.stop)
+        values = torch.stack([*flags, p.open.any(), ended.all(), take.sum(), changed.sum()])
+        got = torch.cat([values, open_cols]).tolist()                     # the read
+        if any(got[:len(flags)]):                                         # a hook broke a rule, or the model NaN
+            checks.refuse_step(*got[:len(flags)], at, self.step_rule, self.select, self.stop)
+        proposed, answer_ended, committed, changed = got[len(flags):len(values)]
+        masked = [c for c, m in enumerate(got[len(values):]) if m]
+        self.cols, self.seen = open_cols.nonzero_static(size=len(masked)).squeeze(1), x.clone()
+        self.open = masked or [0]             # the span's checks (a block with no mask left: its first column)
         stats.update(nfe=stats["nfe"] + 1, guide_calls=getattr(self.step_rule, "guide_calls", 0))
-        for key, value in (("fed", at.fed.shape[0]), ("committed", v.committed), ("filled", v.changed - v.committed)):
+        for key, value in (("fed", at.fed.shape[0]), ("committed", committed), ("filled", changed - committed)):
             stats[key].append(value)
-        exact = self.step_rule.exact_steps                # Dream's own sampler takes exactly its steps
-        block_ended = at.i + 1 == exact if exact else n == 0
-        if not block_ended and at.i > self.step_rule.steps_per_block + N:
-            checks.no_progress(v, at, self.step_rule, self.select)       # past any schedule, nothing committed
-        cols = [c for c, m in enumerate(got[len(values):]) if m] or [0]
-        return Read(x.clone(), open_cols.nonzero_static(size=n).squeeze(1), cols[0], cols[-1], bool(v.all_ended),
-                    block_ended)
+        block_ended = at.i + 1 == self.exact_steps if self.exact_steps else not masked
+        if not block_ended and at.i > self.patience:              # past any schedule, and one step a position
+            checks.no_progress(proposed, at, self.step_rule, self.select)
+        return bool(answer_ended), block_ended
 
     def finish(self, x, stats: dict, t0: float) -> dict:
         torch.cuda.synchronize(x.device) if x.is_cuda else None
@@ -209,36 +180,39 @@ def resolve(model, prompt, options: dict, attention_mask, generator, on_step) ->
     st = Settings(**checks.known(options, Settings))
     dream, guided = model.config.family == "dream", st.guide is not None
     parallel = st.threshold is not None or st.factor is not None or getattr(st.select, "parallel", st.select is not None)
-    st = dataclasses.replace(st, remasking=st.remasking or ("maskgit_plus" if parallel else "entropy") if dream else
-                             st.remasking or "low_confidence", steps=st.gen_length if st.steps is None or guided else
-                             st.steps, block_length=st.gen_length if guided else st.block_length or st.gen_length)
+    remasking = ("maskgit_plus" if parallel else "entropy") if dream else "low_confidence"
+    st = dataclasses.replace(st, remasking=st.remasking or remasking, steps=st.gen_length if st.steps is None or guided
+                             else st.steps, block_length=st.gen_length if guided else st.block_length or st.gen_length)
     whole_canvas = dream and options.get("block_length", Settings.block_length) is None and not guided
     checks.check_call(model, prompt, st, attention_mask, generator, on_step, whole_canvas, Settings(), options)
     return st, whole_canvas
 
 
-def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=None) -> Plan:
+def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=None):
     """Turn the settings into the parts the loop calls, once: everything here depends only on the call's settings,
-    so the loop has no branch on a setting."""
+    so the loop has no branch on a setting. -> (the plan, the canvas it starts from: [prompt, MASK x gen_length])."""
     st, whole_canvas = resolve(model, prompt, options, attention_mask, generator, on_step)
     cfg, device = model.config, model.lm_head.weight.device
     (B, P), generator = prompt.shape, generator or torch.Generator(device).manual_seed(0)
-    L = P + st.gen_length
+    x = F.pad(prompt.to(device), (0, st.gen_length), value=cfg.mask_id)
     eos = torch.tensor(sorted(set(st.eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
     pos, mask = padding(attention_mask, st.gen_length, device)
     if st.guide is not None:    # FlashDLM's guided diffusion: one block; a committed end token ends the answer
-        (step_rule, select, cache), stop_run = guided_parts(model, st, Settings(), prompt.to(device), attention_mask, pos, eos), 1
+        (step_rule, select, cache), stop_run = guided_parts(model, st, Settings(), x[:, :P], attention_mask, pos, eos), 1
     else:
         step_rule, select = S.family_rules(cfg, st, whole_canvas, generator, device)
         cache, stop_run = st.cache if isinstance(st.cache, CachePolicy) else CACHE_POLICIES[st.cache](), st.stop_at_eos
     cache = Refresh(cache) if st.refresh_every_step else cache
     stop = st.stop or (S.EndOfText(P, eos, cfg.mask_id, stop_run) if stop_run else S.NoStop())
     compiled = st.compile and cache.fixed_width and (st.compile if isinstance(st.compile, Compiled) else Compiled())
-    kv = (compiled.cache if compiled else KVCache.for_model)(model, B, L, cache.spare) if cache.keeps_cache else None
-    calls_per_block = 1 if getattr(select, "parallel", True) else max(getattr(step_rule, "steps_per_block", 0), 1)
-    return Plan([(s, s + st.block_length) for s in range(P, L, st.block_length)], cache, step_rule, select, stop,
-                model, partial(compiled, model) if compiled else model.hidden, kv,
-                torch.arange(L, device=device).expand(B, L) if pos is None else pos, mask, calls_per_block, eos)
+    kv = (compiled.cache if compiled else KVCache.for_model)(model, B, x.shape[1], cache.spare) if cache.keeps_cache else None
+    spb = getattr(step_rule, "steps_per_block", 0)
+    ar = torch.arange(x.shape[1], device=device)
+    return Plan([(s, s + st.block_length) for s in range(P, x.shape[1], st.block_length)], cache, cache.keys, cache.slots,
+                step_rule, select, stop, model, partial(compiled, model) if compiled else model.hidden, kv,
+                ar.expand(B, -1) if pos is None else pos, mask, cfg.mask_id, int(cfg.shift_logits), P,
+                getattr(step_rule, "exact_steps", None), spb + st.block_length,
+                1 if getattr(select, "parallel", True) else max(spb, 1), eos, ar, x.clone()), x
 
 
 @torch.inference_mode()
@@ -249,28 +223,30 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
     "seconds", "answer_tokens", "tokens_per_s": README "Python API"). settings: the fields of `Settings`.
     attention_mask: (B, P) 1/0 for left-padded prompts: each row decodes as it would alone. generator: the only
     source of randomness (default: one seeded 0). on_step(x, stats): called after every step, the canvas live."""
-    plan = make_plan(model, prompt, settings, attention_mask, generator, on_step)
+    plan, x = make_plan(model, prompt, settings, attention_mask, generator, on_step)
     on_step = on_step or (lambda x, stats: None)
-    x = F.pad(prompt.to(plan.ar.device), (0, len(plan.ar) - prompt.shape[1]), value=plan.mask_id)
     stats = dict(nfe=0, row_nfe=0, row_committed=0, fed=[], committed=[], filled=[], calls_saved=0, guide_calls=0)
-    read, t0 = Read(x.clone()), time.perf_counter()
-    for b, (s, e) in enumerate(plan.blocks):
-        plan.step_rule.start_block(x, s, e)
-        read = read._replace(cols=plan.ar[:e - s], first=0, last=e - s - 1)    # a block starts with every column open
-        for i in itertools.count():
-            at, logits = plan.feed(x, stats["nfe"], i, s, e, read)   # 1. feed: the cache policy's span, one model call
-            p = plan.step_rule.propose(logits, at)                   # 2. propose
-            take = plan.select(p, at)                                # 3. select
-            plan.check(at, p, take)                                  #    (their shapes, before the commit uses them)
-            x[:, s:e] = torch.where(take, p.x0, x[:, s:e])           # 4. commit
-            ended = plan.stop(x, at, p)                              # 5. stop
-            read = plan.read(x, at, p, take, ended, stats)           # the step's one host read and the decision
-            on_step(x, stats)
-            if read.answer_ended or read.block_ended:
+    t0, p, take = time.perf_counter(), None, None
+    try:
+        for b, (s, e) in enumerate(plan.blocks):
+            plan.step_rule.start_block(x, s, e)
+            for i in itertools.count():
+                at, logits = plan.feed(x, stats["nfe"], i, s, e)         # 1. feed: what the cache policy names
+                p = plan.step_rule.propose(logits, at)                   # 2. propose
+                take = plan.select(p, at)                                # 3. select
+                x[:, s:e] = torch.where(take, p.x0, x[:, s:e])           # 4. commit
+                ended = plan.stop(x, at, p)                              # 5. stop
+                answer_ended, block_ended = plan.read(x, at, p, take, ended, stats)   # the one host read
+                on_step(x, stats)
+                if answer_ended or block_ended:
+                    break
+            if answer_ended:                                             # every row's answer has ended
+                stats["calls_saved"] = (len(plan.blocks) - b - 1) * plan.calls_per_block
                 break
-        if read.answer_ended:                                        # every row's answer has ended
-            stats["calls_saved"] = (len(plan.blocks) - b - 1) * plan.calls_per_block
-            break
+    except (TypeError, RuntimeError, AttributeError):    # a proposal or selection the commit could not use: name it
+        if p is not None:
+            checks.answers(p, take, None, x[:, s:e].shape, plan.step_rule, plan.select, plan.stop)
+        raise
     return x, plan.finish(x, stats, t0)
 
 

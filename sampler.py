@@ -20,7 +20,7 @@ class Proposal(NamedTuple):
     conf: torch.Tensor     # (B, N) float: its confidence, -inf where not open. LLaDA: the token's probability
                            #   (float64, as official); Dream: its `alg` score (a parallel rule's: the max probability)
     open: torch.Tensor     # (B, N) bool: the positions this step may commit (masked, and predicted by this call)
-    k: torch.Tensor        # (B,) long: tokens the family's schedule commits now (under a parallel rule: the open count)
+    k: torch.Tensor        # (B,) long: tokens the family's schedule commits now (Dream under a parallel rule: the open count)
     logits: torch.Tensor   # (B, n, V): the model's logits at the block columns at.cols
 
 
@@ -228,7 +228,7 @@ class LLaDA(StepRule):
         # (B, n) at the logits' columns -> (B, N), the block's width: -inf where the step may not commit.
         x0 = torch.zeros_like(at.masked, dtype=x0.dtype).index_copy_(1, at.cols, x0)
         conf = torch.full_like(at.masked, NEG_INF, dtype=conf.dtype).index_copy_(1, at.cols, conf)
-        k = self.budget[:, min(at.i, self.steps_per_block - 1)]      # parallel steps past the schedule never read it
+        k = self.budget[:, min(at.i, self.steps_per_block - 1)]      # the schedule's count (a fallback may read it)
         return Proposal(x0, conf.masked_fill_(~at.masked, NEG_INF), at.masked, k, logits)
 
 
