@@ -1,8 +1,9 @@
 """
 chat.py: text <-> token ids for the CLI: the checkpoint's tokenizer through `tokenizers`, its chat template (the
-two formats of the released checkpoints, LLaDA's headers and Qwen's ChatML, written out here; the checkpoint's own
-template text says which, and its default system prompt: no `transformers`, no jinja), its end tokens from its own
-files, and two views of an answer while it is being decoded: the per-step trace and the block-by-block stream.
+three formats of the released checkpoints, LLaDA's headers, Qwen's ChatML and Ling's role tags, written out here;
+the checkpoint's own template text says which, and its default system prompt: no `transformers`, no jinja), its
+end tokens from its own files, and two views of an answer while it is being decoded: the per-step trace and the
+block-by-block stream.
 generate() works on ids and never needs this file; the command line's own helpers are cli.py's.
 
 LLaDA ships a tokenizer.json. Dream ships none: only Qwen2's "slow" files (vocab.json, merges.txt, the added
@@ -157,12 +158,18 @@ def render_trace(steps: list[list[int]], tok, mask_id: int, end_ids: set[int]) -
 # ----------------------------------------------------------------------------------------------------------
 # Chat templates and special ids, from the checkpoint's own files (docs/models.md: each checkpoint's facts)
 
-# The two chat formats of the released checkpoints, written out in Chat.render: LLaDA's Llama-3-style headers
-# (LLaDA-8B-Instruct, LLaDA-1.5) and Qwen's ChatML (Dream-v0, Dream-Coder, DiffuCoder). Each is named by its
-# turn markers; the last one ends an assistant turn.
-STYLES = {"llada": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "chatml": ("<|im_start|>", "<|im_end|>")}
+# The three chat formats of the released checkpoints, written out in Chat.render: LLaDA's Llama-3-style headers
+# (LLaDA-8B-Instruct, LLaDA-1.5), Qwen's ChatML (Dream-v0, Dream-Coder, DiffuCoder) and the role tags of Ant's
+# Ling 2.0 tokenizer (LLaDA-MoE: docs/models.md says what is known of its template). Each is named by its turn
+# markers; the last one ends an assistant turn.
+STYLES = {"llada": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "chatml": ("<|im_start|>", "<|im_end|>"),
+          "ling": ("<role>", "</role>", "<|role_end|>")}
 # A ChatML template's default system prompt is one string literal: '<|im_start|>system\n' + text + '<|im_end|>'.
 DEFAULT_SYSTEM = re.compile(r"<\|im_start\|>system(?:\\n|\n)((?:[^'\"\\<]|\\.)*)<\|im_end\|>")
+# A Ling template ends its system turn with a thinking switch: the literal 'detailed thinking off', or
+# 'detailed thinking ' + thinking_option after {% set thinking_option = 'off' %}.
+THINKING = re.compile(r"""detailed thinking (?:(on|off)\b|['"]\s*\+\s*thinking_option)""")
+THINKING_OPTION = re.compile(r"""set\s+thinking_option\s*=\s*['"](on|off)['"]""")
 
 
 def chat_template(model_dir: str) -> str | None:
@@ -196,6 +203,17 @@ def default_system(text: str) -> str | None:
     return found.pop() if found else None
 
 
+def thinking_line(text: str) -> str:
+    """The line a Ling template writes at the end of its system turn ("detailed thinking off"): the template's own
+    switch, so a checkpoint that thinks by default keeps it. A template without one, or with two, is refused."""
+    options = THINKING_OPTION.findall(text)
+    found = {m[1] or (options[0] if len(options) == 1 else None) for m in THINKING.finditer(text)}
+    if len(found) != 1 or None in found:
+        raise ValueError("has no single 'detailed thinking on|off' switch, which fastdllm's written-out Ling format "
+                         "ends the system turn with")
+    return f"detailed thinking {found.pop()}"
+
+
 def token_name(value) -> str | None:
     """A tokenizer file's special token entry: "<|x|>" or {"content": "<|x|>", ...} (None if absent)."""
     return value.get("content") if isinstance(value, dict) else value if isinstance(value, str) else None
@@ -210,11 +228,12 @@ class Chat:
     render(); which one, its default system prompt and its bos come from the checkpoint's own template text
     (chat_template()). Special ids are looked up in the checkpoint's own files, never hard-coded:
     stop_ids = config.json's and generation_config.json's eos ids, the tokenizer's eos and pad tokens (the pad a
-    fixed-length-trained model writes after its answer: DiffuCoder's <|dlm_pad|>), and the template's end of turn."""
+    fixed-length-trained model writes after its answer: DiffuCoder's <|dlm_pad|>), and the template's end of turn.
+    family: whose multi-turn rule the CLI follows; "llada" (keep the ids, LLaDA's chat.py) only for LLaDA's own
+    header format, so LLaDA-MoE (the llada decoding family, Ling's format) re-renders the conversation instead."""
 
     def __init__(self, model_dir: str, cfg, chat: bool = True):
         self.tok = load_tokenizer(model_dir)
-        self.family = cfg.family
         names = {**read_object(model_dir, "special_tokens_map.json"), **read_object(model_dir, "tokenizer_config.json")}
         text = chat_template(model_dir)
         if text is None:
@@ -227,11 +246,12 @@ class Chat:
             where = f"{model_dir}: its chat template"
             self.style = template_style(text)
             if self.style is None and chat:
-                raise ValueError(f"{where} is neither LLaDA's (<|start_header_id|> ... <|eot_id|>) nor ChatML "
-                                 f"(<|im_start|> ... <|im_end|>), the two fastdllm writes out: pass --no-chat to "
-                                 f"send the raw prompt")
-            try:
-                self.system = default_system(text) if self.style == "chatml" and chat else None
+                raise ValueError(f"{where} is neither LLaDA's (<|start_header_id|> ... <|eot_id|>), ChatML "
+                                 f"(<|im_start|> ... <|im_end|>) nor Ling's (<role>HUMAN</role> ... <|role_end|>), "
+                                 f"the three fastdllm writes out: pass --no-chat to send the raw prompt")
+            try:   # ChatML: its default system prompt; Ling: the thinking switch that ends its system turn
+                self.system = (None if not chat else default_system(text) if self.style == "chatml" else
+                               thinking_line(text) if self.style == "ling" else None)
             except ValueError as e:
                 raise ValueError(f"{where} {e}: pass --no-chat to send the raw prompt") from None
             self.bos = (token_name(names.get("bos_token")) or "") if "bos_token" in text else ""
@@ -243,6 +263,7 @@ class Chat:
                              f"the tokenizer files, or pass --no-chat")
         # A tokenizer without the chat tokens (our demo model) gets the raw prompt.
         self.chat = chat and bool(markers) and all(present)
+        self.family = cfg.family if self.style != "ling" else cfg.arch
         generation = read_object(model_dir, "generation_config.json")
         ends = [token_name(names.get("eos_token")), token_name(names.get("pad_token"))] + list(markers[-1:])
         self.stop_ids = (set(cfg.eos_ids) | set(id_list(generation.get("eos_token_id")))
@@ -257,11 +278,44 @@ class Chat:
             turns = "".join(f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>"
                             for m in messages)
             return self.bos + turns + "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        if self.style == "ling":
+            return self.render_ling(messages)
         # ChatML (Qwen2.5: Dream, Dream-Coder, DiffuCoder): the template's default system prompt when none is given.
         if self.system is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system}] + messages
         turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
         return turns + "<|im_start|>assistant\n"
+
+    def render_ling(self, messages: list[dict]) -> str:
+        """Ling's format (LLaDA-MoE), as its template writes a conversation without tool calls: one system turn
+        that holds the first system message (if any) + a newline, then the thinking switch; per message
+        <role>HUMAN</role>, <role>ASSISTANT</role> or (a later) <role>SYSTEM</role> + content + <|role_end|>, contents
+        untrimmed, and a run of tool results as one <role>OBSERVATION</role> turn; then <role>ASSISTANT</role>. An
+        assistant turn keeps its text after a </think>; after the last user question its reasoning stays too."""
+        def is_question(m):
+            c = m["content"]
+            return m["role"] == "user" and not (c.startswith("<tool_response>") and c.endswith("</tool_response>"))
+        last_question = next((i for i in reversed(range(len(messages))) if is_question(messages[i])),
+                             len(messages) - 1)
+        system = messages[0]["content"] + "\n" if messages[0]["role"] == "system" else ""
+        out = f"<role>SYSTEM</role>{system}{self.system}<|role_end|>"
+        for i, m in enumerate(messages):
+            role, content = m["role"], m["content"]
+            if role == "user" or role == "system" and i > 0:
+                out += f"<role>{'HUMAN' if role == 'user' else 'SYSTEM'}</role>{content}<|role_end|>"
+            elif role == "assistant":
+                if "</think>" in content:
+                    thought, content = content.split("</think>")[0], content.split("</think>")[-1].lstrip("\n")
+                    thought = thought.rstrip("\n").split("<think>")[-1].lstrip("\n").strip("\n")
+                    if i > last_question and thought:
+                        content = f"\n<think>\n{thought}\n</think>\n\n{content}"
+                out += f"<role>ASSISTANT</role>{content}<|role_end|>"
+            elif role == "tool":
+                first = i == 0 or messages[i - 1]["role"] != "tool"
+                last = i == len(messages) - 1 or messages[i + 1]["role"] != "tool"
+                out += ("<role>OBSERVATION</role>" if first else "") + "\n<tool_response>\n" + content
+                out += "\n</tool_response>" + ("<|role_end|>" if last else "")
+        return out + "<role>ASSISTANT</role>"
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids

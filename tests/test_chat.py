@@ -14,7 +14,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from chat import Chat, chat_template, default_system, render_trace, template_style
+from chat import Chat, chat_template, default_system, render_trace, template_style, thinking_line
 from model import ModelConfig
 
 # Qwen2.5's added tokens (ids 151643..151664, the tool/fim/repo ones not special) and Dream's two (151665, 151666).
@@ -319,3 +319,36 @@ def test_two_default_system_prompts_are_refused(tmp_path):
     with pytest.raises(ValueError, match="names 2 different default system prompts: pass --no-chat"):
         Chat(d, DREAM)
     assert not Chat(d, DREAM, chat=False).chat
+
+
+LING_TURNS = "{{ '<role>HUMAN</role>' + m.content + '<|role_end|>' }}{{ '<role>ASSISTANT</role>' }}"
+
+
+@pytest.mark.parametrize("text,line", [
+    ("{%- set thinking_option = 'off' %}{{ 'detailed thinking ' + thinking_option + '<|role_end|>' }}",
+     "detailed thinking off"),
+    ('{% set thinking_option = "on" %}{{ "detailed thinking " + thinking_option }}', "detailed thinking on"),
+    ("{{ '<role>SYSTEM</role>detailed thinking on<|role_end|>' }}", "detailed thinking on"),
+])
+def test_ling_thinking_switch_is_the_templates_own(text, line):
+    """Ling's format (LLaDA-MoE) is the template with its three role markers; the switch that ends its system
+    turn is read from the template, as a literal or as thinking_option's value."""
+    assert template_style(text + LING_TURNS) == "ling" and thinking_line(text + LING_TURNS) == line
+
+
+@pytest.mark.parametrize("text", [
+    LING_TURNS,                                                                          # no switch
+    "{{ 'detailed thinking on' }}{{ 'detailed thinking off' }}" + LING_TURNS,          # two
+    "{{ 'detailed thinking ' + thinking_option }}" + LING_TURNS,                        # a variable never set
+])
+def test_a_ling_template_without_one_switch_is_refused(text):
+    with pytest.raises(ValueError, match="no single 'detailed thinking on|off' switch"):
+        thinking_line(text)
+
+
+def test_ling_lite_role_tags_without_role_end_are_not_lings_format():
+    """Ling-lite's older template (role tags, no <|role_end|>) writes turns differently: not recognised, so it
+    is refused (pass --no-chat) rather than rendered in the newer format."""
+    lite = ("{% for message in messages %}{{ '<role>' + message['role'] | upper + '</role>' + message['content'] }}"
+            "{% endfor %}{% if add_generation_prompt %}{{ '<role>ASSISTANT</role>' }}{% endif %}")
+    assert template_style(lite) is None and template_style(lite + "<|role_end|>") == "ling"

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import threading
 import urllib.request
@@ -18,6 +17,7 @@ import urllib.request
 import pytest
 from safetensors import safe_open
 
+import bounded
 import cli
 from chat import Chat, chat_template
 from conftest import GOLDEN, ROOT
@@ -30,6 +30,10 @@ CONVERSATIONS = [
     [{"role": "system", "content": "Answer in one line."}, {"role": "user", "content": "the cat"}],
     [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
 ]
+
+MOE = ("inclusionAI/LLaDA-MoE-7B-A1B-Base", "inclusionAI/LLaDA-MoE-7B-A1B-Instruct")
+# <|role_end|>'s id in the release was not seen (docs/models.md): the tiny copies' placement, never read by id.
+ROLE_END = next(i for i, t in RELEASES[MOE[1]]["tokens"].items() if t == "<|role_end|>")
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +64,10 @@ def test_files_are_the_real_format(releases, repo):
     d, row = releases[repo], RELEASES[repo]
     golden = read(os.path.join(GOLDEN, f"{row['family']}-tiny"), "config.json")
     hf = read(d, "config.json")
-    assert set(hf) == set(golden) and hf["model_type"] == golden["model_type"]
+    # LLaDA-MoE's release differs from the official classes' own file (the golden one) in what `config` and `drop` say
+    edits, dropped = row.get("config", {}), set(row.get("drop", ()))
+    assert set(hf) == (set(golden) | set(edits)) - dropped
+    assert hf["model_type"] == edits.get("model_type", golden["model_type"])
     assert hf["architectures"] == golden["architectures"]
     index = read(d, "model.safetensors.index.json")["weight_map"]
     assert set(index) == set(checkpoint_names(read_config(d)))
@@ -86,7 +93,7 @@ def test_chat_renders_the_checkpoints_own_template(releases, repo):
     d = releases[repo]
     chat = Chat(d, read_config(d))
     template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(chat_template(d))
-    bos = read(d, "tokenizer_config.json")["bos_token"]
+    bos = read(d, "tokenizer_config.json").get("bos_token")     # LLaDA-MoE names none
     assert chat.chat
     for messages in CONVERSATIONS:
         assert chat.render(messages) == template.render(messages=messages, bos_token=bos, add_generation_prompt=True)
@@ -102,10 +109,12 @@ def test_special_ids_come_from_the_files(releases, repo):
     assert chat.tok.id_to_token(cfg.mask_id) == row["mask"]
     if row["family"] == "llada":
         ends = {126081, 126348}                   # <|endoftext|>, <|eot_id|>
+    elif row["family"] == "lladamoe":
+        ends = {156892, ROLE_END}                 # <|endoftext|>, <|role_end|>
     else:
         ends = {151643, 151645} | ({151667} if row["pad"] == "<|dlm_pad|>" else set())   # + <|im_end|>, <|dlm_pad|>
     assert chat.stop_ids == {tiny_id(repo, i) for i in ends}
-    assert cfg.pad_id == tiny_id(repo, 126081 if row["family"] == "llada" else 151643)
+    assert cfg.pad_id == tiny_id(repo, {"llada": 126081, "lladamoe": 156892}.get(row["family"], 151643))
     word = chat.encode(" the")
     pad = chat.tok.token_to_id(row["pad"])
     assert chat.answer(word + [pad] + word) == "the"
@@ -146,8 +155,8 @@ def test_template_and_ids_follow_the_files_not_the_name(releases, tmp_path):
 
 
 def cli_run(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "fastdllm.py"), *args], capture_output=True,
-                          text=True, timeout=120)
+    """`python fastdllm.py ARGS` in its own process group, killed whole past 120 s (tests/bounded.py)."""
+    return bounded.run([sys.executable, os.path.join(ROOT, "fastdllm.py"), *args], timeout=120)
 
 
 @pytest.mark.parametrize("repo", RELEASES)
@@ -244,6 +253,98 @@ def test_weight_bytes_of_the_real_sizes(capsys):
     from tools import checkpoint
     assert checkpoint.release_bytes("GSAI-ML/LLaDA-1.5") == 16_031_162_368
     assert checkpoint.release_bytes("apple/DiffuCoder-7B-cpGRPO") == 15_231_233_024
+    assert checkpoint.release_bytes(MOE[1]) == 14_713_761_792      # 7,356,880,896 parameters (docs/models.md)
     checkpoint.main(["--sizes"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(RELEASES) and lines[-1] == "apple/DiffuCoder-7B-cpGRPO: 15,231,233,024 bytes (15.23 GB)"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# LLaDA-MoE: Ling's chat format, the mask found in the tokenizer, the command line in every cache mode
+
+@pytest.mark.parametrize("cache", ["none", "prefix", "dual", "free"])
+@pytest.mark.parametrize("repo", MOE)
+def test_lladamoe_answers_offline_in_every_cache_mode(releases, repo, cache):
+    """`python fastdllm.py --model <folder>` on the tiny LLaDA-MoE copies, a process of its own per cache mode:
+    config.json names no mask (the tokenizer's <|mask|> is it), the Instruct template is Ling's format."""
+    r = cli_run("--model", releases[repo], "--prompt", "Write a sort in Python.", "--cache", cache, *FLAGS)
+    assert r.returncode == 0, r.stderr
+    answer, stats = r.stdout.rstrip("\n").split("\n")[-2:]
+    assert re.match(r"NFE \d+ \| ", stats) and "<role>" not in answer and "<|" not in answer
+
+
+LING_CONVERSATIONS = CONVERSATIONS + [
+    # a later system message; an assistant turn with reasoning before and after the last question; tool results
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "a"}, {"role": "system", "content": "late"},
+     {"role": "user", "content": "b"}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>\nwhy\n</think>\n\nb"},
+     {"role": "user", "content": "c"}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>x</think>\ny"},
+     {"role": "tool", "content": "r1"}, {"role": "tool", "content": "r2"}],
+    [{"role": "user", "content": "<tool_response>t</tool_response>"},     # not a question: no last question
+     {"role": "assistant", "content": "<think>t</think>z"}],
+]
+
+
+@pytest.mark.parametrize("repo", MOE)
+def test_ling_format_renders_what_the_template_renders(releases, repo):
+    """chat.Chat's written-out Ling format equals jinja2's rendering of the copy's template on every kind of turn
+    the format has (system, user, assistant with and without reasoning, tool results), not just a question."""
+    jinja2 = pytest.importorskip("jinja2")
+    d = releases[repo]
+    chat = Chat(d, read_config(d))
+    template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(chat_template(d))
+    assert chat.style == "ling" and chat.system == "detailed thinking off"
+    for messages in LING_CONVERSATIONS:
+        assert chat.render(messages) == template.render(messages=messages, add_generation_prompt=True)
+    prompt = chat.encode(chat.render([{"role": "user", "content": "hi"}]))
+    assert chat.tok.id_to_token(prompt[0]) == "<role>" and chat.tok.id_to_token(prompt[-1]) == "</role>"
+
+
+def test_lladamoe_real_vocabulary_gets_the_real_ids(tmp_path):
+    """At LLaDA-MoE's real vocabulary (157,184) the mask is 156895 and the answer ends at 156892; config.json names
+    no mask id, so read_config takes the tokenizer's <|mask|>."""
+    d = str(tmp_path / "m")
+    make_release(d, MOE[1], d_model=8, n_layers=1, vocab=REAL_VOCAB["lladamoe"], n_heads=1, n_kv_heads=1, ffn=8)
+    cfg, hf = read_config(d), read(d, "config.json")
+    assert "mask_token_id" not in hf and hf["model_type"] == "llada" and cfg.arch == "lladamoe"
+    assert cfg.mask_id == 156895 and Chat(d, cfg).stop_ids == {156892, ROLE_END}
+
+
+def test_the_thinking_switch_follows_the_template(releases, tmp_path):
+    """The switch that ends Ling's system turn is the template's own ("on" stays on); a Ling template without
+    one is refused in one line rather than rendered by a guess."""
+    d = str(tmp_path / "on")
+    shutil.copytree(releases[MOE[1]], d)
+    config = read(d, "tokenizer_config.json")
+    config["chat_template"] = config["chat_template"].replace("thinking_option = 'off'", "thinking_option = 'on'")
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    assert Chat(d, read_config(d)).render([{"role": "user", "content": "x"}]).startswith(
+        "<role>SYSTEM</role>detailed thinking on<|role_end|><role>HUMAN</role>x")
+    config["chat_template"] = config["chat_template"].replace("'detailed thinking ' + thinking_option + ", "")
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    one_line_error(cli_run("--model", d, "--prompt", "x", *FLAGS), "detailed thinking", "--no-chat")
+    assert cli_run("--model", d, "--prompt", "x", "--no-chat", *FLAGS).returncode == 0
+
+
+def test_lladamoe_multi_turn_renders_the_whole_conversation(releases, monkeypatch, capsys):
+    """--interactive on LLaDA-MoE: the second prompt is the whole conversation in Ling's format (LLaDA's rule of
+    keeping the ids and appending the new turn without its bos is LLaDA's header format's only)."""
+    import io
+    d = releases[MOE[1]]
+    chat, calls, real = Chat(d, read_config(d)), [], cli.generate
+
+    def recording(model, prompt, **kw):
+        x, stats = real(model, prompt, **kw)
+        calls.append((prompt[0].tolist(), x[0].tolist()))
+        return x, stats
+    monkeypatch.setattr(cli, "generate", recording)
+    monkeypatch.setattr("sys.stdin", io.StringIO("the cat\nexit\n"))
+    assert cli.main(["--model", d, "--interactive", "--prompt", "a", *FLAGS]) is None
+    (first, out), (second, _) = calls
+    turns = [{"role": "user", "content": "a"}, {"role": "assistant", "content": chat.answer(out[len(first):])},
+             {"role": "user", "content": "the cat"}]
+    assert first == chat.encode(chat.render(turns[:1])) and second == chat.encode(chat.render(turns))
+    assert capsys.readouterr().out.count("NFE ") == 2

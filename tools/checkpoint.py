@@ -254,7 +254,13 @@ QWEN_TOKENS = dict(enumerate(
 QWEN_NOT_SPECIAL = set(range(151657, 151665))
 DREAM_TOKENS = {**QWEN_TOKENS, 151665: "<|beginoftext|>", 151666: "<|mask|>"}
 DIFFUCODER_TOKENS = {**DREAM_TOKENS, 151667: "<|dlm_pad|>"}
-REAL_VOCAB = {"llada": 126464, "dream": 152064}    # embedding rows: LLaDA embedding_size, Dream vocab_size
+REAL_VOCAB = {"llada": 126464, "dream": 152064, "lladamoe": 157184}   # embedding rows (LLaDA: embedding_size)
+# LLaDA-MoE: the Ling 2.0 tokenizer's end of text and mask at the reported ids (dInfer's eos 156892 and mask 156895;
+# the mask's name is dllm's, the end's is not confirmed). The role tags its template writes are tokens of it (dllm makes
+# <|role_end|> LLaDA-MoE's end of turn) at ids no public copy showed: nothing reads them by id, so the tiny copy
+# puts them just above the mask (docs/models.md, LLaDA-MoE).
+LLADAMOE_TOKENS = {156892: "<|endoftext|>", 156895: "<|mask|>", 156896: "<role>", 156897: "</role>",
+                   156898: "<|role_end|>"}
 
 # Chat templates, written here (jinja, as tokenizer_config.json holds them) to render what each model's own does:
 # LLaDA's (spec/llada.md 1: bos once, header + trimmed content + <|eot_id|> per message, the assistant header
@@ -276,6 +282,42 @@ QWEN25_TEMPLATE = ("{%- if messages[0]['role'] == 'system' %}\n"
                    "    {%- endif %}\n{%- endfor %}\n{%- if add_generation_prompt %}\n"
                    "    {{- '<|im_start|>assistant\\n' }}\n{%- endif %}\n")
 
+# Ling 2.0's format, which LLaDA-MoE-Instruct's template is reported to write (docs/models.md: its own template
+# text was not seen): the system turn (first system message + newline, then the thinking switch), each message in
+# role tags closed by <|role_end|> (a tool-result run as one OBSERVATION turn; an assistant's text after </think>,
+# its reasoning kept only after the last question), then the assistant's tag. Tool definitions and calls left out.
+LING_TEMPLATE = """{%- set thinking_option = 'off' %}
+{{- '<role>SYSTEM</role>' }}
+{%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n' }}{% endif %}
+{{- 'detailed thinking ' + thinking_option + '<|role_end|>' }}
+{%- set ns = namespace(last=messages|length - 1, found=false) %}
+{%- for m in messages|reverse %}
+    {%- if not ns.found and m.role == 'user' and not (m.content.startswith('<tool_response>')
+                                                   and m.content.endswith('</tool_response>')) %}
+        {%- set ns.found = true %}{% set ns.last = messages|length - loop.index %}
+    {%- endif %}
+{%- endfor %}
+{%- for m in messages %}
+    {%- if m.role == 'user' %}{{- '<role>HUMAN</role>' + m.content + '<|role_end|>' }}
+    {%- elif m.role == 'system' and not loop.first %}{{- '<role>SYSTEM</role>' + m.content + '<|role_end|>' }}
+    {%- elif m.role == 'assistant' %}
+        {%- set text = m.content %}{% set thought = '' %}
+        {%- if '</think>' in text %}
+            {%- set thought = text.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+            {%- set text = text.split('</think>')[-1].lstrip('\\n') %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last and thought %}
+            {%- set text = '\\n<think>\\n' + thought.strip('\\n') + '\\n</think>\\n\\n' + text %}
+        {%- endif %}
+        {{- '<role>ASSISTANT</role>' + text + '<|role_end|>' }}
+    {%- elif m.role == 'tool' %}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<role>OBSERVATION</role>' }}{% endif %}
+        {{- '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|role_end|>' }}{% endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<role>ASSISTANT</role>' }}{% endif %}"""
+
 # Dream's generation_config.json (spec/dream.md 1, verbatim; its ids follow config.json).
 DREAM_GENERATION = dict(_from_model_config=True, alg="origin", alg_temp=None, eps=0.001, mask_token_id=None,
                         output_history=False, steps=512, temperature=0.0, top_k=None, top_p=None,
@@ -291,6 +333,18 @@ DREAM_ROW = dict(family="dream", shape="dream-7b", shards=4, tokens=DREAM_TOKENS
                  template_file=None, ids=dict(bos_token_id=151643, eos_token_id=151643, pad_token_id=151643),
                  generation=DREAM_GENERATION)
 DIFFUCODER_ROW = {**DREAM_ROW, "template": QWEN25_TEMPLATE, "template_file": "chat_template.jinja"}
+# LLaDA-MoE: tokenizer.json, the template inside tokenizer_config.json (the file listing has no chat_template.jinja
+# and a 4.59 kB tokenizer_config.json), no bos; `config` edits config.json at real values (the release's
+# model_type "llada", its config class LLaDAConfig, 8192 positions), `drop` removes keys (no mask_token_id: the
+# mask is the tokenizer's <|mask|>). generation_config.json exists; of its fields only config.json's ids are written.
+LLADAMOE_ROW = dict(family="lladamoe", shape="lladamoe-7b", shards=3, tokens=LLADAMOE_TOKENS,
+                    tokenizer="tokenizer.json", tokenizer_class="PreTrainedTokenizerFast", model_max_length=8192,
+                    bos=None, eos="<|endoftext|>", pad="<|endoftext|>", mask="<|mask|>", template=LING_TEMPLATE,
+                    template_file=None, ids={}, generation=dict(_from_model_config=True),
+                    config=dict(model_type="llada", max_position_embeddings=8192, auto_map={
+                        "AutoConfig": "configuration_lladamoe.LLaDAConfig",
+                        "AutoModel": "modeling_lladamoe.LLaDAMoEModelLM",
+                        "AutoModelForCausalLM": "modeling_lladamoe.LLaDAMoEModelLM"}), drop=("mask_token_id",))
 # One row per released checkpoint (issue 30); `ids` are config.json's special ids (real values), `eos`/`pad`/`bos`/
 # `mask` the tokenizer files' tokens, `tokenizer` "tokenizer.json" or Qwen2's "slow" files. The weights' shape at
 # real size is SHAPES[shape]; REAL_VOCAB[family] is its vocabulary.
@@ -298,6 +352,8 @@ RELEASES = {
     "GSAI-ML/LLaDA-8B-Base": LLADA_ROW,
     "GSAI-ML/LLaDA-8B-Instruct": LLADA_ROW,
     "GSAI-ML/LLaDA-1.5": LLADA_ROW,
+    "inclusionAI/LLaDA-MoE-7B-A1B-Base": LLADAMOE_ROW,
+    "inclusionAI/LLaDA-MoE-7B-A1B-Instruct": LLADAMOE_ROW,
     "Dream-org/Dream-v0-Base-7B": DREAM_ROW,
     "Dream-org/Dream-v0-Instruct-7B": DREAM_ROW,
     # Qwen2.5-Coder's tokenizer: <|im_end|> ends its text; its generation config lists both end tokens.
@@ -356,7 +412,7 @@ def write_release_tokenizer(folder: str, row: dict, at) -> None:
                 json.dump(obj, f, ensure_ascii=False, indent=2)
         with open(os.path.join(folder, "merges.txt"), "w", encoding="utf-8") as f:
             f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in MERGES))
-    names = dict(bos_token=row["bos"], eos_token=row["eos"], pad_token=row["pad"])
+    names = {f"{k}_token": row[k] for k in ("bos", "eos", "pad") if row[k]}      # LLaDA-MoE names no bos
     config = {"add_bos_token": False, "add_eos_token": False,
               "added_tokens_decoder": {str(i): entry(i) for i in sorted(tokens)}, **names,
               "model_max_length": row["model_max_length"], "tokenizer_class": row["tokenizer_class"]}
@@ -386,12 +442,13 @@ def make_release(folder: str, repo: str, d_model: int = 64, n_layers: int = 2, v
     at = lambda i: i - REAL_VOCAB[row["family"]] + vocab       # noqa: E731  (a real id -> its id here)
     hf = hf_config(row["family"], d_model, n_layers, vocab, n_heads, n_kv_heads, ffn)
     hf.update({key: at(i) for key, i in row["ids"].items()})
+    hf = {k: v for k, v in {**hf, **row.get("config", {})}.items() if k not in row.get("drop", ())}
     total = write_weights(folder, hf, row["shards"], 1.13, 13.0, seed, "cpu")
     files = {"config.json": hf}
     if row["generation"] is not None:
         eos = row["generation"].get("eos_token_id", hf["eos_token_id"])
-        files["generation_config.json"] = {**row["generation"], "bos_token_id": hf["bos_token_id"],
-                                           "pad_token_id": hf["pad_token_id"],
+        files["generation_config.json"] = {**row["generation"],
+                                           **{k: hf[k] for k in ("bos_token_id", "pad_token_id") if k in hf},
                                            "eos_token_id": [at(i) for i in eos] if isinstance(eos, list) else eos}
     for name, obj in files.items():
         with open(os.path.join(folder, name), "w") as f:
