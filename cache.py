@@ -44,7 +44,8 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
         """Write k, v (B, n_kv_heads, T, head_dim) at canvas slots (T,) (every row) or (B, T) (row by row) in
-        place and return this layer's keys/values over the canvas (views, no copy)."""
+        place and return this layer's keys/values over the canvas's `length` positions (views, no copy: the spare
+        discard slots past them are never attended)."""
         K, V = self.k[layer], self.v[layer]
         if slots.ndim == 1:
             K.index_copy_(2, slots, k)
@@ -63,10 +64,11 @@ class KVCache:
 # ---------------------------------------------------------------------------------------- cache policies
 # A cache policy answers, for every step `at` (fastdllm.Step), what the model is fed: span(at) -> (a, b), the canvas
 # span [a, b) (a <= s and e <= b: the block's open positions are always fed, fastdllm.Plan.feed checks it and, for a
-# shifted family, starts the span one position earlier), or a fork's set of canvas positions, a sorted 1-D long
-# tensor (dKV-Cache, DPad). Everything not fed is read from the KV cache as the last call that fed it left it: that
-# choice *is* the difference between the caches. The first call of a generation feeds the whole canvas (the cache
-# starts empty). Two optional methods: keys(at), the keys this step may attend to, and slots(at, fed), per-row writes.
+# shifted family, starts a span one earlier when it starts at the first open position), or a fork's set of canvas
+# positions, a sorted 1-D long tensor (dKV-Cache, DPad). Everything not fed is read from the KV cache as the last
+# call that fed it left it: that choice *is* the difference between the caches. The first call of a generation
+# feeds the whole canvas (the cache starts empty). Two optional methods: keys(at), the keys this step may attend
+# to, and slots(at, fed), per-row writes.
 # A fork adds a policy by subclassing CachePolicy and passing an instance as generate(cache=...).
 class CachePolicy:
     """The protocol, and its simplest policy: feed the whole canvas at every step, into the KV cache.

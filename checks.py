@@ -2,7 +2,7 @@
 checks.py: every check of a generate() call, in one place, each once. An impossible request fails in one line
 that names the problem and the fix, never deep inside torch. The CLI runs `check_early` before it loads
 gigabytes of weights; generate() runs `check_call` (all of them, and the hooks' signatures) before it decides
-anything else. While it runs, the plan (fastdllm.Plan) checks the hooks' answers at the boundary (`answers`, the
+anything else. While it runs, the plan (fastdllm.Plan) checks the hooks' answers at the boundary (`shapes`, the
 values in its one read); the one-line refusals it raises when a check fails are at the end of this file.
 Guided diffusion's own checks are guided.py's.
 """
@@ -299,7 +299,7 @@ def refuse_span(cache, at, span, first: int, last: int):
                                                           "from p - 1)" if at.shift else ""))
 
 
-def answers(p, take, ended, shape, step_rule, select, stop):
+def shapes(p, take, ended, shape, step_rule, select, stop):
     """The hooks' answers at the boundary (fastdllm.Plan.read; and when the commit fails on one of them): the
     proposal's fields, the selection and the stop result of the shapes and dtypes the loop needs (host metadata)."""
     B, N = shape

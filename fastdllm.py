@@ -22,7 +22,7 @@ import checks
 import sampler as S
 from cache import CACHE_POLICIES, CachePolicy, KVCache, Refresh
 from guided import guided_parts
-from model import Compiled, pad_prompts, padding  # noqa: F401  (pad_prompts: fastdllm's API)
+from model import Compiled, pad_prompts  # noqa: F401  (pad_prompts: fastdllm's API)
 
 
 @dataclass
@@ -91,8 +91,8 @@ class Plan:
     model call needs. The last three fields are what the last host read saw, for the next step (Plan.read)."""
     blocks: list              # [(s, e)] the semi-autoregressive blocks of the answer
     cache: CachePolicy        # the cache policy: what each step feeds (cache.py)
-    keys: Callable | None     # its keys(at) -> (B, L) bool, the keys a step may attend to (a fork's; None: all)
-    slots: Callable | None    # its slots(at, fed) -> (B, T) per-row KV slots (FreeCache in a batch; None: fed)
+    keys: Callable | None     # its keys(at) -> (B, L) bool, the keys a step may attend to (None for the built-ins)
+    slots: Callable | None    # its slots(at, fed) -> (B, T) per-row KV slots (FreeCache in a batch; else None)
     step_rule: S.StepRule     # proposes tokens and confidences (sampler.py, guided.py, or a fork's)
     select: Callable          # the selection rule: which proposals a step commits
     stop: Callable            # the stop rule: which rows' answers have ended
@@ -143,25 +143,25 @@ class Plan:
         """The step's one host read: the hooks' answers checked (shapes and dtypes on the host; values in the read),
         the stats, the block's open columns for the next step; then the one decision -> (every row's answer has
         ended, the block has)."""
-        checks.answers(p, take, ended, at.masked.shape, self.step_rule, self.select, self.stop)
-        changed, answer = x != self.seen, x[:, self.P:] == self.mask_id      # (B, L), (B, gen_length)
+        checks.shapes(p, take, ended, at.masked.shape, self.step_rule, self.select, self.stop)  # else one line naming the hook
+        diff, answer = x != self.seen, x[:, self.P:] == self.mask_id         # (B, L), (B, gen_length)
         open_cols = answer[:, at.s - self.P:at.e - self.P].any(0)           # (N,) the block's columns still masked
         flags = [~torch.isfinite(p.logits.sum(-1, dtype=torch.float32)).all(), (p.open & ~at.masked).any(),
-                 (take & ~p.open).any(), (changed & (self.seen != self.mask_id)).any(), (ended[:, None] & answer).any()]
+                 (take & ~p.open).any(), (diff & (self.seen != self.mask_id)).any(), (ended[:, None] & answer).any()]
         stats["row_nfe"] = stats["row_nfe"] + at.masked.any(-1)           # device tensors until the end
         stats["row_committed"] = stats["row_committed"] + take.sum(-1)
-        values = torch.stack([*flags, p.open.any(), ended.all(), take.sum(), changed.sum()])
+        values = torch.stack([*flags, p.open.any(), ended.all(), take.sum(), diff.sum()])
         got = torch.cat([values, open_cols]).tolist()                     # the read
         if any(got[:len(flags)]):                                         # a hook broke a rule, or the model NaN
             checks.refuse_step(*got[:len(flags)], at, self.step_rule, self.select, self.stop)
         proposed, answer_ended, committed, changed = got[len(flags):len(values)]
-        masked = [c for c, m in enumerate(got[len(values):]) if m]
-        self.cols, self.seen = open_cols.nonzero_static(size=len(masked)).squeeze(1), x.clone()
-        self.open = masked or [0]             # the span's checks (a block with no mask left: its first column)
+        still = [c for c, m in enumerate(got[len(values):]) if m]          # the block's columns still masked
+        self.cols, self.seen = open_cols.nonzero_static(size=len(still)).squeeze(1), x.clone()
+        self.open = still or [0]              # the span's checks (a block with no mask left: its first column)
         stats.update(nfe=stats["nfe"] + 1, guide_calls=getattr(self.step_rule, "guide_calls", 0))
         for key, value in (("fed", at.fed.shape[0]), ("committed", committed), ("filled", changed - committed)):
             stats[key].append(value)
-        block_ended = at.i + 1 == self.exact_steps if self.exact_steps else not masked
+        block_ended = at.i + 1 == self.exact_steps if self.exact_steps else not still
         if not block_ended and at.i > self.patience:              # past any schedule, and one step a position
             checks.no_progress(proposed, at, self.step_rule, self.select)
         return bool(answer_ended), block_ended
@@ -196,7 +196,10 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     (B, P), generator = prompt.shape, generator or torch.Generator(device).manual_seed(0)
     x = F.pad(prompt.to(device), (0, st.gen_length), value=cfg.mask_id)
     eos = torch.tensor(sorted(set(st.eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
-    pos, mask = padding(attention_mask, st.gen_length, device)
+    pos = mask = None           # left-padded rows: real tokens count from 0, pads neither attend nor are attended to
+    if attention_mask is not None and (attention_mask == 0).any():
+        m = F.pad(attention_mask.to(device).bool(), (0, st.gen_length), value=True)
+        pos, mask = (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
     if st.guide is not None:    # FlashDLM's guided diffusion: one block; a committed end token ends the answer
         (step_rule, select, cache), stop_run = guided_parts(model, st, Settings(), x[:, :P], attention_mask, pos, eos), 1
     else:
@@ -206,13 +209,16 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     stop = st.stop or (S.EndOfText(P, eos, cfg.mask_id, stop_run) if stop_run else S.NoStop())
     compiled = st.compile and cache.fixed_width and (st.compile if isinstance(st.compile, Compiled) else Compiled())
     kv = (compiled.cache if compiled else KVCache.for_model)(model, B, x.shape[1], cache.spare) if cache.keeps_cache else None
-    spb = getattr(step_rule, "steps_per_block", 0)
-    ar = torch.arange(x.shape[1], device=device)
-    return Plan([(s, s + st.block_length) for s in range(P, x.shape[1], st.block_length)], cache, cache.keys, cache.slots,
-                step_rule, select, stop, model, partial(compiled, model) if compiled else model.hidden, kv,
-                ar.expand(B, -1) if pos is None else pos, mask, cfg.mask_id, int(cfg.shift_logits), P,
-                getattr(step_rule, "exact_steps", None), spb + st.block_length,
-                1 if getattr(select, "parallel", True) else max(spb, 1), eos, ar, x.clone()), x
+    spb, L = getattr(step_rule, "steps_per_block", 0), x.shape[1]
+    ar = torch.arange(L, device=device)
+    plan = Plan(blocks=[(s, s + st.block_length) for s in range(P, L, st.block_length)], cache=cache, keys=cache.keys,
+                slots=cache.slots, step_rule=step_rule, select=select, stop=stop, model=model,
+                layers=partial(compiled, model) if compiled else model.hidden, kv=kv,
+                pos=ar.expand(B, L) if pos is None else pos, mask=mask, mask_id=cfg.mask_id,
+                shift=int(cfg.shift_logits), P=P, exact_steps=getattr(step_rule, "exact_steps", None),
+                patience=spb + st.block_length, calls_per_block=1 if getattr(select, "parallel", True) else max(spb, 1),
+                eos=eos, ar=ar, seen=x.clone())
+    return plan, x
 
 
 @torch.inference_mode()
@@ -245,7 +251,7 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
                 break
     except (TypeError, RuntimeError, AttributeError):    # a proposal or selection the commit could not use: name it
         if p is not None:
-            checks.answers(p, take, None, x[:, s:e].shape, plan.step_rule, plan.select, plan.stop)
+            checks.shapes(p, take, None, x[:, s:e].shape, plan.step_rule, plan.select, plan.stop)
         raise
     return x, plan.finish(x, stats, t0)
 

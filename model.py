@@ -332,15 +332,6 @@ def pad_prompts(rows: list[list[int]], pad_id: int):
     return ids, (torch.arange(P) >= torch.tensor([[P - len(r)] for r in rows])).long()
 
 
-def padding(attention_mask, gen_length: int, device):
-    """Left-padded prompts: real tokens count positions from 0, pads neither attend nor are attended to, so
-    every row decodes as it would alone. -> (pos (B, L), mask (B, 1, L, L)), or (None, None) without pads."""
-    if attention_mask is None or not (attention_mask == 0).any():
-        return None, None
-    m = F.pad(attention_mask.to(device).bool(), (0, gen_length), value=True)
-    return (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
-
-
 def hidden_states(model, ids, pos, kv, slots, mask):
     return model.hidden(ids, pos, kv, slots, mask)
 

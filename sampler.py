@@ -219,7 +219,7 @@ class LLaDA(StepRule):
             # (B, n, V) float64 tensor: p = 1 / (1 + r), r the other tokens' probabilities over the chosen one's
             # (float32, each exact to its own size), added in float64. A float32 probability is off by ~1e-6 near a
             # threshold, and rounds p > 1 - 6e-8 to 1.0, where threshold 1.0 would pass.
-            probs, i = logits.float().softmax(-1), x0[..., None]
+            probs, i = logits.float().softmax(-1), x0[..., None]      # (the gather below runs before the scatter_)
             r = probs.gather(-1, i).reciprocal_().mul_(probs.scatter_(-1, i, 0.0).sum(-1, keepdim=True))
             conf = r.squeeze(-1).double().add_(1).reciprocal_()
         else:   # `random`: uniforms over the whole fed chunk, as the official code draws them (same seeded stream)
@@ -228,7 +228,7 @@ class LLaDA(StepRule):
         # (B, n) at the logits' columns -> (B, N), the block's width: -inf where the step may not commit.
         x0 = torch.zeros_like(at.masked, dtype=x0.dtype).index_copy_(1, at.cols, x0)
         conf = torch.full_like(at.masked, NEG_INF, dtype=conf.dtype).index_copy_(1, at.cols, conf)
-        k = self.budget[:, min(at.i, self.steps_per_block - 1)]      # the schedule's count (a fallback may read it)
+        k = self.budget[:, min(at.i, self.steps_per_block - 1)]      # the schedule's count (Schedule reads it)
         return Proposal(x0, conf.masked_fill_(~at.masked, NEG_INF), at.masked, k, logits)
 
 
