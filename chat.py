@@ -2,8 +2,8 @@
 chat.py: text <-> token ids for the CLI: the checkpoint's tokenizer through `tokenizers`, its chat template (the
 three formats of the released checkpoints, LLaDA's headers, Qwen's ChatML and Ling's role tags, written out here;
 the checkpoint's own template text says which, and its default system prompt: no `transformers`, no jinja), its
-end tokens from its own files, and two views of an answer while it is being decoded: the per-step trace and the
-block-by-block stream.
+end tokens from its own files, two views of an answer while it is being decoded (the per-step trace and the
+block-by-block stream), and --interactive's turns, read from stdin.
 generate() works on ids and never needs this file; the command line's own helpers are cli.py's.
 
 LLaDA ships a tokenizer.json. Dream ships none: only Qwen2's "slow" files (vocab.json, merges.txt, the added
@@ -13,6 +13,7 @@ tokenizer that HF's Qwen2TokenizerFast would (transformers' Qwen2Converter), wit
 import json
 import os
 import re
+import sys
 
 
 # Qwen2's pre-tokenizer split. Unlike GPT-4's it takes digits one at a time (\p{N}, not \p{N}{1,3}), so a
@@ -369,3 +370,36 @@ def streamer(chat, P: int, mask_id: int):
 
 # ----------------------------------------------------------------------------------------------------------
 # The command line's helpers (fastdllm.py, serve.py, bench.py): flag types, the device, loading with progress.
+
+
+# ---------------------------------------------------------------------------------------- --interactive
+def read_turns(first: str | None = None):
+    """--interactive's questions: `first` (--prompt) if given, then stdin's until its end (Ctrl-D) or exit /
+    quit; an empty line asks again."""
+    if first:
+        print(f"user> {first}")
+        yield first
+    while (text := read_turn()) not in (None, "exit", "quit"):
+        if text:
+            yield text
+
+
+def read_turn() -> str | None:
+    """One --interactive question from stdin; None at its end (Ctrl-D, or the end of piped input). From a
+    pipe nothing echoes the line, so it is printed here: "assistant> " then starts a line of its own."""
+    try:
+        text = input("user> ").strip()
+    except EOFError:
+        print()
+        return None
+    except UnicodeDecodeError:   # a strict UTF-8 stdin (a lenient one gives surrogates: check_text)
+        raise ValueError("the input is not valid UTF-8 text: pass UTF-8 (convert it with e.g. iconv)") from None
+    except BrokenPipeError:   # stdout closed while "user> " was written: fastdllm.py's __main__ ends quietly
+        raise
+    except (OSError, RuntimeError):   # stdin closed (`<&-`): "input(): lost sys.stdin", or EBADF
+        raise ValueError("--interactive reads questions from stdin, which is closed: run it in a terminal or "
+                         "pipe the questions in") from None
+    check_text(text, "the input")
+    if not sys.stdin.isatty():
+        print(text)
+    return text

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 
 import checks
-from chat import Chat, check_text, load_tokenizer, streamer
+from chat import Chat, check_text, load_tokenizer, read_turns, streamer
 from checks import CACHE_MODES
 from fastdllm import Settings, generate, pad_prompts
 from guided import ACCEPT_RULES, check_accept, check_guide, check_guided_settings
@@ -39,8 +39,7 @@ def flag_name(key: str) -> str:
 
 
 def settings(args, **override):
-    """The CLI's flags as generate() keywords. --compile: the Compiled that main() (or serve.py) made once, so
-    every call of the process reuses its graphs."""
+    """The CLI's flags as generate() keywords (--compile: the process's one Compiled, so graphs are reused)."""
     kw = dict(gen_length=args.gen_length, block_length=args.block_length or None, steps=args.steps,
               cache=args.cache, threshold=args.threshold, factor=args.factor, temperature=args.temperature,
               remasking=args.remasking, top_p=args.top_p, top_k=args.top_k, alg_temp=args.alg_temp,
@@ -50,38 +49,6 @@ def settings(args, **override):
                   accept_threshold=args.accept_threshold, speculative=args.speculative)
     kw.update(getattr(args, "hooks", {}), **override)      # a fork's own parts (main(**hooks): examples/)
     return kw
-
-
-def read_turns(first: str | None = None):
-    """--interactive's questions: `first` (--prompt) if given, then stdin's until its end (Ctrl-D) or exit /
-    quit; an empty line asks again."""
-    if first:
-        print(f"user> {first}")
-        yield first
-    while (text := read_turn()) not in (None, "exit", "quit"):
-        if text:
-            yield text
-
-
-def read_turn() -> str | None:
-    """One --interactive question from stdin; None at its end (Ctrl-D, or the end of piped input). From a
-    pipe nothing echoes the line, so it is printed here: "assistant> " then starts a line of its own."""
-    try:
-        text = input("user> ").strip()
-    except EOFError:
-        print()
-        return None
-    except UnicodeDecodeError:   # a strict UTF-8 stdin (a lenient one gives surrogates: check_text)
-        raise ValueError("the input is not valid UTF-8 text: pass UTF-8 (convert it with e.g. iconv)") from None
-    except BrokenPipeError:   # stdout closed while "user> " was written: fastdllm.py's __main__ ends quietly
-        raise
-    except (OSError, RuntimeError):   # stdin closed (`<&-`): "input(): lost sys.stdin", or EBADF
-        raise ValueError("--interactive reads questions from stdin, which is closed: run it in a terminal or "
-                         "pipe the questions in") from None
-    check_text(text, "the input")
-    if not sys.stdin.isatty():
-        print(text)
-    return text
 
 
 def pick_device_dtype(device: str | None, dtype: str | None):
@@ -433,8 +400,7 @@ def main(argv=None, **hooks):
 
 
 def own_flags(argv: list, **defaults) -> tuple[dict, list]:
-    """A fork's own flags (examples/): `--name value` for each keyword, typed as its default; the rest of argv is
-    the CLI's. -> ({name: value}, the rest)."""
+    """A fork's own flags (examples/): `--name value`, typed as its default -> ({name: value}, the CLI's argv)."""
     values, rest, argv = dict(defaults), [], list(argv)
     while argv:
         arg = argv.pop(0)
@@ -452,8 +418,7 @@ def own_flags(argv: list, **defaults) -> tuple[dict, list]:
 
 def run(fork=None, **own):
     """`python fastdllm.py ...`: main() with one-line errors and Unix exit statuses. A fork's program (examples/)
-    passes fork(**its own flags) -> its hooks, and its flags with their defaults; a fork that takes `config` or
-    `tokenizer` also gets the --model checkpoint's (its ModelConfig, its tokenizers.Tokenizer)."""
+    passes fork(**its flags) -> its hooks, and the flags' defaults (fork(config=, tokenizer=): the checkpoint's)."""
     if sys.stdout is None:   # started with stdout closed (`>&-`): the answers would go nowhere
         print("error: standard output is closed: the answer has nowhere to go (drop `>&-`, or redirect to a "
               "file or /dev/null)", file=sys.stderr)

@@ -2,9 +2,8 @@
 sampler.py: logits -> tokens. How each family proposes (step rules: LLaDA's Gumbel-max sampler and budget,
 spec/llada.md 3; Dream's sampler, confidences and float32 schedule, spec/dream.md 5), which proposals a step
 commits (selection rules: the schedule, Fast-dLLM's threshold and factor decoding, section 3.3), when an answer
-has ended (stop rules). Randomness only through an explicit torch.Generator. A step works at a fixed width: logits
-(B, n, V) at the block's open columns `at.cols` become a `Proposal` of (B, N) tensors, confidences -inf where it may
-not commit. What each step feeds is cache.py's; guided diffusion is guided.py's.
+has ended (stop rules). Randomness only through an explicit torch.Generator. Logits (B, n, V) at the block's open
+columns `at.cols` become a `Proposal` of (B, N) tensors, -inf where it may not commit. Feeds: cache.py; guides: guided.py.
 """
 from typing import NamedTuple
 
@@ -115,7 +114,7 @@ class Schedule:
     def __call__(self, p: Proposal, at):
         order = p.conf.argsort(-1, descending=True)
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-        return p.open & (rank < p.k[:, None])
+        return p.open & (rank < p.k[:, None])           # rank: each position's place by confidence
 
 
 class Threshold:
@@ -158,8 +157,7 @@ class QuotaThreshold(Threshold):
     confident; take the first, the others at confidence >= tau; offer the refused again (the carry)."""
 
     def __call__(self, p: Proposal, at):
-        carry = getattr(self, "carry", 0) if at.n else 0       # a new generation starts without one
-        offered = Schedule()(p._replace(k=p.k + carry), at)
+        offered = Schedule()(p._replace(k=p.k + (self.carry if at.n else 0)), at)   # a generation starts with none
         take = offered & super().__call__(p, at)
         self.carry = (offered & ~take).sum(-1)
         return take
@@ -167,9 +165,8 @@ class QuotaThreshold(Threshold):
 
 class SampledPositions:
     """Dream's `alg_temp` > 0: draw the schedule's k positions without replacement from softmax(conf / alg_temp),
-    over the official code's width (pad(at) -> (left, right) columns at -inf: the canvas, or the fed chunk) so
-    a seeded run picks the same positions. Reads k on the host (one sync: a drawn count is a shape). Fast-dLLM's
-    block sampler decodes a block's first position without a draw (first_token: Dream.propose opens only it)."""
+    over the official code's width (pad(at) -> (left, right) columns at -inf) so a seeded run picks the same
+    positions; k read on the host (a drawn count is a shape). A block's first token is not drawn (first_token)."""
     parallel = False
 
     def __init__(self, alg_temp: float, generator, pad, first_token: bool):
@@ -291,9 +288,8 @@ class Dream(StepRule):
 
 
 class DreamFree(Dream):
-    """FlashDLM's FreeCache sampler for Dream (spec/flashdlm.md 1): no first-token rule; the time grid spans
-    all steps and is indexed by the global step; the count is taken of the block's masks *and every later
-    block's*."""
+    """FlashDLM's FreeCache sampler for Dream (spec/flashdlm.md 1): no first-token rule; one time grid over all
+    steps, indexed by the global step; the count is taken of the block's masks *and every later block's*."""
     first_token = False
 
     def grid_steps(self) -> int:
@@ -383,8 +379,7 @@ def eos_reached(x, P: int, e: int, eos: torch.Tensor, mask_id: int, run: int | b
 
 # A stop rule decides after every step which rows' answers have ended: rule(x, at, p) -> (B,) bool; it may fill
 # masks of x in place (stats["filled"], not "committed"). When every row has ended, generation stops.
-class NoStop:
-    """Decode every block."""
+class NoStop:                    # decode every block
 
     def __call__(self, x, at, p):
         return torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
