@@ -1,6 +1,7 @@
 """
 examples/compare.py: every method of examples/ and the built-in modes on the demo task, each as its command line
-runs it -> docs/methods.md (one table) and docs/methods.png (valid answers against model calls per answer).
+runs it -> docs/methods.md (the tables, and what each method buys against the built-in row it changes) and
+docs/methods.png (valid answers against model calls per answer, each point numbered as its row).
 
     python examples/compare.py                  # 200 held-out demo problems (minutes on a CPU)
     python examples/compare.py -n 20 --out /tmp  # a quick look, written elsewhere
@@ -14,11 +15,15 @@ right N; calls, tokens fed per call and time are generate()'s own stats. A fork 
 skipped, and the table says so.
 """
 import argparse
+import datetime
+import inspect
 import os
+import platform
 import re
 import runpy
 import shlex
 import sys
+import textwrap
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -28,31 +33,56 @@ import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 import cli  # noqa: E402
+from chat import load_tokenizer  # noqa: E402
 from eval import TEMPLATES, answer_text, heldout, is_valid  # noqa: E402
 from fastdllm import generate  # noqa: E402
-from model import load_model  # noqa: E402
+from model import load_model, read_config  # noqa: E402
 from tools.png import scatter  # noqa: E402
 
 DEMO = ["--gen-length", "32", "--block-length", "8"]
-# (name, the fork's file in examples/ or None for fastdllm.py, its flags)
+BUILT_IN, HEADLINE, OTHER = "Built-in modes", "The five methods, each at its headline setting", "Other settings"
+# (table, name, the fork's file in examples/ or None for fastdllm.py, its flags, the number of the built-in row that
+# decodes as it does but for the method: same cache, stop and steps)
 ROWS = [
-    ("1 token/step", None, "--cache none --threshold none --no-early-stop"),
-    ("1 token/step, early stop", None, "--cache none --threshold none"),
-    ("4 tokens/step", None, "--cache none --threshold none --steps 8 --no-early-stop"),
-    ("threshold 0.9", None, "--cache none --no-early-stop"),
-    ("threshold 0.9, dual, early stop (CLI default)", None, ""),
-    ("threshold 0.7, dual, early stop", None, "--threshold 0.7"),
-    ("threshold 0.5, dual, early stop", None, "--threshold 0.5"),
-    ("EB-Sampler", "eb_sampler.py", ""),
-    ("KLASS", "klass.py", ""),
-    ("dKV-Cache", "dkv_cache.py", ""),
-    ("DPad", "dpad.py", ""),
-    ("Prophet", "prophet.py", ""),
-    ("Prophet, thresholds x3", "prophet.py", "--early 22.5 --mid 15 --late 7.5"),
-    ("Prophet, thresholds x3, no suffix", "prophet.py", "--early 22.5 --mid 15 --late 7.5 --suffix '' --suffix-at -21"),
+    (BUILT_IN, "one token a step", None, "--cache none --threshold none --no-early-stop", None),
+    (BUILT_IN, "one token a step, early stop", None, "--cache none --threshold none", None),
+    (BUILT_IN, "4 tokens a step", None, "--cache none --threshold none --steps 8 --no-early-stop", None),
+    (BUILT_IN, "threshold 0.9, early stop", None, "--cache none", None),
+    (BUILT_IN, "threshold 0.9, dual, early stop", None, "", None),
+    (HEADLINE, "EB-Sampler, gamma 0.01", "eb_sampler.py", "", 5),
+    (HEADLINE, "KLASS, conf 0.9, KL 0.01", "klass.py", "", 4),
+    (HEADLINE, "dKV-Cache-Decode, refresh 8", "dkv_cache.py", "--threshold none --no-early-stop", 1),
+    (HEADLINE, "DPad, window 256", "dpad.py", "", 5),
+    (HEADLINE, "Prophet, gaps 7.5/5/2.5", "prophet.py", "", 1),
+    (OTHER, "EB-Sampler, gamma 1", "eb_sampler.py", "--gamma 1", 5),
+    (OTHER, "KLASS, history 1", "klass.py", "--history 1", 4),
+    (OTHER, "DPad, window 32", "dpad.py", "--window 32", 5),
+    (OTHER, "Prophet, gaps x3", "prophet.py", "--early 22.5 --mid 15 --late 7.5", 1),
+    (OTHER, "Prophet, gaps x3, no suffix", "prophet.py", "--early 22.5 --mid 15 --late 7.5 --suffix '' --suffix-at -21",
+     1),
 ]
 COLORS = {None: (31, 119, 180), "eb_sampler.py": (44, 160, 44), "klass.py": (214, 39, 40),
-          "dkv_cache.py": (148, 103, 189), "dpad.py": (140, 86, 75), "prophet.py": (255, 127, 14)}
+          "dkv_cache.py": (148, 103, 189), "dpad.py": (140, 86, 75), "prophet.py": (230, 110, 0)}
+# What each method does differently from its built-in row (the numbers come from the run, beside it).
+WHY = {
+    "eb_sampler.py": "It commits the most confident masks while their entropies, summed less the largest, stay under "
+                     "gamma: as many as the model is jointly sure of, where threshold 0.9 tests each token alone.",
+    "klass.py": "It commits a mask only once its distribution has stopped moving (KL under 0.01 for `history` "
+                "steps) and it is confident: at least `history` calls a block, where threshold 0.9 often takes one.",
+    "dkv_cache.py": "It feeds only the positions still masked a step ago (a token's keys are cached one step after it "
+                    "is decoded; the canvas refreshed at a block's first two steps and every 8th): the same calls, "
+                    "fewer tokens fed per call, each its own RoPE position and KV slot (the set's width costs one "
+                    "more host read a step).",
+    "dpad.py": "It drops a random, distance-decayed share of the masked suffix from a block's calls. The demo's suffix "
+               "is at most 24 positions, which the default window (256) mostly keeps; a window of 32 drops the far "
+               "ones, and this model's answers break without them.",
+    "prophet.py": "Its thresholds are raw top-1 minus top-2 logit gaps, set for LLaDA-8B; the demo model's gaps are "
+                  "larger, so the official ones end every answer at the first call (filled with that call's argmax): "
+                  "the final number is often right, the worked solution rarely. Gaps x3 end later; the forced suffix "
+                  "\"The answer is\" sits at one answer offset (9), which fits a solution only when its three "
+                  "numbers have two digits each: without it (--suffix '' --suffix-at -21: the window at offset 12) "
+                  "the early commit costs no valid answer here.",
+}
 
 
 def fork_of(path: str):
@@ -71,13 +101,11 @@ def settings(model_dir: str, example: str | None, flags: str) -> tuple[dict, boo
     argv, hooks = ["--model", model_dir, *DEMO, "--prompt", "-", *shlex.split(flags)], {}
     if example:
         fork, own = fork_of(os.path.join(HERE, example))
-        values, rest = cli.own_flags(argv, **own)
-        saved, sys.argv = sys.argv, [example, *argv]      # a fork's builder may read the CLI's flags (prophet.py)
-        try:
-            hooks = fork(**values) if fork else {}
-        finally:
-            sys.argv = saved
-        argv = rest
+        values, argv = cli.own_flags(argv, **own)
+        needs = inspect.signature(fork).parameters       # what cli.run hands a fork that asks: the checkpoint's
+        values |= {k: v for k, v in (("config", read_config(model_dir)), ("tokenizer", load_tokenizer(model_dir)))
+                   if k in needs}
+        hooks = fork(**values)
     args = cli.parse_args(argv, hooks)
     args.hooks = hooks
     return cli.settings(args) | dict(stop_at_eos=not args.no_early_stop and "stop" not in hooks), "propose" not in hooks
@@ -85,9 +113,10 @@ def settings(model_dir: str, example: str | None, flags: str) -> tuple[dict, boo
 
 def measure(model, tok, problems, kw: dict, seeded: bool) -> dict:
     """Every problem alone (batch 1): the shares valid and with the right final number, the mean calls per
-    answer, tokens fed per call and seconds per answer."""
+    answer and tokens fed per call, and the median milliseconds per answer (a shared machine's pauses skew a mean)."""
     generate(model, torch.tensor([tok.encode(problems[0][0], add_special_tokens=False).ids]), **kw)   # warm-up
-    valid = right = calls = fed = seconds = 0
+    valid = right = calls = fed = 0
+    seconds = []
     for question, _, key in problems:
         prompt = torch.tensor([tok.encode(question, add_special_tokens=False).ids])
         gen = torch.Generator().manual_seed(0) if seeded else None
@@ -97,9 +126,19 @@ def measure(model, tok, problems, kw: dict, seeded: bool) -> dict:
         final = re.search(r"The answer is (\d+)\.$", answer)
         valid += is_valid(answer, key)
         right += final is not None and int(final[1]) == (a + b if TEMPLATES[t][0] == "+" else a - b)
-        calls, fed, seconds = calls + st["nfe"], fed + sum(st["fed"]), seconds + st["seconds"]
+        calls, fed, seconds = calls + st["nfe"], fed + sum(st["fed"]), seconds + [st["seconds"]]
     n = len(problems)
-    return dict(valid=valid / n, right=right / n, calls=calls / n, fed=fed / calls, ms=1000 * seconds / n)
+    return dict(valid=valid / n, right=right / n, calls=calls / n, fed=fed / calls, ms=1000 * sorted(seconds)[n // 2])
+
+
+def machine() -> str:
+    """The CPU's model name, its cores, and torch's version: where the times were taken."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "a CPU")
+    except OSError:
+        cpu = platform.processor() or "a CPU"
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
 def main(argv=None):
@@ -112,53 +151,74 @@ def main(argv=None):
     model_dir = os.path.join(ROOT, "demo", "llada-arith")
     model = load_model(model_dir, device="cpu", dtype=torch.float32)
     tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-    problems, lines, points = heldout(args.n), [], []
-    for name, example, flags in ROWS:
+    problems, results, tables, points, key = heldout(args.n), {}, {}, [], []
+    for number, (table, name, example, flags, _) in enumerate(ROWS, 1):
         command = f"{'examples/' + example if example else 'fastdllm.py'} {flags}".strip()
+        row = f"| {number} | {name} | `{command}` |"
         if example and not os.path.isfile(os.path.join(HERE, example)):
-            lines.append(f"| {name} | `{command}` | not run: examples/{example} is not in this checkout | | | | |")
+            tables.setdefault(table, []).append(f"{row} not run: examples/{example} is not in this checkout | | | | |")
             print(f"skipped {name}: examples/{example} is not in this checkout", file=sys.stderr)
             continue
         t0 = time.perf_counter()
-        r = measure(model, tok, problems, *settings(model_dir, example, flags))
+        r = results[number] = measure(model, tok, problems, *settings(model_dir, example, flags))
         print(f"{name}: {r} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-        lines.append(f"| {name} | `{command}` | {r['valid']:.1%} | {r['right']:.1%} | {r['calls']:.1f} | "
-                     f"{r['fed']:.1f} | {r['ms']:.1f} |")
-        points.append((r["calls"], r["valid"], name, COLORS[example]))
-    scatter(points, os.path.join(args.out, "methods.png"), f"The demo task, {args.n} held-out problems",
-            "model calls per answer", "valid answers", [("built-in modes (fastdllm.py)", COLORS[None])] +
-            [(f"examples/{f}", c) for f, c in COLORS.items() if f and any(p[3] == c for p in points)])
+        tables.setdefault(table, []).append(f"{row} {r['valid']:.1%} | {r['right']:.1%} | {r['calls']:.1f} | "
+                                            f"{r['fed']:.1f} | {r['ms']:.1f} |")
+        points.append((r["calls"], r["valid"], str(number), COLORS[example]))
+        key.append((f"{number:>2} {name}", COLORS[example]))
+    key += [("", (0, 0, 0)), ("   (the rows of docs/methods.md)", (0, 0, 0))]
+    scatter(points, os.path.join(args.out, "methods.png"), f"demo/llada-arith: {args.n} held-out problems",
+            "model calls per answer (log scale)", "valid answers", key, log_x=True)
+    intro = INTRO.format(n=args.n, threads=args.threads, argv="".join(" " + a for a in argv or sys.argv[1:]),
+                         machine=machine(), date=datetime.date.today().isoformat())
+    text = ("# The methods on the demo task\n\n" + wrap(" ".join(intro.split())) +
+            "\n\n![valid answers against model calls per answer](methods.png)\n")
+    for table, rows in tables.items():
+        text += f"\n**{table}**\n\n{COLUMNS}" + "\n".join(rows) + "\n"
     with open(os.path.join(args.out, "methods.md"), "w") as f:
-        f.write(HEADER.format(n=args.n, threads=args.threads, argv="".join(" " + a for a in argv or sys.argv[1:])) +
-                "\n".join(lines) + "\n" + NOTES)
+        f.write(text + NOTES + "\n## What each method buys here\n\n" + buys(results))
     print(f"wrote {args.out}/methods.md and methods.png", file=sys.stderr)
 
 
-HEADER = """# The methods on the demo task
+def buys(results: dict) -> str:
+    """A bullet a method: its headline row against the built-in row it changes (that row's numbers in brackets),
+    why, and its other settings beneath."""
+    def line(number, ref):
+        r, b = results[number], results[ref]
+        return (f"(#{number}; in brackets #{ref}, {ROWS[ref - 1][1]}): {r['calls']:.1f} calls per answer "
+                f"({b['calls']:.1f}), {r['fed']:.1f} tokens fed per call ({b['fed']:.1f}), valid {r['valid']:.1%} "
+                f"({b['valid']:.1%}), final number {r['right']:.1%} ({b['right']:.1%}), {r['ms']:.1f} ms "
+                f"({b['ms']:.1f}).")
+    out = []
+    for number, (table, name, example, _, ref) in enumerate(ROWS, 1):
+        if table == HEADLINE and number in results:
+            out.append(wrap(f"- **{name}** {line(number, ref)} {WHY[example]}", "  "))
+            out += [wrap(f"  - {other[1]} {line(n, other[4])}", "    ") for n, other in enumerate(ROWS, 1)
+                    if other[0] == OTHER and other[2] == example and n in results]
+    return "\n".join(out) + "\n"
 
-Written by `python examples/compare.py{argv}` ({n} held-out problems of demo/eval.py, each decoded alone, batch 1,
-on the CPU with {threads} torch thread(s)). Each row is a command line on the demo model, `python COMMAND --model
-demo/llada-arith --gen-length 32 --block-length 8 --prompt "..."`. **valid**: the whole worked solution is right
-(demo/eval.py's check); **final number**: "The answer is N." with the right N; **calls**: model calls per answer;
-**fed**: tokens fed per call (the canvas is 50 tokens: an 18-token question and 32 answer positions); **ms**: time
-per answer, generate()'s own clock (the machine is shared: compare times within one run only).
 
-![valid answers against model calls per answer](methods.png)
+def wrap(text: str, indent: str = "") -> str:
+    return textwrap.fill(text, 118, subsequent_indent=indent, break_on_hyphens=False, break_long_words=False)
 
-| method | command | valid | final number | calls | fed | ms |
-|---|---|---|---|---|---|---|
+
+INTRO = """Written by `python examples/compare.py{argv}` on {date}: {n} held-out problems of demo/eval.py, each
+decoded alone (batch 1), on {machine}, {threads} torch thread(s). Each row is a command line on the demo model,
+`python COMMAND --model demo/llada-arith --gen-length 32 --block-length 8 --prompt "..."`; the number is the
+point's in the plot.
+**valid**: the whole worked solution is right (demo/eval.py's check); **final number**: "The answer is N." with the
+right N; **calls**: model calls per answer; **fed**: tokens fed per call (the canvas is 50 tokens: an 18-token
+question and 32 answer positions); **ms**: the median time per answer, generate()'s own clock (a shared machine:
+compare times within one run only). Each method is set against the built-in row that decodes as it does but for
+the method (the same cache, stop and steps). Each fork's docstring names its paper, its official code and its
+defaults."""
+COLUMNS = """| # | method | command | valid | final number | calls | fed | ms |
+|---|---|---|---|---|---|---|---|
 """
 NOTES = """
-What the rows show (each fork's docstring gives its paper and official settings):
-- Built-in modes: one token a step is the exact baseline; early stop ends an answer once a finished block holds the
-  end token; threshold decoding (Fast-dLLM 3.3) commits every token at least that confident; DualCache feeds the
-  block alone after its first step.
-- Prophet's thresholds are raw logit gaps set for LLaDA-8B. The demo model's gaps over the answer window are larger
-  (16 to 20 at every call on three problems measured), so the official 7.5 / 5.0 / 2.5 stop at the first call:
-  the final number is often right, the worked solution rarely. Thresholds x3 stop later. The forced suffix "The
-  answer is" sits at a fixed answer offset (9), which fits the demo's solution only when its numbers have the
-  usual digit counts; without it (--suffix '' --suffix-at -21: the window starts at answer offset 12) the early
-  exit costs no valid answer here.
+The built-in modes: one token a step is the exact baseline; early stop ends an answer once a finished block holds
+the end token; 4 tokens a step is a fixed parallel schedule; threshold decoding (Fast-dLLM 3.3) commits every token
+at least that confident; dual (Fast-dLLM's DualCache) feeds the block alone after its first step.
 """
 
 

@@ -10,11 +10,11 @@ no threshold, no early stop: `--refresh 8 --threshold none --no-early-stop` (the
 0.9 and early stop, stay on otherwise).
 
 Contract used: a cache policy that feeds a sorted set of positions (span), per-row slots with one discard slot
-(a batch feeds the union of its rows' sets; a row's extra positions write to the discard slot, so it decodes
-as alone) and state across steps (the last step's masks; every block's first two steps refresh). Not fixed shapes: the feed shrinks
-every step (fixed_width = False: compile=True leaves the calls eager), and reading its width is one more host
-sync per cached step. LLaDA only: the official Dream variant decodes the whole canvas with a shifted cached set,
-which is not written here (a Dream model is refused).
+(a batch feeds the union of its rows' sets; a row's extra positions write to the discard slot, so it decodes as
+alone), state across steps (the last step's masks; every block's first two steps refresh), cli.run's `config`. Not
+fixed shapes: the feed shrinks every step (fixed_width = False: compile=True leaves the calls eager), and reading
+its width is one more host sync per cached step. LLaDA only: the official Dream variant decodes the whole canvas
+with a shifted cached set, not written here (the policy is built from the checkpoint's config and refuses Dream).
 """
 import os
 import sys
@@ -28,15 +28,15 @@ from cache import CachePolicy  # noqa: E402
 class DKVCacheDecode(CachePolicy):
     spare, fixed_width = 1, False
 
-    def __init__(self, refresh: int = 8):
+    def __init__(self, config, refresh: int = 8):       # config: the checkpoint's model.ModelConfig
+        if config.family != "llada":
+            raise ValueError(f"dKV-Cache-Decode is written here for LLaDA; the official Dream variant (a whole-canvas "
+                             f"decode with a shifted cached set) is not: got a {config.family} model")
         if refresh < 1:
             raise ValueError(f"--refresh must be >= 1 (got {refresh}): it is the refresh interval in steps")
         self.refresh = refresh
 
     def span(self, at):
-        if at.shift:
-            raise ValueError("dKV-Cache-Decode is written here for LLaDA; the official Dream variant (a whole-canvas "
-                             "decode with a shifted cached set) is not: use a LLaDA model")
         fed, self.before = getattr(self, "before", None), at.x == at.mask_id     # (B, L) masks at the step's start
         if at.i < 2 or at.i % self.refresh == 0:     # refresh: the whole canvas, into the cache
             self.fed = None
@@ -52,4 +52,4 @@ class DKVCacheDecode(CachePolicy):
 
 if __name__ == "__main__":   # python examples/dkv_cache.py --model demo/llada-arith --gen-length 32 --block-length 8 --prompt "..."
     import cli
-    cli.run(lambda refresh: dict(cache=DKVCacheDecode(refresh)), refresh=8)
+    cli.run(lambda refresh, config: dict(cache=DKVCacheDecode(config, refresh)), refresh=8)

@@ -5,20 +5,19 @@ generation_utils_block.py): per block, keep only a random, distance-decayed subs
 
 Once per block, before its first call, suffix position e + j is kept iff u_j < scale * phi(j * k_sigma /
 (window - 1)) for j < window (phi the standard normal density, u uniform, one draw per block; nothing is kept
-beyond the window). The dropped positions are gone from the block's calls. --cache-mode none: every step feeds
-[0, e) + kept and attends over them alone; dual (Fast-dLLM's DualCache, DPad's dual_cache): the block's first step feeds
-[0, e) + kept into the cache, later steps feed the block, and the dropped keys are masked out. Official defaults:
-window 256, k_sigma 4, scale 2.0 (LLaDA) / 1.6 (Dream), block 32, threshold 0.9, early stop at the end of text.
-The official draw is torch.rand on the global CUDA generator (seeded 1234 by its eval, shared across prompts), a
-stream no CPU can reproduce: here a torch.Generator seeded --drop-seed, afresh for every generation. A window
+beyond the window). --cache-mode none: every step feeds [0, e) + kept and attends over them alone; dual (DPad's
+dual_cache, Fast-dLLM's DualCache): the block's first step feeds [0, e) + kept into the cache, later steps feed the
+block, and the dropped keys are masked out. Official defaults: window 256, k_sigma 4, scale 2.0 (LLaDA) / 1.6
+(Dream; the program's --scale 0 picks the checkpoint family's), block 32, threshold 0.9, early stop at the end of
+text. The official draw is torch.rand on the global CUDA generator (seeded 1234 by its eval, shared across prompts),
+a stream no CPU can reproduce: here a torch.Generator seeded --drop-seed, afresh for every generation. A window
 larger than the answer (the official code refuses it) keeps the table's first entries.
-
 Contract used: a cache policy that feeds a sorted set of positions (span), with no KV cache (keeps_cache = False)
-or with a key mask (keys), and state across steps (the kept set, the generator, reset at at.n == 0). Shapes are
-fixed within a block (the kept set is drawn once per block, one host sync; its size changes per block). The first
-call of a generation feeds the whole canvas in dual mode (the contract's empty cache), its dropped keys masked.
-Both families in dual mode; in none mode Dream keeps this project's block rule (its first token at the block's
-first step), which DPad's Dream `_sample` does not have.
+or with a key mask (keys), state across steps (the kept set, the generator, reset at at.n == 0); cli.run's `config`.
+Shapes are fixed within a block (one host sync a block: the kept set's size). In dual mode the generation's first
+call feeds the whole canvas (the contract's empty cache), its dropped keys masked. Both families in dual mode; in
+none mode Dream keeps Fast-dLLM's block rule (its first token alone at the block's first step), which DPad's Dream
+`_sample` does not have.
 """
 import math
 import os
@@ -57,5 +56,5 @@ class DPad(CachePolicy):
 
 if __name__ == "__main__":   # python examples/dpad.py --model demo/llada-arith --gen-length 32 --block-length 8 --prompt "..."
     import cli
-    cli.run(lambda **flags: dict(cache=DPad(**flags)), cache_mode="dual", window=256, k_sigma=4.0, scale=2.0,
-            drop_seed=1234)
+    cli.run(lambda config, scale, **kw: dict(cache=DPad(scale=scale or {"dream": 1.6}.get(config.family, 2.0), **kw)),
+            cache_mode="dual", window=256, k_sigma=4.0, scale=0.0, drop_seed=1234)

@@ -5,6 +5,7 @@ keys/values the official code keeps, with none of the example's code), on LLaDA 
 applies, at batch 1 and on a left-padded batch equal to solo runs; and each program answers on the demo model."""
 import math
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -12,7 +13,8 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+import cli
+from conftest import ROOT, copy_checkpoint, write_tokenizer
 from examples.dkv_cache import DKVCacheDecode
 from examples.dpad import DPad
 from fastdllm import generate, pad_prompts
@@ -149,16 +151,16 @@ def solo_and_padded(model, family):
     return [torch.tensor([row]) for row in PROMPTS[family]], ids, am
 
 
-# How the tests below were checked to fail without the method's key rule (each mutation made by hand in the example,
-# the file run, then reverted): dKV with the refresh interval ignored (a refresh at every step, or only at steps 0
-# and 1), with immediate caching (feeding this step's masks instead of the previous step's), and without the per-row
-# discard slots (batch test); DPad with the dropped keys attended in dual mode (keys() -> None), with the whole
-# canvas fed in none mode, with the kept set drawn again at every step, and with the generator not reset for a new
-# generation (one policy serves two prompts). Each made at least one test below fail.
+# How the tests below were checked to fail without the method's key rule (each mutation made in the example, the
+# file run, then reverted; failed tests of its 21): dKV with a refresh at every step: 5, only at steps 0 and 1: 4,
+# immediate caching (feeding this step's masks instead of the previous step's): 6, no per-row discard slots: 2, Dream
+# not refused: 2; DPad with the dropped keys attended in dual mode (keys() -> None): 6, the whole canvas fed in none
+# mode: 3, the kept set drawn again at every step: 9, the generator not reset for a new generation (one policy serves
+# two prompts): 6, the program's scale not the family's: 1.
 @pytest.mark.parametrize("gen,block,steps,refresh", [(32, 8, 32, 2), (32, 8, 32, 4), (32, 8, 16, 4), (64, 32, 64, 8)])
 def test_dkv_cache_decode_is_the_official_loop(llada, gen, block, steps, refresh):
     """Token for token and feed for feed; and not the uncached decode (which a refresh at every step would give)."""
-    kw, policy = dict(gen_length=gen, block_length=block, steps=steps), DKVCacheDecode(refresh)
+    kw, policy = dict(gen_length=gen, block_length=block, steps=steps), DKVCacheDecode(llada.config, refresh)
     for prompt in solo_and_padded(llada, "llada")[0]:           # one policy, two generations: its state restarts
         ref, fed = dkv_reference(llada, prompt, gen, block, steps, refresh)
         ours, st = generate(llada, prompt, cache=policy, **kw)
@@ -172,16 +174,17 @@ def test_dkv_cache_decode_padded_batch_equals_solo_runs(llada, threshold):
     keys at the others' positions (the discard slot). With a threshold rows also end their blocks apart."""
     prompts, ids, am = solo_and_padded(llada, "llada")
     kw = dict(gen_length=32, block_length=8, steps=32, threshold=threshold)
-    batch, st = generate(llada, ids, attention_mask=am, cache=DKVCacheDecode(4), **kw)
+    batch, st = generate(llada, ids, attention_mask=am, cache=DKVCacheDecode(llada.config, 4), **kw)
     for row, prompt in zip(batch, prompts):
         alone = (dkv_reference(llada, prompt, 32, 8, 32, 4)[0] if threshold is None else
-                 generate(llada, prompt, cache=DKVCacheDecode(4), **kw)[0])
+                 generate(llada, prompt, cache=DKVCacheDecode(llada.config, 4), **kw)[0])
         assert torch.equal(row[-alone.shape[1]:], alone[0])
 
 
 def test_dkv_cache_decode_refuses_dream_in_one_line(dream):
-    with pytest.raises(ValueError, match=r"^dKV-Cache-Decode is written here for LLaDA.*use a LLaDA model$"):
-        generate(dream, torch.tensor([PROMPTS["dream"][0]]), gen_length=32, block_length=8, cache=DKVCacheDecode(4))
+    """Built from the checkpoint's config: a Dream model is refused before anything runs."""
+    with pytest.raises(ValueError, match=r"^dKV-Cache-Decode is written here for LLaDA.*: got a dream model$"):
+        DKVCacheDecode(dream.config, 4)
 
 
 DPAD = [("llada", "none", 32, 8, 0.9, 256, 4.0, 2.0), ("llada", "none", 32, 8, None, 16, 4.0, 2.0),
@@ -249,3 +252,28 @@ def test_a_bad_flag_is_refused_in_one_line():
     for bad in (dict(cache_mode="prefix"), dict(window=0)):
         with pytest.raises(ValueError, match=r"^--cache-mode must be none or dual .* and --window >= 1"):
             DPad(**bad)
+
+
+def program_parts(name, **values):
+    """The hooks python examples/<name>.py builds: its cli.run(fork, **flags) caught, fork called with its flags'
+    defaults and `values` (the checkpoint's config, as cli.run hands it)."""
+    caught, run = {}, cli.run
+    cli.run = lambda fork, **own: caught.update(fork=fork, own=own)
+    try:
+        runpy.run_path(os.path.join(ROOT, "examples", f"{name}.py"), run_name="__main__")
+    finally:
+        cli.run = run
+    return caught["fork"](**caught["own"] | values)
+
+
+def test_the_programs_follow_the_checkpoint_family(llada, dream, tmp_path):
+    """DPad's scale is the family's official one (LLaDA 2.0, Dream 1.6); dKV-Cache-Decode refuses a Dream checkpoint
+    from its config, before the weights load."""
+    for model, scale in ((llada, 2.0), (dream, 1.6)):
+        pdf = program_parts("dpad", config=model.config)["cache"].pdf
+        assert torch.allclose(pdf[0], torch.tensor(scale / math.sqrt(2 * math.pi)))
+    folder = copy_checkpoint("dream-tiny", tmp_path)
+    write_tokenizer(folder, {1023: "<|mask|>", 1000: "<|endoftext|>"})
+    code, out, err = program("dkv_cache", "--model", folder)
+    assert code == 2 and err == ("error: dKV-Cache-Decode is written here for LLaDA; the official Dream variant (a "
+                                 "whole-canvas decode with a shifted cached set) is not: got a dream model\n")

@@ -11,12 +11,12 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, copy_checkpoint, write_tokenizer
 from fastdllm import generate, pad_prompts
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 from eb_sampler import EBSampler  # noqa: E402
-from klass import KLASS, Canvas  # noqa: E402
+from klass import KLASS, hooks  # noqa: E402
 
 PROMPTS = {"llada": [[815, 723, 294, 53, 204, 372, 664, 1017, 655, 689, 279, 233], [44, 12, 907, 31, 5]],
            "dream": [[775, 171, 806, 365, 316, 564, 432, 625, 575, 529], [12, 44, 907]]}
@@ -105,21 +105,22 @@ def klass_reference(model, row, conf_bar, kl_bar, history=2, steps=GEN):
 
 
 def klass_settings(model, conf_bar, kl_bar, steps=GEN):
-    if model.config.family == "llada":
-        return dict(block_length=BLOCK, steps=steps, select=KLASS(conf_bar, kl_bar))
-    return dict(block_length=GEN, select=KLASS(conf_bar, kl_bar), propose=Canvas.of(model, GEN))
+    """The program's parts (klass.hooks, from the checkpoint's config): LLaDA by blocks, Dream one block."""
+    parts = hooks(conf_bar, kl_bar, 2, model.config)
+    return dict(block_length=BLOCK, steps=steps, **parts) if model.config.family == "llada" else \
+        dict(block_length=None, cache="none", **parts)
 
 
 # Each case makes the method's rule decide (multi-token steps and fallbacks both occur on these tiny models).
 # Removing a key rule fails these tests: checked by editing the example, one edit at a time, and running this file
-# (failures among the 8 EB and 10 KLASS value tests, padded batches included):
-#   EB: gamma ignored (count = every open position): 8; the largest entropy not subtracted: 8; entropy as the proxy
+# (failed tests of its 21):
+#   EB: gamma ignored (count = every open position): 8; the largest entropy not subtracted: 9; entropy as the proxy
 #   instead of confidence: 8.
-#   KLASS: the KL history ignored (stable = True): 10; a history of 1 (this step's KL alone): 10; p_prev and the
-#   history reset at each block: the 5 LLaDA ones; the t >= history - 1 guard dropped: the 5 LLaDA ones; fallback
-#   k = 1 instead of the schedule's p.k: the 2 steps=16 ones; a row done with its block still moving its state while
-#   the batch waits: the LLaDA padded batch. Not seen by value: > against >= (no float64 confidence here equals a
-#   threshold).
+#   KLASS: the KL history ignored (stable = True): 11; a history of 1 (this step's KL alone): 11; p_prev and the
+#   history reset at each block: 5 (LLaDA); the t >= history - 1 guard dropped: 5 (LLaDA); fallback k = 1 instead
+#   of the schedule's p.k: 2 (steps=16); a row done with its block still moving its state while the batch waits: 1
+#   (the LLaDA padded batch); Dream's rule with Fast-dLLM's first token alone (first_token=True): 6. Not seen by
+#   value: > against >= on LLaDA (no float64 confidence here equals a threshold).
 EB_CASES = [("llada", 0.1), ("llada", 1.0), ("llada", 10.0), ("dream", 0.01), ("dream", 0.1), ("dream", 1.0)]
 KLASS_CASES = [("llada", 0.0, 1.0, GEN), ("llada", 0.5, 0.3, GEN), ("llada", 0.5, 0.3, 16),
                ("llada", 0.0, 1.0, 16), ("dream", 0.9, 0.01, GEN), ("dream", 0.0, 1.0, GEN),
@@ -142,7 +143,7 @@ def test_klass_equals_the_reference(llada, dream, family, conf_bar, kl_bar, step
     model = llada if family == "llada" else dream
     for row in PROMPTS[family]:
         want, calls = klass_reference(model, row, conf_bar, kl_bar, steps=steps)
-        got, st = generate(model, torch.tensor([row]), gen_length=GEN, cache="none",
+        got, st = generate(model, torch.tensor([row]), gen_length=GEN,
                            **klass_settings(model, conf_bar, kl_bar, steps))
         assert torch.equal(got, want) and st["nfe"] == calls
 
@@ -153,27 +154,31 @@ def test_padded_batches_equal_the_solo_references(llada, dream, family):
     ids, am = pad_prompts(PROMPTS[family], model.config.pad_id)
     eb, _ = generate(model, ids, attention_mask=am, gen_length=GEN, block_length=BLOCK, cache="none",
                      select=EBSampler(1.0))
-    kl, _ = generate(model, ids, attention_mask=am, gen_length=GEN, cache="none",
-                     **klass_settings(model, 0.5 if family == "llada" else 0.9, 0.3 if family == "llada" else 0.01))
+    conf_bar, kl_bar = (0.5, 0.3) if family == "llada" else (0.9, 0.01)
+    kl, _ = generate(model, ids, attention_mask=am, gen_length=GEN, **klass_settings(model, conf_bar, kl_bar))
     for i, row in enumerate(PROMPTS[family]):
         assert torch.equal(eb[i, -GEN:], eb_reference(model, row, 1.0)[0][0, -GEN:])
-        want = klass_reference(model, row, 0.5 if family == "llada" else 0.9, 0.3 if family == "llada" else 0.01)[0]
+        want = klass_reference(model, row, conf_bar, kl_bar)[0]
         assert torch.equal(kl[i, -GEN:], want[0, -GEN:])
 
 
 def test_klass_refuses_a_cache_that_does_not_feed_its_history(llada):
-    with pytest.raises(ValueError, match=r"KLASS needs .* use cache='none'$") as e:
+    with pytest.raises(ValueError, match=r"^KLASS needs .* use cache='none' \(Dream: --block-length 0 too\)$") as e:
         generate(llada, torch.tensor([PROMPTS["llada"][0]]), gen_length=GEN, block_length=BLOCK, cache="dual",
                  select=KLASS())
     assert "\n" not in str(e.value)
 
 
-def run_example(name, *flags):
+def test_klass_refuses_dream_by_blocks(dream):
+    """Dream's official KLASS decodes the whole answer as one block."""
+    with pytest.raises(ValueError, match=r"^KLASS .* on Dream as one block .*\(Dream: --block-length 0 too\)$"):
+        generate(dream, torch.tensor([PROMPTS["dream"][0]]), gen_length=GEN, block_length=BLOCK, cache="none",
+                 **hooks(0.9, 0.01, 2, dream.config))
+
+
+def run_example(name, *args):
     """The fork's program as a user runs it, in its own process group (a timeout kills the whole group)."""
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", name), "--model",
-                             os.path.join(ROOT, "demo", "llada-arith"), "--gen-length", "32", "--block-length", "8",
-                             "--no-stream", *flags, "--prompt",
-                             "Tom has 23 apples and buys 45 more. How many apples does he have?"],
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", name), "--no-stream", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=120)
@@ -184,9 +189,33 @@ def run_example(name, *flags):
     return proc.returncode, out, err
 
 
+DEMO = ["--model", os.path.join(ROOT, "demo", "llada-arith"), "--gen-length", "32", "--block-length", "8",
+        "--prompt", "Tom has 23 apples and buys 45 more. How many apples does he have?"]
+
+
 @pytest.mark.parametrize("name,flags", [("eb_sampler.py", ("--gamma", "0.01")), ("klass.py", ("--kl", "0.01"))])
 def test_example_answers_on_the_demo_model(name, flags):
-    code, out, err = run_example(name, *flags)
+    code, out, err = run_example(name, *DEMO, *flags)
     assert code == 0, err
     answer, stats = out.strip().splitlines()[-2:]
     assert answer.endswith("The answer is 68.") and stats.startswith("NFE ")
+
+
+def test_klass_program_on_dream_is_the_official_whole_canvas(dream, tmp_path):
+    """python examples/klass.py --model <a Dream checkpoint> --block-length 0 --cache none: the Dream rule built from
+    the checkpoint's config decodes as the reference (the answer's words and the calls); by blocks, one refusal line."""
+    folder = copy_checkpoint("dream-tiny", tmp_path)
+    write_tokenizer(folder, {1023: "<|mask|>", 1000: "<|endoftext|>"})
+    row = PROMPTS["dream"][0]
+    model = ["--model", folder, "--no-chat", "--gen-length", str(GEN), "--prompt", " ".join(f"w{t}" for t in row)]
+    code, out, err = run_example("klass.py", *model, "--block-length", "0", "--cache", "none")
+    assert code == 0, err
+    want, calls = klass_reference(dream, row, 0.9, 0.01)
+    answer = want[0, len(row):].tolist()
+    answer = answer[:answer.index(1000)] if 1000 in answer else answer
+    words, stats = out.strip().splitlines()[-2:]
+    assert words == " ".join(f"w{t}" for t in answer) and stats.startswith(f"NFE {calls} ")
+    code, out, err = run_example("klass.py", *model, "--block-length", "8")
+    assert code == 2 and err.splitlines()[-1] == ("error: KLASS needs the logits of [10, 42) at every step, on Dream "
+                                                  "as one block (this call fed (0, 42) for [10, 18)): use "
+                                                  "cache='none' (Dream: --block-length 0 too)")

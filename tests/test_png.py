@@ -4,7 +4,7 @@ import zlib
 
 import torch
 
-from tools.png import Canvas, scatter
+from tools.png import Canvas, place, scatter
 
 
 def read_png(data: bytes):
@@ -44,6 +44,26 @@ def test_text_draws_its_glyph():
 
 
 def test_scatter_writes_a_png(tmp_path):
-    scatter([(4, 1.0, "a", (255, 0, 0)), (32, 0.5, "b", (0, 0, 255))], str(tmp_path / "p.png"), "t", "x", "y")
+    red, blue = (255, 0, 0), (0, 0, 255)
+    scatter([(4, 1.0, "1", red), (32, 0.5, "2", blue)], str(tmp_path / "p.png"), "t", "x", "y",
+            key=[("1 a", red), ("2 b", blue)], log_x=True)
     w, h, px = read_png((tmp_path / "p.png").read_bytes())
-    assert (w, h) == (960, 640) and ((px == torch.tensor([255, 0, 0], dtype=torch.uint8)).all(-1)).any()
+    assert (w, h) == (1400, 760)
+    for color in (red, blue):
+        assert ((px == torch.tensor(color, dtype=torch.uint8)).all(-1)).any()
+
+
+def test_labels_go_where_nothing_is():
+    """A label goes right of its dot when that is free, elsewhere when not, further out (with a leader line) when
+    the ring around the dot is full, and never over a box already taken or outside the frame."""
+    frame = (0, 0, 400, 400)
+    dot = (193, 193, 208, 208)                             # the dot at (200, 200)
+    assert place(24, 14, 200, 200, [dot], frame) == (209, 193, False)      # right of the dot
+    taken = [dot, (205, 180, 260, 220)]                    # the right side taken
+    x0, y0, away = place(24, 14, 200, 200, taken, frame)
+    assert not away and x0 + 24 <= 205                     # on the left
+    crowd = [(140, 140, 260, 260)]                         # everything near the dot
+    x0, y0, away = place(24, 14, 200, 200, crowd, frame)
+    assert away and not (x0 < 260 and 140 < x0 + 24 and y0 < 260 and 140 < y0 + 14)
+    x0, y0, _ = place(24, 14, 395, 200, [], frame)         # at the frame's right edge: not past it
+    assert x0 + 24 <= 400

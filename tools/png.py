@@ -7,6 +7,7 @@ PNG (W3C PNG specification, sections 5 and 11): the 8-byte signature, then chunk
 | type | data | CRC-32 of type and data: IHDR (width, height, bit depth 8, colour type 2 = RGB, no interlace), IDAT
 (the zlib stream of the rows, each led by its filter type, 0 = none) and IEND.
 """
+import math
 import struct
 import zlib
 
@@ -78,37 +79,60 @@ def ticks(top: float, n: int = 6) -> list:
     return [i * step for i in range(int(-(-top // step)) + 1)]
 
 
-def scatter(points, path: str, title: str, xlabel: str, ylabel: str, legend=(), width: int = 960, height: int = 640):
-    """points: [(x, y, label, (r, g, b))], y in [0, 1] drawn as percent; legend: [(name, (r, g, b))]. A label sits
-    right of its dot, pushed down past the dots and the labels already there."""
+def place(box_w: int, box_h: int, x: int, y: int, taken: list, frame) -> tuple:
+    """Where a label box_w x box_h goes beside the dot at (x, y): the first spot, nearest first (right, left, above,
+    below, then the diagonals, on rings further out), that overlaps no box of `taken` and stays inside `frame`
+    (x0, y0, x1, y1) -> (left, top, whether it sits away from the dot: a leader line then shows whose it is)."""
+    for ring, r in enumerate((9, 22, 38, 56, 78, 104, 134, 170)):
+        for dx, dy in ((1, 0), (-1, 0), (0, -1), (0, 1), (1, -1), (1, 1), (-1, -1), (-1, 1)):
+            cx = x + dx * (r + box_w // 2) if dx else x
+            cy = y + dy * (r + box_h // 2) if dy else y
+            x0, y0 = cx - box_w // 2, cy - box_h // 2
+            inside = frame[0] <= x0 and x0 + box_w <= frame[2] and frame[1] <= y0 and y0 + box_h <= frame[3]
+            if inside and not any(x0 < b[2] and b[0] < x0 + box_w and y0 < b[3] and b[1] < y0 + box_h for b in taken):
+                return x0, y0, ring > 0
+    return x + 9, y - box_h // 2, False
+
+
+def scatter(points, path: str, title: str, xlabel: str, ylabel: str, key=(), log_x: bool = False,
+            width: int = 1400, height: int = 760):
+    """points: [(x, y, label, (r, g, b))], y in [0, 1] drawn as percent, x > 0 with log_x (ticks at powers of 2);
+    each label (short: a number) sits beside its dot, clear of every dot and label (a line joins it to its dot when
+    it had to move out). key: [(text, (r, g, b))], lines listed right of the plot (what each number is)."""
     cv, grey, black = Canvas(width, height), (225, 225, 225), (0, 0, 0)
-    left, right, top, bottom = 80, width - 40, 80, height - 90
-    xt = ticks(max(p[0] for p in points) * 1.05)
-    X = lambda v: int(left + (right - left) * v / xt[-1])      # noqa: E731
-    Y = lambda v: int(bottom - (bottom - top) * v)             # noqa: E731
+    left, right, top, bottom = 100, width - (480 if key else 40), 90, height - 90
+    top_x = max(p[0] for p in points)
+    if log_x:
+        xt = [2 ** i for i in range(max(1, math.ceil(math.log2(top_x))) + 1)]
+        lo, hi = math.log(xt[0] / 1.25), math.log(xt[-1] * 1.25)
+        X = lambda v: int(left + (right - left) * (math.log(v) - lo) / (hi - lo))   # noqa: E731
+    else:
+        xt = ticks(top_x * 1.05)
+        X = lambda v: int(left + (right - left) * v / xt[-1])                         # noqa: E731
+    Y = lambda v: int(bottom - (bottom - top) * v)                                    # noqa: E731
     for v in xt:
         cv.line(X(v), top, X(v), bottom, grey)
-        cv.text(X(v) - 6 * len(f"{v:g}"), bottom + 8, f"{v:g}", black, 2)
+        cv.text(X(v) - 6 * len(f"{v:g}"), bottom + 10, f"{v:g}", black, 2)
     for v in (0, 0.2, 0.4, 0.6, 0.8, 1.0):
         cv.line(left, Y(v), right, Y(v), grey)
-        cv.text(left - 10 - 12 * len(f"{v:.0%}"), Y(v) - 7, f"{v:.0%}", black, 2)
+        cv.text(left - 12 - 12 * len(f"{v:.0%}"), Y(v) - 7, f"{v:.0%}", black, 2)
     cv.line(left, bottom, right, bottom, black, 2)
     cv.line(left, top, left, bottom, black, 2)
-    cv.text(left, 12, title, black, 2)
-    cv.text(left - 60, top - 30, ylabel, black, 2)
-    cv.text((left + right) // 2 - 6 * len(xlabel), bottom + 34, xlabel, black, 2)
-    x = left
-    for name, color in legend:
-        cv.dot(x + 5, height - 18, color, 5)
-        x += 20 + cv.text(x + 14, height - 22, name, color) + 10
-    boxes = [(X(x) - 6, Y(y) - 6, X(x) + 7, Y(y) + 7) for x, y, _, _ in points]
+    cv.text(left, 16, title, black, 3)
+    cv.text(left - 60, top - 34, ylabel, black, 2)
+    cv.text((left + right) // 2 - 6 * len(xlabel), bottom + 40, xlabel, black, 2)
+    for i, (text, color) in enumerate(key):
+        cv.text(right + 40, top + 26 * i, text, color, 2)
+    taken, labels = [(X(x) - 7, Y(y) - 7, X(x) + 8, Y(y) + 8) for x, y, _, _ in points], []
+    for x, y, label, color in sorted(points, key=lambda p: (-p[1], p[0])):   # the top left first
+        w, h = 12 * len(label), 14
+        lx, ly, away = place(w, h, X(x), Y(y), taken, (left + 2, top - 30, right + 30, bottom - 2))
+        taken.append((lx - 2, ly - 2, lx + w + 2, ly + h + 2))
+        labels.append((lx, ly, label, color))
+        if away:                                         # a line from the dot to the label's nearest edge
+            cv.line(X(x), Y(y), min(max(X(x), lx), lx + w), min(max(Y(y), ly), ly + h), color)
     for x, y, _, color in points:
-        cv.dot(X(x), Y(y), color, 5)
-    for x, y, label, color in sorted(points, key=lambda p: (-p[1], p[0])):
-        w = 6 * len(label)
-        lx, ly = min(X(x) + 9, width - w - 2), Y(y) - 4
-        while any(lx < bx1 and bx0 < lx + w and ly < by1 and by0 < ly + 9 for bx0, by0, bx1, by1 in boxes):
-            ly += 10
-        boxes.append((lx, ly, lx + w, ly + 9))
-        cv.text(lx, ly, label, color)
+        cv.dot(X(x), Y(y), color, 6)
+    for lx, ly, label, color in labels:
+        cv.text(lx, ly, label, color, 2)
     cv.save(path)
