@@ -64,7 +64,7 @@ class Step(NamedTuple):
     i: int                 # steps so far in the current block
     s: int                 # the block is canvas positions [s, e)
     e: int
-    x: torch.Tensor        # (B, L) the canvas (hooks read it; only the stop rule writes it, and only its masks)
+    x: torch.Tensor        # (B, L) the canvas (hooks read it; the stop rule, and start_block, may fill its masks)
     masked: torch.Tensor   # (B, N) bool: the block's positions still masked
     shift: int             # the family's logits shift: position p is predicted from hidden state p - shift
     mask_id: int           # the [MASK] token id
@@ -104,29 +104,29 @@ class Plan:
     mask_id: int
     shift: int                # the family's logits shift (Dream: position p is predicted from hidden state p - 1)
     P: int                    # the prompt's length: the answer is [P, L)
-    exact_steps: int | None   # a block takes exactly these calls (Dream's own sampler); None: until no mask is left
+    exact_steps: int | None   # a block takes exactly these calls (DreamCanvas: diffusion_generate); None: until no mask
     patience: int             # calls after which a block still open is a rule that commits nothing
     calls_per_block: int      # the fewest calls a block takes (for calls_saved)
     eos: torch.Tensor         # the end-of-text ids (answer_tokens)
     ar: torch.Tensor          # arange(L): spans and columns as views, no kernel
     seen: torch.Tensor        # (B, L) the canvas the last read saw: no hook may overwrite one of its tokens
     cols: torch.Tensor = None # (n,) long, on the device: the block's columns still masked in some row...
-    open: list = None         # ... and on the host (the span's checks)
+    masked_cols: list = None  # ... and on the host (the span's checks)
 
     def feed(self, x, n: int, i: int, s: int, e: int) -> tuple[Step, torch.Tensor]:
         """1. feed: where this step stands, what the cache policy feeds, one model call -> (at, logits (B, n, V) at the
         block's open columns). A span from the first open position starts one earlier for Dream (p from p - 1)."""
-        cols, open_ = (self.ar[:e - s], list(range(e - s))) if i == 0 else (self.cols, self.open)   # a block: all open
+        cols, masked_cols = (self.ar[:e - s], list(range(e - s))) if i == 0 else (self.cols, self.masked_cols)  # a block: all
         at = Step(n, i, s, e, x, x[:, s:e] == self.mask_id, self.shift, self.mask_id, cols)
         wanted, L = self.cache.span(at), x.shape[1]
         if isinstance(wanted, torch.Tensor):       # a fork's set of positions: checked with one more host read
             fed, span, chunk, rows = wanted, None, wanted, checks.positions(wanted, at, cols, self.kv is not None, self.cache)
         else:
             a, b = wanted if isinstance(wanted, (tuple, list)) and len(wanted) == 2 else (None, None)
-            a = a - self.shift if a == s + open_[0] else a
-            if not (type(a) is int and type(b) is int and 0 <= a < b <= L and a + self.shift <= s + open_[0]
-                    and s + open_[-1] < b and (n > 0 or self.kv is None or (a, b) == (0, L))):
-                checks.refuse_span(self.cache, at, wanted, open_[0], open_[-1])
+            a = a - self.shift if a == s + masked_cols[0] else a
+            if not (type(a) is int and type(b) is int and 0 <= a < b <= L and a + self.shift <= s + masked_cols[0]
+                    and s + masked_cols[-1] < b and (n > 0 or self.kv is None or (a, b) == (0, L))):
+                checks.refuse_span(self.cache, at, wanted, masked_cols[0], masked_cols[-1])
             fed, span, chunk, rows = self.ar[a:b], (a, b), slice(a, b), cols + (s - a)
         keys = self.keys and checks.key_mask(self.keys(at), x.shape, self.cache)   # (B, L) bool, or None
         mask = self.mask        # padding (B, 1, L, L): the fed queries' rows; keys: the canvas (a KV cache), else the fed
@@ -157,7 +157,7 @@ class Plan:
         proposed, answer_ended, committed, changed = got[len(flags):len(values)]
         still = [c for c, m in enumerate(got[len(values):]) if m]          # the block's columns still masked
         self.cols, self.seen = open_cols.nonzero_static(size=len(still)).squeeze(1), x.clone()
-        self.open = still or [0]              # the span's checks (a block with no mask left: its first column)
+        self.masked_cols = still or [0]       # the span's checks (a block with no mask left: its first column)
         stats.update(nfe=stats["nfe"] + 1, guide_calls=getattr(self.step_rule, "guide_calls", 0))
         for key, value in (("fed", at.fed.shape[0]), ("committed", committed), ("filled", changed - committed)):
             stats[key].append(value)

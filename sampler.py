@@ -212,12 +212,12 @@ class LLaDA(StepRule):
         scores = logits if self.temperature == 0 else add_gumbel_noise(logits, self.temperature, self.generator)
         x0 = argmax_except(scores, self.mask_id)                             # (B, n): never the mask itself
         if self.remasking == "low_confidence":
-            # The un-tempered probability of the chosen token as the official float64 softmax has it, without a
-            # (B, n, V) float64 tensor: p = 1 / (1 + r), r the other tokens' probabilities over the chosen one's
-            # (float32, each exact to its own size), added in float64. A float32 probability is off by ~1e-6 near a
-            # threshold, and rounds p > 1 - 6e-8 to 1.0, where threshold 1.0 would pass.
-            probs, i = logits.float().softmax(-1), x0[..., None]      # (the gather below runs before the scatter_)
-            r = probs.gather(-1, i).reciprocal_().mul_(probs.scatter_(-1, i, 0.0).sum(-1, keepdim=True))
+            # The chosen token's probability as the official float64 softmax has it, with no (B, n, V) float64: p =
+            # 1 / (1 + r), r the other tokens' float32 probabilities over its own, added in float64 (a float32 p is
+            # off by ~1e-6 near a threshold, and rounds p > 1 - 6e-8 to 1.0, where threshold 1.0 would pass).
+            probs, chosen = logits.float().softmax(-1), x0[..., None]
+            p_chosen = probs.gather(-1, chosen)                      # before the scatter_ below zeroes it in probs
+            r = probs.scatter_(-1, chosen, 0.0).sum(-1, keepdim=True) / p_chosen
             conf = r.squeeze(-1).double().add_(1).reciprocal_()
         else:   # `random`: uniforms over the whole fed chunk, as the official code draws them (same seeded stream)
             conf = torch.rand((x0.shape[0], at.fed.shape[0]), dtype=torch.float64, device=x0.device,
