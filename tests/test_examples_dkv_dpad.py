@@ -6,12 +6,12 @@ applies, at batch 1 and on a left-padded batch equal to solo runs; and each prog
 import math
 import os
 import runpy
-import signal
-import subprocess
 import sys
 
 import pytest
 import torch
+
+import bounded
 
 import cli
 from conftest import ROOT, copy_checkpoint, write_tokenizer
@@ -228,14 +228,8 @@ def program(name, *args):
     cmd = [sys.executable, os.path.join(ROOT, "examples", f"{name}.py"),
            "--model", os.path.join(ROOT, "demo", "llada-arith"), "--gen-length", "32", "--block-length", "8", "--prompt",
            "Tom has 23 apples and buys 45 more. How many apples does he have?", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    return proc.returncode, out, err
+    r = bounded.run(cmd, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    return r.returncode, r.stdout, r.stderr
 
 
 @pytest.mark.parametrize("name,args", [("dkv_cache", ()), ("dpad", ()), ("dpad", ("--cache-mode", "none"))])

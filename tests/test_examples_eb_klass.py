@@ -4,12 +4,12 @@ shkim0116/KLASS src/model/llada_klass.py and dream_klass.py, runs it): naive loo
 canvas per step, the rule written plainly, one prompt at a time; the forks run through fastdllm.generate and the
 command line. Token for token at batch 1, and a left-padded batch equal to the solo references."""
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
 import torch
+
+import bounded
 
 from conftest import ROOT, copy_checkpoint, write_tokenizer
 from fastdllm import generate, pad_prompts
@@ -178,15 +178,8 @@ def test_klass_refuses_dream_by_blocks(dream):
 
 def run_example(name, *args):
     """The fork's program as a user runs it, in its own process group (a timeout kills the whole group)."""
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", name), "--no-stream", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return proc.returncode, out, err
+    r = bounded.run([sys.executable, os.path.join(ROOT, "examples", name), "--no-stream", *args], timeout=120)
+    return r.returncode, r.stdout, r.stderr
 
 
 DEMO = ["--model", os.path.join(ROOT, "demo", "llada-arith"), "--gen-length", "32", "--block-length", "8",

@@ -4,12 +4,12 @@ solo runs, on LLaDA (the fork is LLaDA only, as the official eval; a Dream check
 its refusals; and its command line as a user runs it."""
 import importlib.util
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
 import torch
+
+import bounded
 
 from conftest import ROOT, copy_checkpoint, write_tokenizer
 from fastdllm import generate, pad_prompts
@@ -115,14 +115,8 @@ def test_prefix_cache_runs_and_dual_is_refused(llada):
 
 def run_example(*args):
     """The example as a user runs it: a subprocess in its own process group, killed whole after 120 s."""
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", "prophet.py"), *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    return proc.returncode, stdout, stderr
+    r = bounded.run([sys.executable, os.path.join(ROOT, "examples", "prophet.py"), *args], timeout=120, cwd=ROOT)
+    return r.returncode, r.stdout, r.stderr
 
 
 def test_command_line_answers_and_refuses_dual_and_dream(tmp_path):
