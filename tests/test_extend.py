@@ -37,7 +37,7 @@ class Margin:
 
     def __call__(self, p, at):
         top2 = p.logits.float().softmax(-1).topk(2, dim=-1).values                 # (B, n, 2) at at.cols
-        margin = torch.full(p.open.shape, NEG_INF).index_copy_(1, at.cols, top2[..., 0] - top2[..., 1])   # (B, N)
+        margin = torch.full(p.open.shape, NEG_INF, device=p.open.device).index_copy_(1, at.cols, top2[..., 0] - top2[..., 1])
         return Threshold(self.m)(p._replace(conf=margin.masked_fill(~p.open, NEG_INF)), at)
 
 
