@@ -4,12 +4,12 @@ dispatch on config.json, every cache and rule, padded batches, compile, host syn
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
 import torch
+
+import bounded
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
@@ -361,14 +361,9 @@ def test_the_command_line_answers_offline(moe_dir, cache):
     cmd = [sys.executable, os.path.join(ROOT, "fastdllm.py"), "--model", moe_dir, "--prompt", "w5 w6 w7",
            "--gen-length", "16", "--block-length", "8", "--cache", cache]
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise
-    assert proc.returncode == 0, err
+    r = bounded.run(cmd, timeout=120, env=env)       # its own process group, killed whole at the timeout
+    out, err = r.stdout, r.stderr
+    assert r.returncode == 0, err
     answer, stats = out.strip().splitlines()[-2:]
     assert answer.split() and all(w.startswith("w") for w in answer.split()) and stats.startswith("NFE ")
 
