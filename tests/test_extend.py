@@ -59,7 +59,7 @@ class ConfidentBlock:
 class LeftToRight(StepRule):
     """(d) Step rule: propose only the leftmost masked position, with the family's argmax there: autoregressive
     decoding on a diffusion model. It exercises the protocol: the open positions are the rule's own choice (a
-    subset of at.cand), the logits come at at.cols, k = 1; any selection rule then commits exactly that token."""
+    subset of at.masked), the logits come at at.cols, k = 1; any selection rule then commits exactly that token."""
 
     def __init__(self, mask_id: int):
         self.mask_id = mask_id
