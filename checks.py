@@ -166,58 +166,60 @@ def check_stop(cfg, stop_at_eos, eos_ids):
         bad(f"eos_ids holds the mask token id {cfg.mask_id}: an end token must be a token the model writes")
 
 
-def check_dream_modes(whole_canvas, cache, remasking, parallel, custom_rule, gen_length, steps, spb, n_blocks,
-                      threshold):
+def check_dream_modes(st, whole_canvas: bool):
     """Dream's samplers each implement some of the rules: say which one does what was asked."""
-    free = cache == "free"
-    if whole_canvas and (cache != "none" or parallel and threshold is None and not custom_rule):
+    free, custom, threshold = st.cache == "free", st.select is not None, st.threshold
+    parallel = threshold is not None or st.factor is not None or custom
+    n_blocks = st.gen_length // st.block_length
+    if whole_canvas and (st.cache != "none" or parallel and threshold is None and not custom):
         bad("Dream's whole-canvas sampler (block_length=None) has no cache or factor rule: pass a "
             "block_length to use Fast-dLLM's block sampler")
-    if whole_canvas and custom_rule:
+    if whole_canvas and custom:
         bad("Dream's whole-canvas sampler (block_length=None) has its own rules: a custom select rule needs a "
             "block_length (Fast-dLLM's block sampler)")
-    if whole_canvas and threshold is not None and gen_length % steps:
-        bad(f"Dream's whole-canvas threshold rule spreads the {gen_length} masks evenly over the "
-            f"steps: steps ({steps}) must divide gen_length")
-    if not whole_canvas and not free and remasking != "entropy" and not parallel:
-        bad(f"Fast-dLLM's Dream block sampler ranks tokens by entropy; remasking={remasking!r} "
+    if whole_canvas and threshold is not None and st.gen_length % st.steps:
+        bad(f"Dream's whole-canvas threshold rule spreads the {st.gen_length} masks evenly over the "
+            f"steps: steps ({st.steps}) must divide gen_length")
+    if not whole_canvas and not free and st.remasking != "entropy" and not parallel:
+        bad(f"Fast-dLLM's Dream block sampler ranks tokens by entropy; remasking={st.remasking!r} "
             f"needs Dream's whole-canvas sampler (block_length=None) or cache='free'")
-    if not whole_canvas and not free and not parallel and spb < 2:
-        bad(f"Fast-dLLM's Dream block sampler needs >= 2 steps per block (got {spb}): "
+    if not whole_canvas and not free and not parallel and st.steps // n_blocks < 2:
+        bad(f"Fast-dLLM's Dream block sampler needs >= 2 steps per block (got {st.steps // n_blocks}): "
             f"raise steps to at least {2 * n_blocks}, or use threshold/factor or cache='free'")
-    if custom_rule and free:
+    if custom and free:
         bad("FlashDLM's FreeCache sampler for Dream has its own schedule: a custom select rule needs "
             "cache 'none', 'prefix' or 'dual'")
+
+
+# Each hook: what it must be, and how the loop calls it (the arguments, and the method, if it is one).
+HOOKS = (("select", None, "a selection rule, a callable (proposal, at) -> (B, N) bool",
+          "a selection rule is called as rule(proposal, at)", 2),
+         ("stop", None, "a stop rule, a callable (x, at, proposal) -> (B,) bool", "a stop rule is called as "
+          "rule(x, at, proposal)", 3),
+         ("on_step", None, "a callable on_step(x, stats), called after every step", "it is called as on_step(x, stats)", 2),
+         ("propose", "propose", "a step rule with .propose(logits, at) -> sampler.Proposal and .start_block(x, s, e) "
+          "(subclass sampler.StepRule)", "a step rule's propose is called as propose(logits, at)", 2),
+         ("propose", "start_block", "", "a step rule's start_block is called as start_block(x, s, e)", 3),
+         ("cache", "span", "", "a cache policy's span is called as span(at)", 1),
+         ("cache", "keys", "", "a cache policy's keys is called as keys(at)", 1),
+         ("cache", "slots", "", "a cache policy's slots is called as slots(at, fed)", 2))
 
 
 def check_hooks(st, on_step=None):
     """The hooks are objects of a known protocol, called as the loop calls them (README "Fork it"): a refusal names
     the hook, here, not Python's own TypeError in the middle of a decode."""
-    if st.select is not None and not callable(st.select):
-        raise TypeError(f"select must be a selection rule, a callable (proposal, at) -> (B, N) bool, not {st.select!r}")
-    if st.propose is not None and not all(callable(getattr(st.propose, m, None)) for m in ("propose", "start_block")):
-        raise TypeError(f"propose must be a step rule with .propose(logits, at) -> sampler.Proposal and "
-                        f".start_block(x, s, e) (subclass sampler.StepRule), not {st.propose!r}")
-    if st.stop is not None and not callable(st.stop):
-        raise TypeError(f"stop must be a stop rule, a callable (x, at, proposal) -> (B,) bool, not {st.stop!r}")
-    if on_step is not None and not callable(on_step):
-        raise TypeError(f"on_step must be a callable on_step(x, stats), called after every step, not {on_step!r}")
-    calls = [("select=", st.select, None, "a selection rule is called as rule(proposal, at)", 2),
-             ("stop=", st.stop, None, "a stop rule is called as rule(x, at, proposal)", 3),
-             ("on_step=", on_step, None, "it is called as on_step(x, stats)", 2),
-             ("propose=", st.propose, "propose", "a step rule's propose is called as propose(logits, at)", 2),
-             ("propose=", st.propose, "start_block", "a step rule's start_block is called as start_block(x, s, e)", 3)]
-    if isinstance(st.cache, CachePolicy):
-        calls += [("cache=", st.cache, "span", "a cache policy's span is called as span(at)", 1),
-                  ("cache=", st.cache, "keys", "a cache policy's keys is called as keys(at)", 1),
-                  ("cache=", st.cache, "slots", "a cache policy's slots is called as slots(at, fed)", 2)]
-    for hook, obj, method, how, n in calls:
+    for hook, method, what, how, n in HOOKS:
+        obj = on_step if hook == "on_step" else getattr(st, hook)
+        if obj is None or hook == "cache" and not isinstance(obj, CachePolicy):
+            continue
         fn = obj if method is None else getattr(obj, method, None)
+        if what and not (callable(fn) and (hook != "propose" or callable(getattr(obj, "start_block", None)))):
+            raise TypeError(f"{hook} must be {what}, not {obj!r}")
         try:
             fn is None or inspect.signature(fn).bind(*[None] * n)
         except TypeError:
             who = name(fn) if method is None else f"{type(obj).__name__}.{method}"
-            raise TypeError(f"{hook} {who} takes {inspect.signature(fn)}: {how}") from None
+            raise TypeError(f"{hook}= {who} takes {inspect.signature(fn)}: {how}") from None
         except ValueError:      # no signature to read (a builtin): it will say so itself
             pass
     if st.stop is not None and st.stop_at_eos:
@@ -256,10 +258,7 @@ def check_call(model, prompt, st, attention_mask, generator, on_step, whole_canv
         bad(f"remasking={given['remasking']!r} does not apply with threshold/factor on Dream: Fast-dLLM's parallel "
             f"rules compare the max probability (maskgit_plus); drop remasking, or drop threshold/factor")
     if cfg.family == "dream" and st.guide is None and st.propose is None:
-        n_blocks = st.gen_length // st.block_length
-        check_dream_modes(whole_canvas, st.cache, st.remasking, st.threshold is not None or st.factor is not None
-                          or st.select is not None, st.select is not None, st.gen_length, st.steps,
-                          st.steps // n_blocks, n_blocks, st.threshold)
+        check_dream_modes(st, whole_canvas)
     device = model.lm_head.weight.device
     if generator is not None and generator.device.type != device.type:
         bad(f"the generator is on {generator.device.type} but the model on {device.type}: "
