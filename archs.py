@@ -33,6 +33,8 @@ class Arch:
     rope_fp32: bool = False
     shift_logits: bool = False
     causal: bool = False
+    mask_token: str | None = None   # config.json names no mask id: this special token's id in the tokenizer files
+    generation_pad: bool = False    # the pad id is generation_config.json's (the tokenizer's), not config.json's
 
 
 def arch_of(hf: dict) -> str | None:
@@ -158,6 +160,26 @@ LLADAMOE_WEIGHTS = QWEN2_WEIGHTS | {
     "layers.{}.mlp.shared.w_down.weight": "model.layers.{}.shared_expert.down_proj.weight",
 }
 
+def read_block(hf: dict, block_key: str) -> dict:
+    """A block-diffusion config.json (Fast-dLLM v2: Qwen2.5 with q/k/v biases; SDAR: Qwen3, q/k norm, no biases): its
+    trained block, and each layer full attention (a sliding window is not implemented)."""
+    kinds = hf.get("layer_types") or []
+    if any(k != "full_attention" for k in kinds):
+        raise ValueError(f"config.json sets layer_types with {sorted(set(kinds) - {'full_attention'})}; fastdllm "
+                         f"implements full attention in every layer only")
+    block = hf[block_key]
+    if not (type(block) is int and block > 0):
+        raise ValueError(f"config.json sets {block_key} = {block!r}: the trained block must be a positive integer")
+    tied = bool(hf.get("tie_word_embeddings", False))      # the 1.5B / 1.7B releases tie the head, 7B / 8B do not
+    return dict(hf_sizes(hf, "intermediate_size"), block=block, tie_embeddings=tied, mask_id=hf.get("mask_token_id"))
+
+
+def read_sdar(hf: dict) -> dict:
+    """SDAR's config.json (JetAstra/SDAR, the JetLM/SDAR-*-Chat remote code configuration_sdar.py): Qwen3 blocks,
+    RMSNorm over each head's q and k before RoPE, its own head_dim, no biases (attention_bias is refused)."""
+    return dict(read_block(hf, "block_size"), qk_norm=True, head_dim=hf.get("head_dim") or 0)
+
+
 ARCHS = {
     "llada": Arch("LLaDA-8B", "llada", ("llada",), read_llada, LLADA_WEIGHTS, rope_fp32=True, fixed=dict(
         block_type="llama", layer_norm_type="rms", activation_type="silu", rope=True, alibi=False,
@@ -176,5 +198,16 @@ ARCHS = {
         hf_sizes(hf, "intermediate_size"), qkv_bias=True, mask_id=None,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False))), QWEN2_WEIGHTS, causal=True,
         fixed=dict(hidden_act="silu", rope_scaling=None, use_sliding_window=False)),
+    # Block diffusion (blockdiff.py): Fast-dLLM v2 (Efficient-Large-Model/Fast_dLLM_v2_7B and _1.5B, config.json and
+    # the remote code modeling.py / configuration.py): Qwen2.5 exactly, made block-causal at inference; the mask id
+    # is the tokenizer's |<MASK>| (151665; config.json has none), the pad the tokenizer's (151643).
+    "fastdllm_v2": Arch("Fast-dLLM v2", "fastdllm_v2", ("fast_dllm_qwen",), lambda hf: dict(
+        read_block(hf, "bd_size"), qkv_bias=True, mask_id=hf.get("mask_token_id", 151665)), QWEN2_WEIGHTS, shift_logits=True, mask_token="|<MASK>|",
+        generation_pad=True, fixed=dict(hidden_act="silu", rope_scaling=None, use_sliding_window=False)),
+    # SDAR (JetLM/SDAR-1.7B/4B/8B-Chat; the TraDo models are SDAR checkpoints): Qwen3 made block-causal, no shift.
+    "sdar": Arch("SDAR", "sdar", ("sdar",), read_sdar, QWEN2_WEIGHTS | {
+        "layers.{}.attn.q_norm.weight": "model.layers.{}.self_attn.q_norm.weight",
+        "layers.{}.attn.k_norm.weight": "model.layers.{}.self_attn.k_norm.weight"}, mask_token="<|MASK|>",
+        fixed=dict(hidden_act="silu", rope_scaling=None, use_sliding_window=False, attention_bias=False)),
 }
 WEIGHT_MAP = {name: a.weights for name, a in ARCHS.items()}

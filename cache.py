@@ -129,6 +129,58 @@ class FreeCache(CachePolicy):
         return torch.where(at.masked.any(-1, keepdim=True), fed, at.x.shape[1])
 
 
+class BlockPrefix(CachePolicy):
+    """A block-diffusion model's prefix cache (Fast-dLLM v2's block-level cache, SDAR's KV cache; blockdiff.py):
+    exact, for its attention is block-causal. A block's first call stores the block before it, now clean: [prev, s)
+    (the first block's: the prompt's whole blocks, [0, s), the prefill); every other call feeds the block [s, e)
+    against the stored keys/values, and nothing after e is ever attended."""
+
+    def span(self, at):
+        return self.store(at) or (at.s, at.e)
+
+    def store(self, at):
+        """The store call's span, at a block's first call (s > 0); else None."""
+        if at.n == 0:
+            self.stored = 0                 # keys/values [0, stored) hold clean blocks
+        if at.i == 0 and at.s > 0:
+            a, self.stored = self.stored, at.s
+            return a, at.s
+        return None
+
+
+class SubBlockCache(BlockPrefix):
+    """Fast-dLLM v2's sub-block cache (`use_block_cache`; arXiv 2509.26328, the hierarchical cache): DualCache inside
+    a block, approximate. The block's first denoising call, and a call whose sub-block still has its first position
+    masked, feed the whole block and so rebuild its keys/values; the others feed only the sub-block [s + j, s + j +
+    sub) against the prefix and the block as the last full call left it. Per row (slots, the discard slot): a row
+    rebuilds only when its own sub-block needs it and a row with no mask in the sub-block keeps its cache, so each
+    row decodes as it would alone (the official rebuilds every row when any row needs it: docs/parity.md)."""
+    spare = 1
+
+    def __init__(self, sub_block: int):
+        self.sub_block = sub_block
+
+    def span(self, at):
+        stored = self.store(at)
+        if at.i == 0:
+            self.built, self.kind = False, "store"          # no keys/values of this block yet
+        if stored:
+            return stored
+        j = at.masked_cols[0] // self.sub_block * self.sub_block          # the sub-block in decoding: [j, j + sub)
+        self.kind = "build" if not self.built else "rebuild" if j in at.masked_cols else "sub"
+        self.built, self.j = True, j
+        return (at.s, at.e) if self.kind != "sub" else (at.s + j, min(at.s + j + self.sub_block, at.e))
+
+    def slots(self, at, fed):
+        if self.kind in ("store", "build") or at.x.shape[0] == 1:    # every row writes (one row: its own choice)
+            return None
+        j, sub = self.j, self.sub_block
+        inside = (fed >= at.s + j) & (fed < at.s + j + sub)                 # (T,) the fed positions in the sub-block
+        active = at.masked[:, j:j + sub].any(-1, keepdim=True)            # (B, 1) rows with a mask there
+        write = active & (at.masked[:, j:j + 1] | inside)                  # a rebuilding row writes all it is fed
+        return torch.where(write, fed, at.x.shape[1])
+
+
 class Refresh(CachePolicy):
     """refresh_every_step: another policy's cache, fed the whole canvas at every step (a check of the cache
     plumbing: the decode then equals the uncached one)."""
@@ -138,3 +190,6 @@ class Refresh(CachePolicy):
 
 
 CACHE_POLICIES = {"none": NoCache, "prefix": PrefixCache, "dual": DualCache, "free": FreeCache}
+# A block-diffusion model's (blockdiff.py): "dual" is Fast-dLLM v2's sub-block cache (its sub-block size given).
+BLOCK_CACHE_POLICIES = {"none": lambda sub: NoCache(), "prefix": lambda sub: BlockPrefix(),
+                        "dual": SubBlockCache}

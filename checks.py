@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
+from blockdiff import SDAR_REMASKING
 from cache import CachePolicy
 
 CACHE_MODES = ("none", "prefix", "dual", "free")
@@ -98,9 +99,9 @@ def check_early(kw: dict, defaults, name=lambda key: key):
                     "steps": st.gen_length if st.steps is None else st.steps})
     check_hooks(st)
     check_stop(None, st.stop_at_eos, None)
-    if st.remasking is not None and st.remasking not in LLADA_REMASKING + DREAM_REMASKING:
+    if st.remasking is not None and st.remasking not in LLADA_REMASKING + DREAM_REMASKING + SDAR_REMASKING:
         bad(f"unknown remasking {st.remasking!r}: use one of {', '.join(LLADA_REMASKING + DREAM_REMASKING)} "
-            f"(LLaDA: the first {len(LLADA_REMASKING)}, Dream: the others)")
+            f"(LLaDA: the first {len(LLADA_REMASKING)}, Dream: the others) or, for SDAR, {', '.join(SDAR_REMASKING)}")
     if st.guide is None:     # with a guide: guided.check_guided_settings
         check_unguided(st, defaults)
 
@@ -144,8 +145,8 @@ def check_prompt(cfg, prompt, gen_length, remasking, top_p, top_k, alg_temp, att
     if prompt.shape[1] + gen_length > cfg.max_seq_len:
         bad(f"prompt ({prompt.shape[1]} tokens) + gen_length ({gen_length}) exceeds the model's "
             f"{cfg.max_seq_len} positions: shorten the prompt or lower gen_length")
-    names = LLADA_REMASKING if cfg.family == "llada" else DREAM_REMASKING
-    if remasking not in names:
+    names = LLADA_REMASKING if cfg.family == "llada" else DREAM_REMASKING if cfg.family == "dream" else (remasking,)
+    if remasking not in names:          # (a block-diffusion family's: blockdiff.check_block)
         bad(f"unknown remasking {remasking!r} for {cfg.family}: use one of {', '.join(names)}")
     if cfg.family == "llada" and (top_p is not None or top_k is not None or alg_temp):
         bad("top_p, top_k and alg_temp are Dream options; LLaDA samples with temperature only")
@@ -278,24 +279,25 @@ def described(v) -> str:
     return f"a {tuple(v.shape)} {v.dtype} tensor" if isinstance(v, torch.Tensor) else repr(v)
 
 
-def refuse_span(cache, at, span, first: int, last: int):
-    """The cache policy's span for the step `at` is not a pair of ints inside the canvas, the whole canvas at a
-    generation's first call (the cache starts empty), covering the block's open columns [first, last] (and for a
-    shifted family the position before them)."""
+def refuse_span(cache, at, span):
+    """The cache policy's span for the step `at` is not a pair of ints inside the canvas."""
     where, L = f"at step {at.i} of block [{at.s}, {at.e})", at.x.shape[1]
     if not (isinstance(span, (tuple, list)) and len(span) == 2 and all(type(v) is int for v in span)):
         raise TypeError(f"cache= {name(cache)}.span() returned {span!r}: a span is a pair of ints (a, b), or a "
                         f"sorted 1-D long tensor of canvas positions")
+    raise ValueError(f"cache= {name(cache)}.span() returned ({span[0]}, {span[1]}) {where}: a span lies inside the "
+                     f"canvas [0, {L})")
+
+
+def refuse_unwritten(cache, at, span, written: int, seen_to: int):
+    """The span's queries would attend to keys no call has written yet (a KV cache starts empty)."""
     a, b = span
-    if not 0 <= a < b <= L:
-        raise ValueError(f"cache= {name(cache)}.span() returned ({a}, {b}) {where}: a span lies inside the canvas "
-                         f"[0, {L})")
-    if at.n == 0 and (a, b) != (0, L):
-        raise ValueError(f"cache= {name(cache)}.span() returned ({a}, {b}) at the first call: it must feed the "
-                         f"whole canvas (0, {L}), the cache starts empty")
-    raise ValueError(f"cache= {name(cache)}.span() returned ({a}, {b}) {where}: it must cover the open positions "
-                     f"[{at.s + first}, {at.s + last}]" + (" and the one before them (this family predicts position p "
-                                                          "from p - 1)" if at.shift else ""))
+    if at.n == 0 and seen_to == at.x.shape[1]:
+        bad(f"cache= {name(cache)}.span() returned ({a}, {b}) at the first call: it must feed the whole canvas "
+            f"(0, {seen_to}), the cache starts empty")
+    first = "at the first call" if at.n == 0 else f"at step {at.i} of block [{at.s}, {at.e})"
+    bad(f"cache= {name(cache)}.span() returned ({a}, {b}) {first}: its queries attend to positions [0, {seen_to}), "
+        f"and only [0, {written}) hold keys/values yet: feed from {min(a, written)} to at least {seen_to}")
 
 
 def shapes(p, take, ended, shape, step_rule, select, stop):
@@ -332,7 +334,7 @@ def key_mask(keys, shape, cache):
 def positions(fed, at, cols, keeps_cache: bool, cache):
     """A fork's set of positions, checked with one host read: a sorted 1-D long tensor inside the canvas, the
     whole canvas at a generation's first call (a KV cache starts empty), holding each open position of the block
-    and, for a shifted family, the one before it. -> the rows of the block's open columns among them."""
+    and, for a shifted family, the one before it. -> the rows of the positions that predict the block's open columns."""
     L, want = at.x.shape[1], at.s + cols
     if not (fed.ndim == 1 and fed.dtype == torch.long and 0 < fed.numel() <= L):
         raise TypeError(f"cache= {name(cache)}.span() returned {described(fed)}: a set of positions is a 1-D long "
@@ -350,7 +352,7 @@ def positions(fed, at, cols, keeps_cache: bool, cache):
     if missing:
         bad(f"cache= {name(cache)}.span() fed positions {where} without every open position of the block" +
             (" and the one before each (this family predicts position p from p - 1)" if at.shift else ""))
-    return rows
+    return (rows - at.shift).clamp(min=0)       # sorted, unique and holding p and p - 1: p - 1 is the row before p
 
 
 def slots(got, B: int, fed, cache):
@@ -361,7 +363,7 @@ def slots(got, B: int, fed, cache):
                     f"{fed.numel()}) long tensor (a canvas position, or the discard slot), or None")
 
 
-def refuse_step(nonfinite, opened, outside, overwrote, unfilled, at, step_rule, select, stop):
+def refuse_step(nonfinite, opened, unpredicted, outside, overwrote, unfilled, at, step_rule, select, stop, cache):
     """The values the step's one host read brought back (fastdllm.Plan.read) broke a rule of the hooks."""
     step = f"at step {at.n + 1}"
     if nonfinite:
@@ -370,6 +372,12 @@ def refuse_step(nonfinite, opened, outside, overwrote, unfilled, at, step_rule, 
     if opened:
         bad(f"propose= {name(step_rule)}.propose() opened positions that are not masks {step}: a proposal's open "
             f"positions lie inside at.masked")
+    if unpredicted:
+        fed = f"fed {at.span}" if at.span else "fed a set of positions"
+        bad(f"cache= {name(cache)}.span() {fed} {step} (block [{at.s}, {at.e})), and {name(step_rule)}.propose() "
+            f"opened positions it has no logits for: a span must cover the open positions" + (
+                " and the one before each (this family predicts position p from p - 1)" if at.shift else "") +
+            "; a step rule opens only the columns at.cols")
     if outside:
         bad(f"select= {name(select)} chose positions outside the proposal's open positions {step} (committed tokens "
             f"would be overwritten): return a subset of proposal.open")

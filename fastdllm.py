@@ -1,12 +1,14 @@
 """
-fastdllm.py: fast inference for masked-diffusion LLMs (LLaDA, Dream): generate(), its plan and the one loop.
+fastdllm.py: fast inference for masked-diffusion LLMs (LLaDA, Dream; block diffusion: Fast-dLLM v2, SDAR):
+generate(), its plan and the one loop.
 
 A diffusion LM generates by denoising: the answer starts as gen_length [MASK] tokens, and each model call ("step",
 counted as NFE) predicts every masked position and commits some. generate() decides once (`make_plan`) four parts a
 fork can replace: the cache policy (cache.py: Fast-dLLM's prefix and DualCache, arXiv 2505.22618 section 3.2;
-FlashDLM's FreeCache, arXiv 2505.21467), the step rule (sampler.py: how LLaDA and Dream propose; guided.py: FlashDLM's
-guided diffusion), the selection rule (Fast-dLLM's threshold and factor decoding, section 3.3) and the stop rule.
-Then one loop, each step feed -> propose -> select -> commit -> stop, with one host read. The CLI is cli.py.
+FlashDLM's FreeCache, arXiv 2505.21467; a block-causal model's exact prefix cache), the step rule (sampler.py: how
+LLaDA and Dream propose; blockdiff.py: Fast-dLLM v2 and SDAR; guided.py: FlashDLM's guided diffusion), the selection
+rule (Fast-dLLM's threshold and factor decoding, section 3.3) and the stop rule. Then one loop, each step feed ->
+propose -> select -> commit -> stop, with one host read. The CLI is cli.py.
 """
 import dataclasses
 import itertools
@@ -20,7 +22,8 @@ import torch.nn.functional as F
 
 import checks
 import sampler as S
-from cache import CACHE_POLICIES, CachePolicy, KVCache, Refresh
+from blockdiff import block_causal, block_parts, check_block, grid_canvas, grid_output
+from cache import BLOCK_CACHE_POLICIES, CACHE_POLICIES, CachePolicy, KVCache, Refresh
 from guided import guided_parts
 from model import Compiled, pad_prompts  # noqa: F401  (pad_prompts: fastdllm's API)
 
@@ -31,6 +34,7 @@ class Settings:
     `resolve` from the family and the other settings). The four hooks take a fork's own part (README "Fork it")."""
     gen_length: int = 128              # tokens to generate
     block_length: int | None = 32      # semi-autoregressive block; None = one block (Dream: its own sampler)
+    sub_block: int | None = None       # Fast-dLLM v2: a block is decoded in sub-blocks of this many tokens (default 8)
     steps: int | None = None           # denoising steps over the answer (None: gen_length, 1 token/step)
     cache: str | CachePolicy = "none"  # "none" | "prefix" | "dual" | "free", or a cache.CachePolicy
     threshold: float | None = None     # Fast-dLLM 3.3: commit every token with confidence >= threshold
@@ -58,7 +62,7 @@ class Settings:
 
 
 class Step(NamedTuple):
-    """Where a decoding step stands: what every hook receives ("at"). The cache policy reads the first nine; the
+    """Where a decoding step stands: what every hook receives ("at"). The cache policy reads the first eleven; the
     rest say what this call fed."""
     n: int                 # model calls so far in this generation (0 = the first: a hook's own state starts afresh)
     i: int                 # steps so far in the current block
@@ -68,123 +72,177 @@ class Step(NamedTuple):
     masked: torch.Tensor   # (B, N) bool: the block's positions still masked
     shift: int             # the family's logits shift: position p is predicted from hidden state p - shift
     mask_id: int           # the [MASK] token id
-    cols: torch.Tensor     # (n,) long: the block columns the logits are at (those masked in some row)
+    prompt: torch.Tensor   # (B, 2) long: each row's prompt [begin, end) on the canvas (its answer starts at end)
+    cols: torch.Tensor     # (n,) long: the block columns the logits are at (masked in some row, predicted by the feed)
+    masked_cols: list      # the block columns masked in some row, on the host (as the last step's read saw them)
     fed: torch.Tensor = None     # (T,) long: the canvas positions this call fed
     span: tuple = None           # (a, b) when those are the span [a, b); None for a fork's set of positions
-    rows: torch.Tensor = None    # (n,) long: where the block columns are among the fed positions
+    rows: torch.Tensor = None    # (n,) long: where the block columns' predicting positions are among the fed ones
     hidden: torch.Tensor = None  # (B, T, dim): the fed positions' hidden states
     head: Callable = None        # the model's LM head (model.Transformer.logits)
 
     def logits(self, lo: int, hi: int) -> torch.Tensor:
-        """The model's logits (B, hi - lo, V) at canvas positions [lo, hi), for a hook that needs more than the block's
+        """The model's logits (B, hi - lo, V) for canvas positions [lo, hi), for a hook that needs more than the block's
         open columns (Prophet's answer window, KLASS's history): one more LM head, on positions this call fed."""
         a, b = self.span or (-1, -1)
-        if not a + self.shift <= lo < hi <= b:
+        if not a <= lo - self.shift < hi - self.shift <= b:
             raise ValueError(f"at.logits({lo}, {hi}): this call fed {self.span or 'a set of positions'} (the cache "
-                             f"policy's choice): logits exist inside a fed span only (cache='none' feeds the canvas)")
-        return self.head(self.hidden, torch.arange(lo - a, hi - a, device=self.hidden.device))
+                             f"policy's choice), and position p is predicted from p - {self.shift}: logits exist for "
+                             f"[{a + self.shift}, {b + self.shift}) only (cache='none' feeds the canvas)")
+        return self.head(self.hidden, torch.arange(lo - a - self.shift, hi - a - self.shift, device=self.hidden.device))
+
+
+class Seen(NamedTuple):
+    """What a step's one host read saw, for the next step's feed (Plan.read): the block's columns still masked in some
+    row, on the device and on the host (at a block's end: the next block's), the canvas (no hook may overwrite one of
+    its tokens but a mask), the frontier of keys/values written so far, and the two decisions."""
+    cols: torch.Tensor
+    masked_cols: list
+    canvas: torch.Tensor
+    written: int              # keys/values [0, written) hold some call's (a KV cache's first call must reach the rest)
+    calls: int = 0            # model calls so far in this generation
+    answer_ended: bool = False
+    block_ended: bool = False
+
+
+def predicting(a: int, b: int, s: int, masked_cols: list, shift: int) -> tuple[int, int, int]:
+    """The logits shift, the one place it is applied. A cache policy's span [a, b) and the block's masked columns
+    (sorted) -> (the span as fed: one position earlier for a shifted family when it starts at the first masked
+    position, which is predicted from the one before it; the first and one past the last of the masked columns, an
+    index range into the sorted list, whose predicting positions p - shift the fed span holds)."""
+    a -= shift if masked_cols and a == s + masked_cols[0] else 0
+    first = next((k for k, c in enumerate(masked_cols) if s + c - shift >= a), len(masked_cols))
+    last = next((k for k, c in enumerate(masked_cols) if s + c - shift >= b), len(masked_cols))
+    return a, first, max(first, last)
 
 
 @dataclass
 class Plan:
     """What one generate() call decided before its loop, by name: the blocks, the parts the loop calls and what the
-    model call needs. The last three fields are what the last host read saw, for the next step (Plan.read)."""
+    model call needs. The step-to-step state is not here: each step's read hands it to the next step (Seen)."""
     blocks: list              # [(s, e)] the semi-autoregressive blocks of the answer
     cache: CachePolicy        # the cache policy: what each step feeds (cache.py)
-    keys: Callable | None     # its keys(at) -> (B, L) bool, the keys a step may attend to (None for the built-ins)
-    slots: Callable | None    # its slots(at, fed) -> (B, T) per-row KV slots (FreeCache in a batch; else None)
-    step_rule: S.StepRule     # proposes tokens and confidences (sampler.py, guided.py, or a fork's)
+    step_rule: S.StepRule     # proposes tokens and confidences (sampler.py, blockdiff.py, guided.py, or a fork's)
     select: Callable          # the selection rule: which proposals a step commits
     stop: Callable            # the stop rule: which rows' answers have ended
     model: torch.nn.Module
     layers: Callable          # the model's layers: model.hidden, or its compiled form (compile=True)
     kv: KVCache | None        # keys/values of the whole canvas (None: cache "none" attends over what it feeds)
     pos: torch.Tensor         # (B, L) RoPE positions (a left-padded row counts from its first token)
-    mask: torch.Tensor | None # (B, 1, L, L) the attention mask of padded rows, or None
+    mask: torch.Tensor | None # (B or 1, 1, L, L) the attention mask (padded rows; a block-causal model's grid), or None
     mask_id: int
-    shift: int                # the family's logits shift (Dream: position p is predicted from hidden state p - 1)
-    P: int                    # the prompt's length: the answer is [P, L)
+    shift: int                # the family's logits shift (Dream, Fast-dLLM v2: position p is predicted from p - 1)
+    prompt: torch.Tensor      # (B, 2) each row's prompt [begin, end) on the canvas
+    grid: int                 # a block-causal model's grid (a query sees its own grid block and those before); 0: none
     exact_steps: int | None   # a block takes exactly these calls (DreamCanvas: diffusion_generate); None: until no mask
     patience: int             # calls after which a block still open is a rule that commits nothing
     calls_per_block: int      # the fewest calls a block takes (for calls_saved)
     eos: torch.Tensor         # the end-of-text ids (answer_tokens)
     ar: torch.Tensor          # arange(L): spans and columns as views, no kernel
-    seen: torch.Tensor        # (B, L) the canvas the last read saw: no hook may overwrite one of its tokens
-    cols: torch.Tensor = None # (n,) long, on the device: the block's columns still masked in some row...
-    masked_cols: list = None  # ... and on the host (the span's checks)
+    output: Callable          # the canvas -> generate()'s ids (a block-diffusion batch's layout; else as is)
+    after: dict               # block start -> the next block's end (a read reports the next block's masked columns)
 
-    def feed(self, x, n: int, i: int, s: int, e: int) -> tuple[Step, torch.Tensor]:
-        """1. feed: where this step stands, what the cache policy feeds, one model call -> (at, logits (B, n, V) at the
-        block's open columns). A span from the first open position starts one earlier for Dream (p from p - 1)."""
-        cols, masked_cols = (self.ar[:e - s], list(range(e - s))) if i == 0 else (self.cols, self.masked_cols)  # a block: all
-        at = Step(n, i, s, e, x, x[:, s:e] == self.mask_id, self.shift, self.mask_id, cols)
-        wanted, L = self.cache.span(at), x.shape[1]
+    def feed(self, x, seen: Seen, i: int, s: int, e: int) -> tuple[Step, torch.Tensor]:
+        """1. feed: where this step stands, what the cache policy feeds, one model call -> (at, logits (B, n, V) for
+        the block's masked columns whose predicting positions were fed: `predicting`)."""
+        n, L = seen.calls, x.shape[1]
+        at = Step(n, i, s, e, x, x[:, s:e] == self.mask_id, self.shift, self.mask_id, self.prompt, seen.cols,
+                  seen.masked_cols)
+        wanted = self.cache.span(at)
         if isinstance(wanted, torch.Tensor):       # a fork's set of positions: checked with one more host read
-            fed, span, chunk, rows = wanted, None, wanted, checks.positions(wanted, at, cols, self.kv is not None, self.cache)
+            fed, span, chunk = wanted, None, wanted
+            cols, rows = seen.cols, checks.positions(wanted, at, seen.cols, self.kv is not None, self.cache)
         else:
             a, b = wanted if isinstance(wanted, (tuple, list)) and len(wanted) == 2 else (None, None)
-            a = a - self.shift if a == s + masked_cols[0] else a
-            if not (type(a) is int and type(b) is int and 0 <= a < b <= L and a + self.shift <= s + masked_cols[0]
-                    and s + masked_cols[-1] < b and (n > 0 or self.kv is None or (a, b) == (0, L))):
-                checks.refuse_span(self.cache, at, wanted, masked_cols[0], masked_cols[-1])
-            fed, span, chunk, rows = self.ar[a:b], (a, b), slice(a, b), cols + (s - a)
-        keys = self.keys and checks.key_mask(self.keys(at), x.shape, self.cache)   # (B, L) bool, or None
-        mask = self.mask        # padding (B, 1, L, L): the fed queries' rows; keys: the canvas (a KV cache), else the fed
+            if not (type(a) is int and type(b) is int and 0 <= a < b <= L):
+                checks.refuse_span(self.cache, at, wanted)
+            a, first, last = predicting(a, b, s, seen.masked_cols, self.shift)
+            # Keys a fed query sees must all have been written: the whole canvas, or a block-causal grid up to the
+            # end of the fed span's block (a KV cache starts empty).
+            seen_to = L if not self.grid else min(L, -(-b // self.grid) * self.grid)
+            if self.kv is not None and not (a <= seen.written and max(seen.written, b) >= seen_to):
+                checks.refuse_unwritten(self.cache, at, (a, b), seen.written, seen_to)
+            fed, span, chunk, cols = self.ar[a:b], (a, b), slice(a, b), seen.cols[first:last]
+            rows = cols + (s - self.shift - a)
+        keys = self.cache.keys and checks.key_mask(self.cache.keys(at), x.shape, self.cache)   # (B, L) bool, or None
+        mask = self.mask        # (B, 1, L, L): the fed queries' rows; keys: the canvas (a KV cache), else the fed
         if mask is not None:
             mask = mask[:, :, chunk] if self.kv is not None else mask[:, :, chunk][..., chunk]
         if keys is not None:
             keys = (keys if self.kv is not None else keys[:, chunk])[:, None, None, :]
             mask = keys if mask is None else mask & keys
-        slots = self.slots and checks.slots(self.slots(at, fed), x.shape[0], fed, self.cache)
+        slots = self.cache.slots and checks.slots(self.cache.slots(at, fed), x.shape[0], fed, self.cache)
         h = self.layers(x[:, chunk], self.pos[:, chunk], self.kv, fed if slots is None else slots, mask)
-        return at._replace(fed=fed, span=span, rows=rows, hidden=h, head=self.model.logits), self.model.logits(h, rows)
+        at = at._replace(cols=cols, fed=fed, span=span, rows=rows, hidden=h, head=self.model.logits)
+        return at, self.model.logits(h, rows)
 
-    def read(self, x, at: Step, p: S.Proposal, take, ended, stats: dict) -> tuple[bool, bool]:
+    def start(self, x) -> Seen:
+        """The state before the first step: the first block's masked columns, read off the prompts (on the host)."""
+        s, e = self.blocks[0]
+        lo = int(self.prompt[:, 1].min())                       # the first position any row leaves masked
+        cols = list(range(max(lo - s, 0), e - s))
+        return Seen(self.ar[max(lo - s, 0):e - s], cols, x.clone(), 0)
+
+    def read(self, x, at: Step, p: S.Proposal, take, ended, seen: Seen, stats: dict) -> Seen:
         """The step's one host read: the hooks' answers checked (shapes and dtypes on the host; values in the read),
-        the stats, the block's open columns for the next step; then the one decision -> (every row's answer has
-        ended, the block has)."""
+        the stats, the block's (and the next block's) masked columns for the next step; then the one decision: has
+        every row's answer ended, has the block."""
         checks.shapes(p, take, ended, at.masked.shape, self.step_rule, self.select, self.stop)  # else one line naming the hook
-        diff, answer = x != self.seen, x[:, self.P:] == self.mask_id         # (B, L), (B, gen_length)
-        open_cols = answer[:, at.s - self.P:at.e - self.P].any(0)           # (N,) the block's columns still masked
+        s, e = at.s, at.e
+        diff, masked = x != seen.canvas, x == self.mask_id                 # (B, L): no prompt position is a mask
+        with_logits = torch.zeros_like(at.masked[0]).index_fill_(0, at.cols, True)       # (N,)
         flags = [~torch.isfinite(p.logits.sum(-1, dtype=torch.float32)).all(), (p.open & ~at.masked).any(),
-                 (take & ~p.open).any(), (diff & (self.seen != self.mask_id)).any(), (ended[:, None] & answer).any()]
+                 (p.open & ~with_logits).any(), (take & ~p.open).any(), (diff & (seen.canvas != self.mask_id)).any(),
+                 (ended[:, None] & masked).any()]
         stats["row_nfe"] = stats["row_nfe"] + at.masked.any(-1)           # device tensors until the end
         stats["row_committed"] = stats["row_committed"] + take.sum(-1)
         values = torch.stack([*flags, p.open.any(), ended.all(), take.sum(), diff.sum()])
+        open_cols = masked[:, s:self.after[s]].any(0)                     # (N + N',) this block's columns, the next's
         got = torch.cat([values, open_cols]).tolist()                     # the read
         if any(got[:len(flags)]):                                         # a hook broke a rule, or the model NaN
-            checks.refuse_step(*got[:len(flags)], at, self.step_rule, self.select, self.stop)
+            checks.refuse_step(*got[:len(flags)], at, self.step_rule, self.select, self.stop, self.cache)
         proposed, answer_ended, committed, changed = got[len(flags):len(values)]
-        still = [c for c, m in enumerate(got[len(values):]) if m]          # the block's columns still masked
-        self.cols, self.seen = open_cols.nonzero_static(size=len(still)).squeeze(1), x.clone()
-        self.masked_cols = still or [0]       # the span's checks (a block with no mask left: its first column)
+        still = [c for c, m in enumerate(got[len(values):len(values) + e - s]) if m]   # the block's columns still masked
         stats.update(nfe=stats["nfe"] + 1, guide_calls=getattr(self.step_rule, "guide_calls", 0))
         for key, value in (("fed", at.fed.shape[0]), ("committed", committed), ("filled", changed - committed)):
             stats[key].append(value)
         block_ended = at.i + 1 == self.exact_steps if self.exact_steps else not still
         if not block_ended and at.i > self.patience:              # past any schedule, and one step a position
             checks.no_progress(proposed, at, self.step_rule, self.select)
-        return bool(answer_ended), block_ended
+        a, b = at.span or (0, x.shape[1] if at.fed.shape[0] == x.shape[1] else 0)
+        written = max(seen.written, b) if a <= seen.written else seen.written
+        if block_ended:                # the next block's masked columns (and so its first feed's logits)
+            still, open_cols = [c for c, m in enumerate(got[len(values) + e - s:]) if m], open_cols[e - s:]
+        cols = open_cols[:len(open_cols) if block_ended else e - s].nonzero_static(size=len(still)).squeeze(1)
+        return Seen(cols, still, x.clone(), written, seen.calls + 1, bool(answer_ended), block_ended)
 
-    def finish(self, x, stats: dict, t0: float) -> dict:
+    def finish(self, x, stats: dict, t0: float) -> tuple[torch.Tensor, dict]:
         torch.cuda.synchronize(x.device) if x.is_cuda else None
-        seconds, end = time.perf_counter() - t0, torch.isin(x[:, self.P:], self.eos)   # tokens/s: answers, not filler
+        seconds, out = time.perf_counter() - t0, self.output(x)
+        P = out.shape[1] - x.shape[1] + int(self.prompt[:, 1].min())      # the answers start at P in the output
+        end = torch.isin(out[:, P:], self.eos)                              # tokens/s: answers, not filler
         tokens = int(torch.where(end.any(-1), end.long().argmax(-1), end.shape[1]).sum())
-        return stats | dict(seconds=seconds, answer_tokens=tokens, tokens_per_s=tokens / max(seconds, 1e-9),
-                            row_nfe=stats["row_nfe"].tolist(), row_committed=stats["row_committed"].tolist())
+        return out, stats | dict(seconds=seconds, answer_tokens=tokens, tokens_per_s=tokens / max(seconds, 1e-9),
+                                 row_nfe=stats["row_nfe"].tolist(), row_committed=stats["row_committed"].tolist())
 
 
 def resolve(model, prompt, options: dict, attention_mask, generator, on_step) -> tuple[Settings, bool]:
     """The call's settings with every default decided (the family's and the method's) and every check passed ->
     (settings, whether this is Dream's own whole-canvas sampler)."""
     st = Settings(**checks.known(options, Settings))
-    dream, guided = model.config.family == "dream", st.guide is not None
+    cfg, guided = model.config, st.guide is not None
+    dream, block = cfg.family == "dream", cfg.block > 0 and not guided
     parallel = st.threshold is not None or st.factor is not None or getattr(st.select, "parallel", st.select is not None)
-    remasking = ("maskgit_plus" if parallel else "entropy") if dream else "low_confidence"
+    remasking = (("maskgit_plus" if parallel else "entropy") if dream else "low_confidence" if cfg.family == "llada"
+                 else ("low_confidence_dynamic" if st.threshold is not None else "low_confidence_static")
+                 if cfg.family == "sdar" else None)
+    block_length = cfg.block if block and options.get("block_length") is None else st.block_length   # its trained block
     st = dataclasses.replace(st, remasking=st.remasking or remasking, steps=st.gen_length if st.steps is None or guided
-                             else st.steps, block_length=st.gen_length if guided else st.block_length or st.gen_length)
+                             else st.steps, block_length=st.gen_length if guided else block_length or st.gen_length)
     whole_canvas = dream and options.get("block_length", Settings.block_length) is None and not guided
     checks.check_call(model, prompt, st, attention_mask, generator, on_step, whole_canvas, Settings(), options)
+    if block:
+        check_block(cfg, st, options, prompt.shape[1])
     return st, whole_canvas
 
 
@@ -194,30 +252,47 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     st, whole_canvas = resolve(model, prompt, options, attention_mask, generator, on_step)
     cfg, device = model.config, model.lm_head.weight.device
     (B, P), generator = prompt.shape, generator or torch.Generator(device).manual_seed(0)
-    x = F.pad(prompt.to(device), (0, st.gen_length), value=cfg.mask_id)
     eos = torch.tensor(sorted(set(st.eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
-    pos = mask = None           # left-padded rows: real tokens count from 0, pads neither attend nor are attended to
-    if attention_mask is not None and (attention_mask == 0).any():
-        m = F.pad(attention_mask.to(device).bool(), (0, st.gen_length), value=True)
-        pos, mask = (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
+    block = cfg.block > 0 and st.guide is None
+    if block:       # block diffusion: each row on one grid from position 0, its answer right after its prompt
+        x, lengths, blocks = grid_canvas(prompt.to(device), attention_mask, st.gen_length, st.block_length, cfg.family,
+                                         cfg.mask_id)
+        spans, pos, mask = torch.stack([torch.zeros_like(lengths), lengths], -1), None, block_causal(
+            x.shape[1], st.block_length, device)
+    else:           # the answer after a common prompt width; left-padded rows: real tokens count from 0
+        x = F.pad(prompt.to(device), (0, st.gen_length), value=cfg.mask_id)
+        blocks = [(s, s + st.block_length) for s in range(P, x.shape[1], st.block_length)]
+        lengths = (attention_mask.to(device).long().sum(-1) if attention_mask is not None else
+                   torch.full((B,), P, device=device))
+        spans, pos, mask = torch.stack([P - lengths, torch.full_like(lengths, P)], -1), None, None
+        if attention_mask is not None and (attention_mask == 0).any():   # pads neither attend nor are attended to
+            m = F.pad(attention_mask.to(device).bool(), (0, st.gen_length), value=True)
+            pos, mask = (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
+    fill = cfg.pad_id if block and cfg.pad_id is not None else int(eos[0])    # what an ended answer is filled with
     if st.guide is not None:    # FlashDLM's guided diffusion: one block; a committed end token ends the answer
         (step_rule, select, cache), stop_run = guided_parts(model, st, Settings(), x[:, :P], attention_mask, pos, eos), 1
+    elif block:
+        (step_rule, select), stop_run = block_parts(cfg, st, generator), st.stop_at_eos
+        cache = st.cache if isinstance(st.cache, CachePolicy) else BLOCK_CACHE_POLICIES[st.cache](step_rule.sub_block
+                                                                                                 if hasattr(step_rule, "sub_block") else None)
     else:
         step_rule, select = S.family_rules(cfg, st, whole_canvas, generator, device)
         cache, stop_run = st.cache if isinstance(st.cache, CachePolicy) else CACHE_POLICIES[st.cache](), st.stop_at_eos
     cache = Refresh(cache) if st.refresh_every_step else cache
-    stop = st.stop or (S.EndOfText(P, eos, cfg.mask_id, stop_run) if stop_run else S.NoStop())
+    stop = st.stop or (S.EndOfText(spans[:, 1:], eos, cfg.mask_id, stop_run, fill) if stop_run else S.NoStop())
+    output = (partial(grid_output, lengths=lengths, P=P, fill=fill, eos=eos if stop_run and cfg.family == "fastdllm_v2"
+                      else None) if block else lambda x: x)
     compiled = st.compile and cache.fixed_width and (st.compile if isinstance(st.compile, Compiled) else Compiled())
     kv = (compiled.cache if compiled else KVCache.for_model)(model, B, x.shape[1], cache.spare) if cache.keeps_cache else None
     spb, L = getattr(step_rule, "steps_per_block", 0), x.shape[1]
     ar = torch.arange(L, device=device)
-    plan = Plan(blocks=[(s, s + st.block_length) for s in range(P, L, st.block_length)], cache=cache, keys=cache.keys,
-                slots=cache.slots, step_rule=step_rule, select=select, stop=stop, model=model,
+    plan = Plan(blocks=blocks, cache=cache, step_rule=step_rule, select=select, stop=stop, model=model,
                 layers=partial(compiled, model) if compiled else model.hidden, kv=kv,
-                pos=ar.expand(B, L) if pos is None else pos, mask=mask, mask_id=cfg.mask_id,
-                shift=int(cfg.shift_logits), P=P, exact_steps=getattr(step_rule, "exact_steps", None),
+                pos=ar.expand(B, L) if pos is None else pos, mask=mask, mask_id=cfg.mask_id, shift=cfg.shift,
+                prompt=spans, grid=st.block_length if block else 0, exact_steps=getattr(step_rule, "exact_steps", None),
                 patience=spb + st.block_length, calls_per_block=1 if getattr(select, "parallel", True) else max(spb, 1),
-                eos=eos, ar=ar, seen=x.clone())
+                eos=eos, ar=ar, output=output,
+                after={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)})
     return plan, x
 
 
@@ -228,32 +303,34 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
     "row_nfe", "row_committed" (per row), "fed", "committed", "filled" (per call), "calls_saved", "guide_calls",
     "seconds", "answer_tokens", "tokens_per_s": README "Python API"). settings: the fields of `Settings`.
     attention_mask: (B, P) 1/0 for left-padded prompts: each row decodes as it would alone. generator: the only
-    source of randomness (default: one seeded 0). on_step(x, stats): called after every step, the canvas live."""
+    source of randomness (default: one seeded 0). on_step(x, stats): called after every step, the canvas live.
+    A block-diffusion model (blockdiff.py) answers to a grid block's edge: ids (B, P + answer), shorter answers
+    filled with its pad id."""
     plan, x = make_plan(model, prompt, settings, attention_mask, generator, on_step)
     on_step = on_step or (lambda x, stats: None)
     stats = dict(nfe=0, row_nfe=0, row_committed=0, fed=[], committed=[], filled=[], calls_saved=0, guide_calls=0)
-    t0, p, take = time.perf_counter(), None, None
+    t0, p, take, seen = time.perf_counter(), None, None, plan.start(x)
     try:
         for b, (s, e) in enumerate(plan.blocks):
             plan.step_rule.start_block(x, s, e)
             for i in itertools.count():
-                at, logits = plan.feed(x, stats["nfe"], i, s, e)         # 1. feed: what the cache policy names
+                at, logits = plan.feed(x, seen, i, s, e)                 # 1. feed: what the cache policy names
                 p = plan.step_rule.propose(logits, at)                   # 2. propose
                 take = plan.select(p, at)                                # 3. select
                 x[:, s:e] = torch.where(take, p.x0, x[:, s:e])           # 4. commit
                 ended = plan.stop(x, at, p)                              # 5. stop
-                answer_ended, block_ended = plan.read(x, at, p, take, ended, stats)   # the one host read
+                seen = plan.read(x, at, p, take, ended, seen, stats)     # the one host read
                 on_step(x, stats)
-                if answer_ended or block_ended:
+                if seen.answer_ended or seen.block_ended:
                     break
-            if answer_ended:                                             # every row's answer has ended
+            if seen.answer_ended:                                        # every row's answer has ended
                 stats["calls_saved"] = (len(plan.blocks) - b - 1) * plan.calls_per_block
                 break
     except (TypeError, RuntimeError, AttributeError):    # a proposal or selection the commit could not use: name it
         if p is not None:
             checks.shapes(p, take, None, x[:, s:e].shape, plan.step_rule, plan.select, plan.stop)
         raise
-    return x, plan.finish(x, stats, t0)
+    return plan.finish(x, stats, t0)
 
 
 if __name__ == "__main__":   # `python fastdllm.py --prompt ...` runs the command line, cli.py, as the main program

@@ -56,35 +56,27 @@ class ModelConfig:
     clip_qkv: float | None = None  # clamp q, k, v to [-c, c] (LLaDA-MoE clip_qkv)
     rope_fraction: float = 1.0     # RoPE rotates the first head_dim * this dims (partial_rotary_factor)
     moe: MoEConfig | None = None
+    head_dim: int = 0          # one head's width (0: dim / n_heads; SDAR's config.json sets its own)
+    block: int = 0             # a block-diffusion model's trained block (Fast-dLLM v2 bd_size, SDAR block_size); 0: none
+    # The architecture's facts (its row of ARCHS, when not given): the logits shift (Dream, Fast-dLLM v2 keep the
+    # AR model's next-token head: hidden state p predicts token p + shift), a causal LM (the guide), float32 RoPE.
+    shift: int | None = None
+    causal: bool | None = None
+    rope_fp32: bool | None = None
 
     def __post_init__(self):
         if not self.eos_ids and self.eos_id is not None:
             self.eos_ids = (self.eos_id,)
         self.arch = self.arch or self.family
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        self.head_dim = self.head_dim or self.dim // self.n_heads
+        a = ARCHS[self.arch]
+        self.shift = int(a.shift_logits) if self.shift is None else self.shift
+        self.causal = a.causal if self.causal is None else self.causal
+        self.rope_fp32 = a.rope_fp32 if self.rope_fp32 is None else self.rope_fp32
 
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.rope_fraction)    # as HF's default RoPE init rounds it
-
-    @property
-    def shift_logits(self) -> bool:
-        # Dream keeps Qwen's next-token head: hidden state i predicts token i+1 (spec/dream.md section 4).
-        return ARCHS[self.arch].shift_logits
-
-    @property
-    def rope_fp32(self) -> bool:
-        # LLaDA rotates q/k in float32 (`rope_full_precision`); Dream and LLaDA-MoE cast cos/sin to the activations'.
-        return ARCHS[self.arch].rope_fp32
-
-    @property
-    def causal(self) -> bool:
-        # The guide is an autoregressive LM: row i sees tokens 0..i only and predicts token i+1 (no shift needed
-        # because nothing is masked: its logits row i is "the next token after i", as the verifier wants them).
-        return ARCHS[self.arch].causal
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
@@ -287,8 +279,8 @@ class Transformer(nn.Module):
         mask: optional bool (B, 1, T, keys) attention mask, True = attend (left padding).
         logits_range: (a, b), or a 1-D tensor of chunk positions, to return logits there only (the LM head
             is the largest matmul of a cached step, and the decoder only needs the block's positions).
-        Returns logits (B, T', vocab) where row i predicts the token *at* position i, for both diffusion
-        families; for the causal guide row i predicts the token *after* position i (next-token logits).
+        Returns logits (B, T', vocab), row i the output at position i: the token there (LLaDA, SDAR), or the next
+        one (a shifted family: Dream, Fast-dLLM v2; the causal guide).
         """
         return self.logits(self.hidden(idx, pos, cache, start, mask), logits_range)
 
@@ -306,19 +298,12 @@ class Transformer(nn.Module):
         return x
 
     def logits(self, x, rows=None):
-        """Hidden states (B, T, dim) -> logits at the chunk rows `rows` (a 1-D tensor, (a, b), or None: all)."""
+        """Hidden states (B, T, dim) -> the LM head's logits at the chunk rows `rows` (a 1-D tensor, (a, b), or None:
+        all). Row i is the output at the chunk's position i: for a shifted family (config.shift) that predicts the
+        token at i + shift, and the plan asks for the rows that predict its positions (fastdllm.predicting)."""
         if isinstance(rows, tuple):
             rows = torch.arange(*rows, device=x.device)
-        if self.config.shift_logits:
-            # Dream's logits shift, the one place it happens: the prediction for position i comes from hidden
-            # state i-1; position 0 keeps its own (spec/dream.md section 4). Applied within the fed chunk, as
-            # Fast-dLLM does in its cached calls: a chunk that starts at position a > 0 has no prediction for a
-            # (fastdllm.py's plan never commits one from it).
-            rows = torch.arange(x.shape[1], device=x.device) if rows is None else rows
-            x = x[:, (rows - 1).clamp(min=0)]
-        elif rows is not None:
-            x = x[:, rows]
-        return self.lm_head(self.norm(x))
+        return self.lm_head(self.norm(x if rows is None else x[:, rows]))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -439,9 +424,13 @@ def read_config(model_dir: str) -> ModelConfig:
         raise ValueError(f"{path} is not valid JSON ({e}): re-download the checkpoint") from None
     if not isinstance(hf, dict):
         raise ValueError(f"{path} is not a config object: re-download the checkpoint")
-    if "mask_token_id" not in hf and arch_of(hf) == "lladamoe":   # the release's config.json names no mask id
-        mask = added_token_id(model_dir, "<|mask|>")
+    arch = ARCHS.get(arch_of(hf))
+    if "mask_token_id" not in hf and arch and arch.mask_token:   # the release's config.json names no mask id
+        mask = added_token_id(model_dir, arch.mask_token)
         hf = hf if mask is None else dict(hf, mask_token_id=mask)
+    if arch and arch.generation_pad:      # the pad the official decode fills an ended answer with
+        pad = read_json(os.path.join(model_dir, "generation_config.json")).get("pad_token_id")
+        hf = hf if type(pad) is not int else dict(hf, pad_token_id=pad)
     try:
         cfg = ModelConfig.from_hf(hf)
     except KeyError as e:
@@ -453,7 +442,7 @@ def read_config(model_dir: str) -> ModelConfig:
         if type(value) is not int or value < 1:
             raise ValueError(f"{path} gives the model {name} = {value!r}, not a positive integer: "
                              f"re-download the checkpoint")
-    if cfg.dim % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
+    if cfg.head_dim * cfg.n_heads != cfg.dim and not hf.get("head_dim") or cfg.n_heads % cfg.n_kv_heads:
         raise ValueError(f"{path}: a width of {cfg.dim} does not split into {cfg.n_heads} heads, or {cfg.n_heads} "
                          f"heads into {cfg.n_kv_heads} key/value heads: re-download the checkpoint")
     if cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
@@ -472,14 +461,24 @@ def read_config(model_dir: str) -> ModelConfig:
     return cfg
 
 
-def added_token_id(model_dir: str, content: str) -> int | None:
-    """The id of the special token `content` in the folder's tokenizer.json, or None (no file, no such token)."""
+def read_json(path: str) -> dict:
+    """A small JSON file of a checkpoint as a dict; {} if it is missing or unreadable (its owner reports that)."""
     try:
-        with open(os.path.join(model_dir, "tokenizer.json"), encoding="utf-8") as f:
-            added = json.load(f).get("added_tokens") or []
-        return next((t["id"] for t in added if t.get("content") == content and type(t.get("id")) is int), None)
-    except (OSError, ValueError, AttributeError, TypeError):
-        return None        # an unreadable tokenizer is the CLI's to report (chat.py); config.json's default stands
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def added_token_id(model_dir: str, content: str) -> int | None:
+    """The id of the special token `content` in the folder's tokenizer.json (or added_tokens.json, which a folder
+    without tokenizer.json has), or None (no file, no such token)."""
+    added = read_json(os.path.join(model_dir, "tokenizer.json")).get("added_tokens")
+    found = [t.get("id") for t in added if isinstance(t, dict) and t.get("content") == content] if isinstance(
+        added, list) else []
+    found.append(read_json(os.path.join(model_dir, "added_tokens.json")).get(content))
+    return next((i for i in found if type(i) is int), None)
 
 
 def shard_files(model_dir: str) -> list[str]:

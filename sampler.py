@@ -119,15 +119,16 @@ class Schedule:
 
 class Threshold:
     """Fast-dLLM threshold decoding (section 3.3, Theorem 1): every open position with confidence >= tau, and always
-    the most confident one, so each step commits a token and decoding ends. A tau above 1 is one token per step."""
+    the most confident one, so each step commits a token and decoding ends. A tau above 1 is one token per step.
+    strict: confidence > tau, as Fast-dLLM v2 compares (tau 1 is then one token per step)."""
     parallel = True
 
-    def __init__(self, tau: float):
-        self.tau = tau
+    def __init__(self, tau: float, strict: bool = False):
+        self.tau, self.strict = tau, strict
 
     def __call__(self, p: Proposal, at):
         best = torch.zeros_like(p.open).scatter_(-1, p.conf.argmax(-1, keepdim=True), True)
-        return p.open & ((p.conf >= self.tau) | best)
+        return p.open & ((p.conf > self.tau if self.strict else p.conf >= self.tau) | best)
 
 
 class Factor:
@@ -361,14 +362,14 @@ def family_rules(cfg, st, whole_canvas: bool, generator, device):
 
 
 # ---------------------------------------------------------------------------------------- end of text
-def eos_reached(x, P: int, e: int, eos: torch.Tensor, mask_id: int, run: int | bool):
-    """(B,) rows whose answer has ended. run=True: the finished answer [P, e) holds an end token. run=k (FlashDLM's
-    `_check_early_stop`): the right-most decoded token r and the k-1 canvas tokens before it (prompt included,
-    as FlashDLM counts) are end tokens and no mask lies before r."""
-    ans = x[:, P:e]
-    if run is True:
-        return torch.isin(ans, eos).any(-1) & (ans != mask_id).all(-1)
+def eos_reached(x, P, e: int, eos: torch.Tensor, mask_id: int, run: int | bool):
+    """(B,) rows whose answer has ended; P: where the answers start, an int or (B, 1) per row. run=True: the finished
+    answer [P, e) holds an end token. run=k (FlashDLM's `_check_early_stop`): the right-most decoded token r and the
+    k-1 canvas tokens before it (prompt included, as FlashDLM counts) are end tokens and no mask lies before r."""
     idx = torch.arange(x.shape[1], device=x.device)
+    if run is True:
+        answer = (idx >= P) & (idx < e)
+        return (torch.isin(x, eos) & answer).any(-1) & ~((x == mask_id) & answer).any(-1)
     decoded = (x != mask_id) & (idx >= P)
     r = torch.where(decoded, idx, -1).max(-1).values                      # right-most decoded, -1 if none
     no_gap = torch.where(x == mask_id, idx, x.shape[1]).min(-1).values > r
@@ -386,15 +387,17 @@ class NoStop:                    # decode every block
 
 
 class EndOfText:
-    """An ended answer's masks become the first end token. run=True (stop_at_eos=True): once the finished answer
-    up to the block's end holds an end token; run=k (FlashDLM's rule; guided, k = 1): k at the frontier."""
+    """An ended answer's masks become `fill` (default the first end token). run=True (stop_at_eos=True): once the
+    finished answer up to the block's end holds an end token; run=k (FlashDLM's rule; guided, k = 1): k at the
+    frontier. start: where the answers start, an int or (B, 1) per row."""
 
-    def __init__(self, prompt_length: int, eos, mask_id: int, run: int | bool):
-        self.P, self.eos, self.mask_id, self.run = prompt_length, eos, mask_id, run
+    def __init__(self, start, eos, mask_id: int, run: int | bool, fill: int | None = None):
+        self.P, self.eos, self.mask_id, self.run = start, eos, mask_id, run
+        self.fill = int(eos[0]) if fill is None else fill
 
     def __call__(self, x, at, p):
         if self.run is True and at.e == x.shape[1]:    # the last block: nothing left to save (and Dream's own
             return torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)   # sampler keeps its `steps` calls)
         done = eos_reached(x, self.P, at.e if self.run is True else x.shape[1], self.eos, self.mask_id, self.run)
-        x.masked_fill_(done[:, None] & (x == self.mask_id), self.eos[0])
+        x.masked_fill_(done[:, None] & (x == self.mask_id), self.fill)
         return done

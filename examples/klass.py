@@ -54,7 +54,7 @@ def hooks(conf, kl, history, config):
     """The program's parts: Dream's step rule (steps, blocks: unread without a schedule) takes the CLI's --cache."""
     dream = dict(propose=sampler.Dream(steps=1, n_blocks=1, block_length=1, alg="maskgit_plus",
                                        mask_id=config.mask_id, schedule=False, first_token=False))
-    return dict(select=KLASS(conf, kl, history), **(dream if config.shift_logits else dict(cache=NoCache())))
+    return dict(select=KLASS(conf, kl, history), **(dream if config.shift else dict(cache=NoCache())))
 
 
 if __name__ == "__main__":   # python examples/klass.py --model demo/llada-arith --gen-length 32 --block-length 8 --prompt "..."

@@ -1,7 +1,8 @@
 """Naive decodes, written apart from fastdllm.generate(): the oracles the fast paths are tested against.
 
 No cache, no batching tricks, no shared code with the decoding loop or sampler.py: every step is one plain
-forward of the whole canvas (`model(x)`, whose rows predict the token at their own position for both families),
+forward of the whole canvas (`predictions(model, x)`: row i predicts the token at position i, for both families:
+the official logits shift, cat(logits[:, :1], logits[:, :-1]), written here apart from the loop's),
 and each rule is written from the official formula as spec/llada.md and spec/dream.md record it.
 
 reference_decode: block by block, each step commits the most confident masked token of the block and, with a
@@ -16,6 +17,14 @@ positions, sampled or greedy, and Fast-dLLM's `confidence_threshold` over the ca
 Deliberate differences from the official code (docs/parity.md) are kept here too: no proposal is the mask token.
 """
 import torch
+
+
+
+def predictions(model, x, **kw):
+    """model(x) with row i the prediction for the token at position i: a shifted family (Dream, Fast-dLLM v2)
+    predicts position i from the output at i - 1, and position 0 keeps its own (the official shift)."""
+    logits = model(x, **kw)
+    return torch.cat([logits[:, :1], logits[:, :-1]], 1) if model.config.shift else logits
 
 
 def factor_rule(conf, masked, f: float):
@@ -46,7 +55,7 @@ def reference_decode(model, prompt, gen_length: int, block_length: int, threshol
     for s in range(P, P + gen_length, block_length):
         e, first = s + block_length, True
         while (x[:, s:e] == cfg.mask_id).any():
-            logits = model(x)[:, s:e]                                   # (B, N, V): the block's predictions
+            logits = predictions(model, x)[:, s:e]                                   # (B, N, V): the block's predictions
             calls += 1
             probs = logits.double().softmax(-1) if cfg.family == "llada" else logits.float().softmax(-1)
             probs[..., cfg.mask_id] = -1                                # never propose the mask itself
@@ -148,10 +157,10 @@ def reference_dream_blocks(model, prompt, gen_length: int, block_length: int, st
     grid, calls = torch.linspace(1, eps, per_block + 1), 0
     for s in range(P, P + gen_length, block_length):
         block = slice(s, s + block_length)
-        _, x0, _ = dream_sample(model(x)[:, s], cfg.mask_id)
+        _, x0, _ = dream_sample(predictions(model, x)[:, s], cfg.mask_id)
         x[:, s], calls, i = x0, calls + 1, 1
         while True:
-            logits = model(x)[:, block]
+            logits = predictions(model, x)[:, block]
             calls += 1
             if i == per_block:
                 break
@@ -186,7 +195,7 @@ def reference_dream_canvas(model, prompt, gen_length: int, steps: int, alg: str 
         torch.manual_seed(seed)
         while i < steps:
             masked = x == cfg.mask_id
-            probs, x0, conf = dream_sample(model(x)[masked], cfg.mask_id, temperature, top_p, top_k)
+            probs, x0, conf = dream_sample(predictions(model, x)[masked], cfg.mask_id, temperature, top_p, top_k)
             before = int(masked.sum())
             if threshold is None:
                 k = dream_count(masked, grid[i], grid[i + 1], i == steps - 1)
@@ -205,3 +214,48 @@ def reference_dream_canvas(model, prompt, gen_length: int, steps: int, alg: str 
             committed.append(before - int((x == cfg.mask_id).sum()))
             i += 1
     return x, i, committed, ties
+
+
+@torch.inference_mode()
+def reference_fastdllm_v2(model, prompt: list, gen_length: int, G: int, sub: int, threshold: float, stop=None):
+    """Fast-dLLM v2's decode (arXiv 2509.26328; NVlabs/Fast-dLLM v2/generation_functions.py), one prompt, written from
+    its rules with one plain block-causal forward of the whole canvas per call, no cache: the canvas runs to the grid
+    block gen_length / G blocks past the prompt's whole blocks, plus one token. Position p is predicted from the
+    output at p - 1. A block's first call (a block that starts at g > 0) is the one that would store the block
+    before it: its token at g is the arg-max. Then each sub-block, left to right, until it has no mask: every masked
+    position whose probability is > threshold, and always the most likely. stop: the end token; a finished block
+    holding it ends the answer, padded after it with `pad` = stop[1]. -> (canvas ids, model calls)."""
+    cfg, P = model.config, len(prompt)
+    L = (P // G + gen_length // G) * G + 1
+    x = torch.tensor([prompt + [cfg.mask_id] * (L - P)])
+    q = torch.arange(L)
+    mask = (q[None, :] // G <= q[:, None] // G)[None, None]
+    calls = 0
+
+    def out():
+        nonlocal calls
+        calls += 1
+        return model(x, mask=mask)[0].float()
+
+    for g in range(P // G * G, L, G):
+        if g > 0:
+            logits = out()
+            if x[0, g] == cfg.mask_id:
+                p = logits[g - 1].softmax(-1)
+                p[cfg.mask_id] = -1
+                x[0, g] = p.argmax()
+        for j in range(g, min(g + G, L), sub):
+            while (x[0, j:j + sub] == cfg.mask_id).any():
+                logits = out()
+                p = torch.cat([logits[:1], logits[:-1]])[j:j + sub].softmax(-1)   # p from p - 1 (0: its own)
+                p[:, cfg.mask_id] = -1
+                conf, tok = p.max(-1)
+                masked = x[0, j:j + sub] == cfg.mask_id
+                conf = torch.where(masked, conf, torch.tensor(-1.0))
+                take = masked & ((conf > threshold) | (torch.arange(len(conf)) == conf.argmax()))
+                x[0, j:j + sub][take] = tok[take]
+        if stop is not None and g + G < L and (x[0, P:g + G] == stop[0]).any():
+            end = P + int((x[0, P:] == stop[0]).nonzero()[0])
+            x[0, end + 1:] = stop[1]
+            break
+    return x[0], calls

@@ -18,6 +18,7 @@ from conftest import ROOT, copy_checkpoint, write_tokenizer
 from examples.dkv_cache import DKVCacheDecode
 from examples.dpad import DPad
 from fastdllm import generate, pad_prompts
+from reference import predictions
 
 PROMPTS = {"llada": [[815, 723, 294, 53, 204, 372, 664, 1017, 655, 689, 279, 233], [44, 12, 907, 31, 5]],
            "dream": [[775, 171, 806, 365, 316, 564, 432, 625, 575, 529], [12, 44, 907]]}
@@ -133,7 +134,7 @@ def dpad_reference(model, prompt, gen_length, block_length, steps, threshold, du
         store, masks, i = KeptStore(q) if dual else None, int((x[0, s:e] == mask_id).sum()), 0
         while (x[0, s:e] == mask_id).any():
             fed = torch.arange(s, e) if dual and i > 0 else q
-            logits = model(x[:, fed], pos=fed[None], cache=store, start=fed)[0]      # Dream: shifted within the feed
+            logits = predictions(model, x[:, fed], pos=fed[None], cache=store, start=fed)[0]   # shifted within the feed
             block = logits[torch.searchsorted(fed, torch.arange(s, e))]
             if dream and dual and i == 0:
                 x[0, s] = block[0].float().softmax(-1).index_fill(-1, torch.tensor([mask_id]), -1).argmax()

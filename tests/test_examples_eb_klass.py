@@ -13,6 +13,7 @@ import bounded
 
 from conftest import ROOT, copy_checkpoint, write_tokenizer
 from fastdllm import generate, pad_prompts
+from reference import predictions
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 from eb_sampler import EBSampler  # noqa: E402
@@ -31,7 +32,7 @@ def proposals(model, x, lo, hi):
     """One full forward of the canvas -> (logits (hi - lo, V), confidence, token) at positions [lo, hi): the argmax
     token, never the mask itself, and its probability in the family's official precision (LLaDA float64, Dream
     float32)."""
-    logits = model(x)[0, lo:hi]
+    logits = predictions(model, x)[0, lo:hi]
     probs = logits.double().softmax(-1) if model.config.family == "llada" else logits.float().softmax(-1)
     probs[:, model.config.mask_id] = -1
     conf, token = probs.max(-1)

@@ -13,6 +13,7 @@ import bounded
 
 from conftest import ROOT, copy_checkpoint, write_tokenizer
 from fastdllm import generate, pad_prompts
+from reference import predictions
 
 spec = importlib.util.spec_from_file_location("prophet", os.path.join(ROOT, "examples", "prophet.py"))
 prophet = importlib.util.module_from_spec(spec)
@@ -41,7 +42,7 @@ def reference(model, prompt, gen, block, spb, suffix, suffix_at, taus=(7.5, 5.0,
         n = int((x[0, s:e] == M).sum())
         ks = [n // spb + (j < n % spb) for j in range(spb)]
         while i < spb:
-            logits = model(x)[0]                                     # (L, V), at canvas positions
+            logits = predictions(model, x)[0]                        # (L, V), at canvas positions
             calls += 1
             gaps = [float(logits[p].topk(2).values[0] - logits[p].topk(2).values[1]) for p in window]
             progress = calls / total

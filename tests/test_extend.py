@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from cache import CachePolicy, KVCache
 from fastdllm import generate, pad_prompts
 from reference import reference_decode
+from reference import predictions
 from sampler import LLaDA, NEG_INF, Proposal, StepRule, Threshold, argmax_except
 
 PROMPTS = {"llada": torch.tensor([[815, 723, 294, 53, 204, 372, 664, 1017, 655, 689, 279, 233]]),
@@ -121,11 +122,11 @@ def test_dream_block_start_reads_the_hidden_state_before_it(dream):
         if not (x[0, s:s + 8] == mask_id).all():
             continue                                                   # not a block's first step
         if n % 2 == 0:
-            logits = dream(x)[0, s]
+            logits = dream(x)[0, s - 1]                               # p is predicted from p - 1
         else:
             kv = KVCache.for_model(dream, 1, L)
             dream(before[n - 1], cache=kv, start=0)                    # the refresh of call n - 1
-            logits = dream(x[:, s - 1:s + 8], cache=kv, start=s - 1)[0, 1]
+            logits = dream(x[:, s - 1:s + 8], cache=kv, start=s - 1)[0, 0]
         assert canvases[n][0, s] == argmax_except(logits, mask_id), (n, s)
         checked += n % 2
     assert checked == 2                                                # blocks did start on cached calls
@@ -153,7 +154,7 @@ def test_stop_rule_ends_blocks_with_their_proposals(model, family):
     x = masked(model, prompt)
     for s in range(prompt.shape[1], x.shape[1], 8):
         with torch.inference_mode():
-            x[:, s:s + 8] = argmax_except(model(x)[:, s:s + 8], mask_id)
+            x[:, s:s + 8] = argmax_except(predictions(model, x)[:, s:s + 8], mask_id)
     assert torch.equal(out, x)
 
 
@@ -164,7 +165,7 @@ def test_step_rule_left_to_right_is_autoregressive_decoding(model, family):
     x = masked(model, prompt)
     for p in range(prompt.shape[1], x.shape[1]):                      # the reference: one position at a time
         with torch.inference_mode():
-            x[0, p] = argmax_except(model(x)[0, p], mask_id)
+            x[0, p] = argmax_except(predictions(model, x)[0, p], mask_id)
     assert torch.equal(out, x) and st["committed"] == [1] * 32
     cached, _ = generate(model, prompt, propose=LeftToRight(mask_id), cache="dual", select=Margin(0.5), **OWN)
     assert not (cached == mask_id).any()

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from reference import predictions
 from tokenizers import Tokenizer, models
 
 from conftest import GOLDEN, copy_checkpoint
@@ -46,7 +47,7 @@ def check_guide_summary(logits, ref):
 # ------------------------------------------------------------------------------------------ the model
 def test_guide_forward_matches_golden(qwen, golden):
     ref = golden["guide_forward"]
-    assert qwen.config.causal and not qwen.config.shift_logits and qwen.config.vocab_size == ref["vocab_size"]
+    assert qwen.config.causal and not qwen.config.shift and qwen.config.vocab_size == ref["vocab_size"]
     ids = torch.tensor([ref["input_ids"]])
     with torch.no_grad():
         full = qwen(ids)[0]                                             # uncached: row i predicts token i+1
@@ -263,7 +264,7 @@ def test_guide_pieces_reproduce_the_golden_guided_runs(qwen, golden):
         with torch.no_grad():
             while (x == mask).any():
                 a = 0 if nfe == 0 else P           # step 0: the whole canvas; then the generation part
-                logits = dream(x[None, a:], cache=kv, start=a)[0]
+                logits = predictions(dream, x[None, a:], cache=kv, start=a)[0]     # aligned within the chunk
                 logits[:, eos] += st.get("eos_bias", {}).get("dream", 0.0)
                 nfe += 1
                 first = int((x == mask).nonzero()[0])

@@ -61,10 +61,11 @@ def left_to_right(model, prompt, gen_length):
     """The plain left-to-right decode of the diffusion model: each step, one full forward and the argmax
     (never the mask token) at the first mask."""
     import sampler as S
+    from reference import predictions
     x = torch.cat([prompt, torch.full((1, gen_length), model.config.mask_id)], 1)
     for p in range(prompt.shape[1], x.shape[1]):
         with torch.no_grad():
-            x[0, p] = S.argmax_except(model(x)[0, p], model.config.mask_id)
+            x[0, p] = S.argmax_except(predictions(model, x)[0, p], model.config.mask_id)
     return x
 
 

@@ -1,0 +1,258 @@
+"""
+blockdiff.py: block diffusion, the family of Fast-dLLM v2 (arXiv 2509.26328; NVlabs/Fast-dLLM v2/) and SDAR
+(arXiv 2510.06303; JetAstra/SDAR): an autoregressive LM made to denoise a block at a time. Attention is
+block-causal on a grid anchored at position 0 (query q sees key k iff q // G >= k // G: bidirectional inside a
+block, causal across blocks), so the keys/values of a finished block never change again: the prefix cache of this
+family is exact, not an approximation (cache.py's BlockPrefix).
+
+Here are the family's parts for fastdllm.py's one loop (docs/blockdiff.md tells the method):
+- `grid_canvas` / `grid_output`: a batch on one grid. Each row's prompt starts at position 0 and its answer right
+  after it (right padding with masks, as Fast-dLLM v2's batch_sample): the grid, the RoPE positions and every
+  block's keys are then the ones the row has alone. The answer runs to a grid block edge, as each official decode
+  counts it. generate() hands back the usual layout, answers after a common prompt width.
+- `FastDLLMv2`, `SDAR`: the step rules. A block's first call stores the block before it, clean (the prefill
+  for the first block); for Fast-dLLM v2 (the AR token shift: position p is predicted from p - 1) that call's last
+  row also gives the block's first token, by arg-max. Then sub-blocks (v2) or the whole block (SDAR) are denoised.
+- `DynamicThreshold`, `FirstMasks`: SDAR's `low_confidence_dynamic` and `sequential` selections (v2's strict
+  threshold is sampler.Threshold(strict=True); SDAR's `low_confidence_static` is sampler.Schedule).
+- `block_parts`: the call's step rule and selection from its settings; `check_block`: what this family refuses.
+"""
+import torch
+import torch.nn.functional as F
+
+from sampler import NEG_INF, Proposal, Schedule, StepRule, Threshold, argmax_except
+
+SDAR_REMASKING = ("low_confidence_dynamic", "low_confidence_static", "sequential")
+
+
+# ---------------------------------------------------------------------------------------- the canvas
+def grid_length(family: str, longest: int, gen_length: int, G: int) -> int:
+    """The canvas length of a batch whose longest prompt has `longest` tokens, as each official decode counts it.
+    Fast-dLLM v2 (batch_sample): gen_length / G blocks after the longest prompt's whole blocks, plus the first token
+    of the next block (the last store call's). SDAR (block_diffusion_generate): prompt + answer rounded up to a block."""
+    if family == "fastdllm_v2":
+        return (longest // G + gen_length // G) * G + 1
+    return -(-(longest + gen_length) // G) * G
+
+
+def grid_canvas(prompt, attention_mask, gen_length: int, G: int, family: str, mask_id: int):
+    """A (left-padded) prompt batch -> (canvas (B, L): each row's prompt from position 0 and masks after it, the
+    rows' prompt lengths (B,), the blocks [(s, e)])."""
+    B, P = prompt.shape
+    lengths = (attention_mask.long().sum(-1) if attention_mask is not None else torch.full((B,), P)).to(prompt.device)
+    L = grid_length(family, int(lengths.max()), gen_length, G)
+    ar = torch.arange(L, device=prompt.device)
+    src = (ar + P - lengths[:, None]).clamp(max=P - 1)                    # row r's token j sits at P - len_r + j
+    x = torch.where(ar < lengths[:, None], prompt.gather(1, src.clamp(max=P - 1)), mask_id)
+    first = int(lengths.min()) // G * G                                  # the grid block of the shortest prompt's end
+    blocks = [(s, min(s + G, L)) for s in range(first, L, G)]            # Fast-dLLM v2: [L - 1, L) the extra token
+    return x, lengths, blocks
+
+
+def grid_output(x, lengths, P: int, fill: int, eos=None):
+    """The canvas -> generate()'s layout (B, P + L - shortest): row r is its prompt right-aligned at P, then its
+    answer, then `fill`. eos (Fast-dLLM v2's batch_sample): a row whose answer ended has `fill` after its end token."""
+    B, L = x.shape
+    width = P + L - int(lengths.min())
+    j = torch.arange(width, device=x.device) - (P - lengths[:, None])    # (B, width): canvas position of each slot
+    out = torch.where((j >= 0) & (j < L), x.gather(1, j.clamp(0, L - 1)), fill)
+    if eos is not None:
+        end = torch.isin(out, eos) & (torch.arange(width, device=x.device) >= P)
+        out = out.masked_fill(end.long().cumsum(-1) - end.long() > 0, fill)   # after the first end token
+    return out
+
+
+def block_causal(L: int, G: int, device) -> torch.Tensor:
+    """(1, 1, L, L) bool: position q attends to k iff k // G <= q // G (the grid anchored at position 0)."""
+    block = torch.arange(L, device=device) // G
+    return (block[None, :] <= block[:, None])[None, None]
+
+
+# ---------------------------------------------------------------------------------------- sampling
+def top_p_sample(logits, temperature: float, top_p, generator, mask_id: int):
+    """Fast-dLLM v2's sample_with_top_p -> (tokens (B, n), their probabilities): at temperature 0 the arg-max of the
+    softmax (never the mask id), else a draw from the nucleus (the smallest set above top_p, renormalised), one
+    torch.multinomial per row over its n positions: row by row, a row draws the numbers the official draws for its
+    one row (whose batch_sample fails at temperature > 0 for a batch)."""
+    probs = logits.float().softmax(-1)
+    if temperature == 0:
+        x0 = argmax_except(probs, mask_id)
+        return x0, probs.gather(-1, x0[..., None]).squeeze(-1)
+    probs = (logits.float() / temperature).softmax(-1)
+    if top_p is not None and top_p < 1:
+        sorted_p, order = probs.sort(-1, descending=True)
+        drop = F.pad((sorted_p.cumsum(-1) > top_p)[..., :-1], (1, 0), value=False)
+        probs = probs.masked_fill(drop.scatter(-1, order, drop), 0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    x0 = torch.stack([torch.multinomial(row, 1, generator=generator).squeeze(-1) for row in probs])
+    return x0, probs.gather(-1, x0[..., None]).squeeze(-1)
+
+
+def sdar_sample(logits, temperature: float, top_k, top_p, generator, mask_id: int):
+    """SDAR's sample_with_temperature_topk_topp -> (tokens (B, n), probabilities): one draw for every position of the
+    block from softmax(logits / T) after top-k and top-p (the official draws over the flattened (B * n, V) block, so
+    a seeded run draws the same numbers). Temperature 0 (the official divides by it): the arg-max, and its
+    probability under the model's own softmax as the confidence."""
+    if temperature == 0:
+        probs = logits.float().softmax(-1)
+        x0 = argmax_except(probs, mask_id)
+        return x0, probs.gather(-1, x0[..., None]).squeeze(-1)
+    scaled = logits.float() / temperature
+    if top_k:
+        scaled = scaled.masked_fill(scaled < scaled.topk(top_k)[0][..., -1:], NEG_INF)
+    if top_p is not None and top_p < 1:
+        sorted_l, order = scaled.sort(-1, descending=True)
+        drop = F.pad((sorted_l.softmax(-1).cumsum(-1) > top_p)[..., :-1], (1, 0), value=False)
+        scaled = scaled.masked_fill(drop.scatter(-1, order, drop), NEG_INF)
+    probs = scaled.softmax(-1)
+    x0 = torch.multinomial(probs.reshape(-1, probs.shape[-1]), 1, generator=generator).view(probs.shape[:-1])
+    return x0, probs.gather(-1, x0[..., None]).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------- step rules
+class BlockStep(StepRule):
+    """What both step rules share: a block's first call (s > 0) stores the block before it (`store`); the others
+    denoise. first_token: that call's last row predicts the block's first position (the AR token shift)."""
+    first_token = False
+
+    def store(self, at) -> bool:
+        return at.i == 0 and at.s > 0
+
+    def widen(self, x0, conf, at, open_):
+        """(B, n) at the logits' columns at.cols -> the block's width (B, N): -inf where the step may not commit."""
+        x0 = torch.zeros_like(at.masked, dtype=x0.dtype).index_copy_(1, at.cols, x0)
+        conf = torch.full_like(at.masked, NEG_INF, dtype=conf.dtype).index_copy_(1, at.cols, conf)
+        return x0, conf.masked_fill_(~open_, NEG_INF)
+
+
+class FastDLLMv2(BlockStep):
+    """Fast-dLLM v2's batch_sample (v2/generation_functions.py): the block in sub-blocks of `sub_block` tokens, left to
+    right; a step proposes the masks of the first sub-block that still has one (in any row: the batch moves together,
+    a row with none there waits), sampled by sample_with_top_p. The store call's token is the arg-max, as official."""
+    first_token = True
+
+    def __init__(self, *, sub_block: int, temperature: float = 0.0, top_p=None, generator=None, mask_id: int):
+        self.sub_block, self.temperature, self.top_p = sub_block, temperature, top_p
+        self.generator, self.mask_id = generator, mask_id
+
+    def propose(self, logits, at) -> Proposal:
+        N = at.masked.shape[1]
+        if self.store(at):                      # the block's first token, from the stored block's last row
+            open_ = at.masked & (torch.arange(N, device=at.masked.device) == 0)
+            x0, conf = top_p_sample(logits, 0.0, None, None, self.mask_id)           # the arg-max, as official
+            x0, conf = self.widen(x0, conf, at, open_)
+        else:
+            first = at.masked_cols[0] // self.sub_block * self.sub_block      # the sub-block [first, first + sb)
+            sub = torch.arange(first, min(first + self.sub_block, N), device=at.masked.device)
+            open_ = torch.zeros_like(at.masked).index_copy_(1, sub, at.masked[:, sub])
+            # The official samples every position of the sub-block, masked or not (the same random numbers a step
+            # draws, whatever the tokens): a position without logits here is drawn from another's, then not opened.
+            rows = torch.searchsorted(at.cols, sub).clamp(max=max(len(at.masked_cols) - 1, 0))
+            x0, conf = top_p_sample(logits[:, rows], self.temperature, self.top_p, self.generator, self.mask_id)
+            x0 = torch.zeros_like(at.masked, dtype=x0.dtype).index_copy_(1, sub, x0)
+            conf = torch.full_like(at.masked, NEG_INF, dtype=conf.dtype).index_copy_(1, sub, conf).masked_fill_(
+                ~open_, NEG_INF)
+        return Proposal(x0, conf, open_, open_.sum(-1), logits)
+
+
+class SDAR(BlockStep):
+    """SDAR's block_diffusion_generate (JetAstra/SDAR generate.py): every position of the block sampled at each step;
+    a step's count k is get_num_transfer_tokens(block, steps), an even split of the block over its steps (the
+    selection takes at least k, never more masks than are left: the official can pick a prompt position there)."""
+
+    def __init__(self, *, steps_per_block: int, block_length: int, temperature: float = 0.0, top_k=None, top_p=None,
+                 generator=None, mask_id: int):
+        self.steps_per_block, self.temperature, self.top_k, self.top_p = steps_per_block, temperature, top_k, top_p
+        self.generator, self.mask_id = generator, mask_id
+        base, rem = divmod(block_length, steps_per_block)
+        self.counts = [base + (i < rem) for i in range(steps_per_block)]
+
+    def start_block(self, x, s: int, e: int):
+        self.step = 0                           # denoising steps so far in this block (the store call is none)
+
+    def propose(self, logits, at) -> Proposal:
+        if self.store(at):                      # SDAR has no shift: storing the last block predicts nothing here
+            nothing = torch.zeros_like(at.masked)
+            return Proposal(torch.zeros_like(at.masked, dtype=torch.long), torch.full_like(at.masked, NEG_INF,
+                            dtype=torch.float32), nothing, nothing.sum(-1), logits)
+        x0, conf = sdar_sample(logits, self.temperature, self.top_k, self.top_p, self.generator, self.mask_id)
+        k = torch.full((at.masked.shape[0],), self.counts[min(self.step, len(self.counts) - 1)],
+                       device=at.masked.device)
+        self.step += 1
+        x0, conf = self.widen(x0, conf, at, at.masked)
+        return Proposal(x0, conf, at.masked, k, logits)
+
+
+# ---------------------------------------------------------------------------------------- selection
+class DynamicThreshold:
+    """SDAR's low_confidence_dynamic: every mask above the threshold (strict) if they are at least the step's count
+    k, else the k most confident."""
+    parallel = True
+
+    def __init__(self, tau: float):
+        self.tau = tau
+
+    def __call__(self, p: Proposal, at):
+        high = p.open & (p.conf > self.tau)
+        return torch.where((high.sum(-1) >= p.k)[:, None], high, Schedule()(p, at))
+
+
+class FirstMasks:
+    """SDAR's sequential: the step's count k of masks, left to right."""
+    parallel = False
+
+    def __call__(self, p: Proposal, at):
+        return p.open & (p.open.long().cumsum(-1) <= p.k[:, None])
+
+
+# ---------------------------------------------------------------------------------------- the family's set-up
+def block_parts(cfg, st, generator):
+    """The call's step rule and selection rule for a block-diffusion model, its settings checked (check_block)."""
+    if cfg.family == "fastdllm_v2":
+        rule = FastDLLMv2(sub_block=st.sub_block or min(8, st.block_length), temperature=st.temperature,
+                          top_p=st.top_p, generator=generator, mask_id=cfg.mask_id)
+        return rule, st.select or Threshold(1.0 if st.threshold is None else st.threshold, strict=True)
+    n_blocks = st.gen_length // st.block_length
+    rule = SDAR(steps_per_block=st.steps // n_blocks, block_length=st.block_length, temperature=st.temperature,
+                top_k=st.top_k, top_p=st.top_p, generator=generator, mask_id=cfg.mask_id)
+    select = (DynamicThreshold(st.threshold) if st.remasking == "low_confidence_dynamic" else
+              FirstMasks() if st.remasking == "sequential" else Schedule())
+    return rule, st.select or select
+
+
+def check_block(cfg, st, given: dict, longest: int):
+    """What a block-diffusion call refuses, in one line naming the setting and the fix (longest: the longest prompt)."""
+    def bad(msg):
+        raise ValueError(msg)
+    G, trained = st.block_length, cfg.block
+    if trained % G:
+        bad(f"block_length {G}: this checkpoint was trained with blocks of {trained} (config.json "
+            f"{'bd_size' if cfg.family == 'fastdllm_v2' else 'block_size'}); use {trained} or a divisor of it")
+    if grid_length(cfg.family, longest, st.gen_length, G) > cfg.max_seq_len:
+        bad(f"prompt ({longest} tokens) + gen_length ({st.gen_length}), to the grid block's edge, exceeds the model's "
+            f"{cfg.max_seq_len} positions: shorten the prompt or lower gen_length")
+    if st.threshold is not None and not 0 < st.threshold <= 1:
+        bad(f"threshold {st.threshold} is outside (0, 1]: a block-diffusion step commits the masks whose probability "
+            f"is above it (and always the most likely one); 0.9 is Fast-dLLM v2's, 1 is one token per step")
+    if st.cache not in ("none", "prefix", "dual") and isinstance(st.cache, str):
+        bad(f"cache {st.cache!r} does not apply to a block-diffusion model: its prefix cache is exact; use 'prefix', "
+            f"'dual' (Fast-dLLM v2's sub-block cache) or 'none'")
+    if cfg.family == "fastdllm_v2":
+        sb = st.sub_block or min(8, G)
+        if sb < 1 or G % sb:
+            bad(f"sub_block {sb} does not divide block_length {G}: pick a divisor, e.g. {min(8, G)}")
+        for key in ("steps", "top_k", "remasking", "alg_temp"):
+            if given.get(key) is not None:
+                bad(f"{key} does not apply to Fast-dLLM v2: it decodes each sub-block until no mask is left, by its "
+                    f"threshold; drop {key}")
+    else:
+        if given.get("sub_block") is not None:
+            bad("sub_block is Fast-dLLM v2's: SDAR denoises the whole block at each step; drop sub_block")
+        if st.remasking not in SDAR_REMASKING:
+            bad(f"remasking {st.remasking!r} is not one of SDAR's: use {', '.join(SDAR_REMASKING)}")
+        if st.remasking == "low_confidence_dynamic" and st.threshold is None:
+            bad("SDAR's low_confidence_dynamic needs a threshold (0.85 is SDAR's): pass threshold, or "
+                "remasking='low_confidence_static'")
+        if st.steps // (st.gen_length // G) > G:
+            bad(f"steps: {st.steps // (st.gen_length // G)} steps per block of {G} tokens; use at most one step a "
+                f"token, steps <= gen_length ({st.gen_length})")
