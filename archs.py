@@ -66,7 +66,7 @@ def read_llada(hf: dict) -> dict:
                 max_seq_len=hf["max_sequence_length"], mask_id=hf.get("mask_token_id", 126336))
 
 
-# LLaDA-MoE's configuration class stores routing switches its forward never reads (spec/lladamoe.md 3): the
+# LLaDA-MoE's configuration class stores routing switches its forward never reads (docs/official.md 8): the
 # official block always scores with a float32 softmax and never renormalises, scales or groups the top-k. So a
 # checkpoint that sets one of them is computed by the official code as if it had not, and its trainer may well
 # have meant otherwise: we refuse it rather than guess. The values under which ignoring the key is exact:
@@ -79,7 +79,7 @@ MOE_UNREAD = {   # key: (values under which ignoring it is exact, what the offic
 
 
 def read_lladamoe(hf: dict) -> dict:
-    """LLaDA-MoE's config.json (configuration_lladamoe.py; spec/lladamoe.md 'Checkpoint'): every switch the official
+    """LLaDA-MoE's config.json (configuration_lladamoe.py; docs/official.md 8): every switch the official
     forward reads is implemented; one it stores but ignores is refused unless ignoring it is exact (MOE_UNREAD)."""
     def refuse(key, why):
         raise ValueError(f"config.json sets {key} = {hf[key]!r}; {why}")
@@ -105,7 +105,7 @@ def read_lladamoe(hf: dict) -> dict:
         raise ValueError(f"config.json gives num_experts = {moe.n_experts!r}, num_experts_per_tok = {moe.top_k!r}, "
                          f"expert_intermediate_size = {moe.ffn_dim!r}: positive, and top-k at most the experts")
     # The release's config.json has no mask_token_id: read_config looks for "<|mask|>" in its tokenizer.json, and
-    # 156895 is the model card's generate(mask_id=156895) (spec/lladamoe.md; docs/models.md).
+    # 156895 is the model card's generate(mask_id=156895) (docs/models.md, LLaDA-MoE).
     return dict(hf_sizes(hf, "dense_intermediate_size"), mask_id=hf.get("mask_token_id", 156895),
                 qk_norm=bool(hf.get("qk_layernorm")), clip_qkv=clip, rope_fraction=rope, moe=moe)
 

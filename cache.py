@@ -112,7 +112,7 @@ class DualCache(CachePolicy):
 
 
 class FreeCache(CachePolicy):
-    """FlashDLM's FreeCache (arXiv 2505.21467; spec/flashdlm.md 1): only the generation's first call is full;
+    """FlashDLM's FreeCache (arXiv 2505.21467; docs/official.md 7.1): only the generation's first call is full;
     every later step feeds [s - shift, L), the block and the masked suffix, from one position earlier for a
     shifted family (Dream predicts s from s - 1). Nothing left of that is ever recomputed: a block's keys/
     values stay frozen as its last step computed them, while some of its tokens were still masks. In a

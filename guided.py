@@ -1,5 +1,5 @@
 """
-guided.py: FlashDLM's guided diffusion (arXiv 2505.21467; spec/flashdlm.md 2), all of it: the diffusion model
+guided.py: FlashDLM's guided diffusion (arXiv 2505.21467; docs/official.md 7.2), all of it: the diffusion model
 drafts every masked position, a small causal LM (the guide, Qwen2.5-1.5B-Instruct for Dream-7B) verifies the
 drafts left to right, and a step commits the accepted run.
 - `Guide`: the guide model and its KV cache of the committed text, for a whole batch;

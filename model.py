@@ -6,10 +6,10 @@ guides them, and nothing else.
   attention, no biases, SwiGLU MLP, untied LM head, RMSNorm, rotate-half RoPE (theta 500000).
 - LLaDA-MoE-7B-A1B (`model_type: "lladamoe"`, or `"llada"` with `LLaDAMoEModelLM`): the same diffusion LM with an
   OLMoE-style block: q/k RMSNorm per head, and a sparse mixture of experts (a router's top-k of 64 experts)
-  in place of the MLP (`MoE`, spec/lladamoe.md).
+  in place of the MLP (`MoE`, docs/official.md 8).
 - Dream-7B (`model_type: "Dream"`): the Qwen2.5-7B layout with grouped-query attention and q/k/v biases,
   and a next-token LM head, hence the one-position logits shift (see `Transformer.logits`).
-- The guide of FlashDLM's guided diffusion (arXiv 2505.21467; spec/flashdlm.md 2; Qwen2.5-1.5B-Instruct for Dream-7B,
+- The guide of FlashDLM's guided diffusion (arXiv 2505.21467; docs/official.md 7.2; Qwen2.5-1.5B-Instruct for Dream-7B,
   `model_type: "qwen2"`): the same Qwen2 blocks as Dream, but an ordinary autoregressive LM: causal attention,
   no logits shift, and usually a tied LM head. guided.Guide holds its state (the KV cache of committed text).
 
@@ -151,7 +151,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, hd)                             # (B, T, nh, hd)
         k = self.wk(x).view(B, T, -1, hd)                             # (B, T, nkv, hd)
         v = self.wv(x).view(B, T, -1, hd)
-        if cfg.qk_norm:    # per head, before RoPE (spec/lladamoe.md 2)
+        if cfg.qk_norm:    # per head, before RoPE (docs/official.md 8)
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.clip_qkv is not None:   # after the q/k norm, as the official attention clamps
             q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
@@ -193,7 +193,7 @@ class MLP(nn.Module):
 
 class MoE(nn.Module):
     """
-    LLaDA-MoE's sparse block, as its official forward computes it (spec/lladamoe.md 3; the remote code's
+    LLaDA-MoE's sparse block, as its official forward computes it (docs/official.md 8; the remote code's
     LLaDAMoESparseMoeBlock): router probabilities softmax(router(x)) in float32 whatever the dtype, plus the expert
     bias if any (added *before* the top-k and kept in the weights: an official quirk), the top-k of them as weights,
     never renormalised (the official block sets norm_topk_prob = False itself and never reads the config key),

@@ -1,6 +1,6 @@
 """
 sampler.py: logits -> tokens. How each family proposes (step rules: LLaDA's Gumbel-max sampler and budget,
-spec/llada.md 3; Dream's sampler, confidences and float32 schedule, spec/dream.md 5), which proposals a step
+docs/official.md 2; Dream's sampler, confidences and float32 schedule, docs/official.md 5), which proposals a step
 commits (selection rules: the schedule, Fast-dLLM's threshold and factor decoding, section 3.3), when an answer
 has ended (stop rules). Randomness only through an explicit torch.Generator. Logits (B, n, V) at the block's open
 columns `at.cols` become a `Proposal` of (B, N) tensors, -inf where it may not commit. Feeds: cache.py; guides: guided.py.
@@ -154,7 +154,7 @@ class Factor:
 
 
 class QuotaThreshold(Threshold):
-    """Fast-dLLM's Dream `confidence_threshold` without blocks (spec/dream.md 7.2): offer the k + carry most
+    """Fast-dLLM's Dream `confidence_threshold` without blocks (docs/official.md 6.1): offer the k + carry most
     confident; take the first, the others at confidence >= tau; offer the refused again (the carry)."""
 
     def __call__(self, p: Proposal, at):
@@ -231,11 +231,11 @@ class LLaDA(StepRule):
 
 
 class Dream(StepRule):
-    """Dream, Fast-dLLM's block sampler (spec/dream.md 7.3): Dream's sampler proposes (top-p/top-k/temperature,
+    """Dream, Fast-dLLM's block sampler (docs/official.md 6.2): Dream's sampler proposes (top-p/top-k/temperature,
     float32), ranked by `alg` (the schedule's default: entropy; a parallel rule's: maskgit_plus, the max
     probability). schedule=True: Dream's schedule counts each step's tokens (a parallel rule needs no count).
-    first_token: a block's first step opens only its first position, decoded whatever its confidence (spec/dream.md
-    7.3). Subclasses change only the clock."""
+    first_token: a block's first step opens only its first position, decoded whatever its confidence (docs/official.md
+    6.2). Subclasses change only the clock."""
     first_token = True
 
     def __init__(self, *, steps: int, n_blocks: int, block_length: int, temperature: float = 0.0,
@@ -252,7 +252,7 @@ class Dream(StepRule):
         return self.steps_per_block             # the time grid runs over one block's steps
 
     def clock(self, at):
-        """Where the step stands on the schedule (spec/dream.md 5 and 7, spec/flashdlm.md 1) -> (t, t_next: the
+        """Where the step stands on the schedule (docs/official.md 5, 6.2 and 7.1) -> (t, t_next: the
         step goes from t to t_next on the float32 grid; last: the block's last scheduled step takes every mask
         left; later: masks of later blocks counted in, for FreeCache). Parallel steps past it never read it."""
         i = min(at.i, self.steps_per_block - 1)
@@ -289,7 +289,7 @@ class Dream(StepRule):
 
 
 class DreamFree(Dream):
-    """FlashDLM's FreeCache sampler for Dream (spec/flashdlm.md 1): no first-token rule; one time grid over all
+    """FlashDLM's FreeCache sampler for Dream (docs/official.md 7.1): no first-token rule; one time grid over all
     steps, indexed by the global step; the count is taken of the block's masks *and every later block's*."""
     first_token = False
 
@@ -303,8 +303,8 @@ class DreamFree(Dream):
 
 
 class DreamCanvas(Dream):
-    """Dream's own `diffusion_generate` (spec/dream.md 5): one block, exactly `steps` calls on one grid (with
-    QuotaThreshold, Fast-dLLM's variant, 7.2: gen/steps offered a step until no mask is left). `origin`: each mask
+    """Dream's own `diffusion_generate` (docs/official.md 5): one block, exactly `steps` calls on one grid (with
+    QuotaThreshold, Fast-dLLM's variant, 6.1: gen/steps offered a step until no mask is left). `origin`: each mask
     committed with probability 1 - s/t, one uniform per mask drawn row-major before any token, as officially."""
     first_token = False
 

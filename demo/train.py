@@ -17,7 +17,7 @@ LLaDA's tensor names, tokenizer.json), so the model loads through model.load_mod
 Fewer steps are not enough: at 10,000 steps one-token-per-step decoding was valid on only 0.83 of the
 held-out problems (0.995 at 20,000).
 
-With --guide the same script trains the *guide* of FlashDLM's guided diffusion (arXiv 2505.21467; spec/flashdlm.md 2):
+With --guide the same script trains the *guide* of FlashDLM's guided diffusion (arXiv 2505.21467; docs/official.md 7.2):
 a small causal LM in the exact Qwen2.5 on-disk format (config.json with Qwen2's fields, tied head, Qwen2
 tensor names), with the same tokenizer, hence the same token ids, and the ordinary next-token loss on the same
 problems. Every position is a target, so it learns far faster than the diffusion model:

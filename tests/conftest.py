@@ -1,4 +1,4 @@
-"""Shared fixtures: the golden checkpoints and outputs of the official code (copied from shared/spec/golden),
+"""Shared fixtures: the golden checkpoints and outputs of the official code (docs/official.md, tests/golden),
 loaded once per session, and a helper that gives a checkpoint folder a tiny word-level tokenizer."""
 import json
 import os

@@ -3,7 +3,7 @@
 No cache, no batching tricks, no shared code with the decoding loop or sampler.py: every step is one plain
 forward of the whole canvas (`predictions(model, x)`: row i predicts the token at position i, for both families:
 the official logits shift, cat(logits[:, :1], logits[:, :-1]), written here apart from the loop's),
-and each rule is written from the official formula as spec/llada.md and spec/dream.md record it.
+and each rule is written from the official formula as docs/official.md records it.
 
 reference_decode: block by block, each step commits the most confident masked token of the block and, with a
 threshold, every masked token whose confidence reaches it (Fast-dLLM 3.3, Theorem 1), or with a factor f the top
@@ -19,7 +19,6 @@ Deliberate differences from the official code (docs/parity.md) are kept here too
 import torch
 
 
-
 def predictions(model, x, **kw):
     """model(x) with row i the prediction for the token at position i: a shifted family (Dream, Fast-dLLM v2)
     predicts position i from the output at i - 1, and position 0 keeps its own (the official shift)."""
@@ -28,7 +27,7 @@ def predictions(model, x, **kw):
 
 
 def factor_rule(conf, masked, f: float):
-    """Fast-dLLM's factor rule (3.3; spec/llada.md 3, `get_transfer_index_dynamic`), row by row: sort the
+    """Fast-dLLM's factor rule (3.3; docs/official.md 2, `get_transfer_index_dynamic`), row by row: sort the
     candidates' confidences c(1) >= ... >= c(N), find the first rank n >= 2 with c(n) < 1 - f/(n+1) and take the
     top n-1; nobody fails: take all N. Kept as the official code has it: a first failure at the last rank takes
     all N too."""
@@ -79,7 +78,7 @@ def reference_decode(model, prompt, gen_length: int, block_length: int, threshol
 
 # ---------------------------------------------------------------------------------------------------- Dream
 def dream_sample(logits, mask_id: int, temperature=0.0, top_p=None, top_k=None):
-    """Dream's `sample_tokens` (spec/dream.md 5) on (n, V) logits -> (probs, x0, confidence): divide by the
+    """Dream's `sample_tokens` (docs/official.md 5) on (n, V) logits -> (probs, x0, confidence): divide by the
     temperature, keep the nucleus (tokens until the cumulative probability passes top_p, the first always),
     then the top_k logits, softmax; at T > 0 draw x0 with the official call, torch.distributions.Categorical, from
     the global RNG (the caller seeds it), and its confidence is the drawn token's probability; else the argmax
@@ -106,7 +105,7 @@ def dream_sample(logits, mask_id: int, temperature=0.0, top_p=None, top_k=None):
 
 
 def dream_score(alg: str, probs, confidence):
-    """How Dream ranks positions (spec/dream.md 5): maskgit_plus the proposal's probability, topk_margin the top
+    """How Dream ranks positions (docs/official.md 5): maskgit_plus the proposal's probability, topk_margin the top
     two probabilities' difference, entropy the negative entropy sum p log(p + 1e-10)."""
     if alg == "maskgit_plus":
         return confidence
@@ -145,7 +144,7 @@ def left_a_tie(full, best) -> bool:
 
 @torch.inference_mode()
 def reference_dream_blocks(model, prompt, gen_length: int, block_length: int, steps: int, eps: float = 1e-3):
-    """Fast-dLLM's Dream block sampler with its default ranking, entropy, and no threshold (spec/dream.md 7.3,
+    """Fast-dLLM's Dream block sampler with its default ranking, entropy, and no threshold (docs/official.md 6.2,
     `generation_utils_block.py`), greedy, with every cached call replaced by a full forward (an exact cache).
     Per block: a refresh call decodes the block's first position, whatever its confidence; then call i = 1, 2, ...
     commits dream_count(masks of the block, grid[i], grid[i+1]) tokens by entropy, grid = linspace(1, eps,
@@ -178,7 +177,7 @@ def reference_dream_blocks(model, prompt, gen_length: int, block_length: int, st
 @torch.inference_mode()
 def reference_dream_canvas(model, prompt, gen_length: int, steps: int, alg: str = "entropy", temperature=0.0,
                            top_p=None, top_k=None, eps: float = 1e-3, threshold: float | None = None, seed: int = 0):
-    """Dream's whole-canvas sampler (spec/dream.md 5, `_sample`): every call ranks all masked positions of the
+    """Dream's whole-canvas sampler (docs/official.md 5, `_sample`): every call ranks all masked positions of the
     canvas; step i of grid = linspace(1, eps, steps + 1) commits dream_count(masks, grid[i], grid[i+1]) tokens per
     row, the best by `alg`. Sampled draws (temperature > 0) come from the global RNG seeded `seed`, one
     Categorical over the masked positions in row-major order per call, as the official code draws; the caller's

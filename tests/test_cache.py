@@ -38,7 +38,7 @@ def test_fresh_cache_decode_equals_naive(both, family, cache, threshold):
     """With the cache refreshed before every step it is never stale, so the cached forwards (prefix: block +
     suffix; dual: block only) must reproduce the naive decode token for token, and so must no cache at all.
     The naive decode is tests/reference.py's, written apart from generate(): for Dream without a threshold,
-    Fast-dLLM's block schedule (entropy; spec/dream.md 7.3), so that default is anchored on its formula rather
+    Fast-dLLM's block schedule (entropy; docs/official.md 6.2), so that default is anchored on its formula rather
     than on generate(cache="none"), which would share any error in the schedule."""
     model, prompt, kw = both[family]
     G, bl = kw["gen_length"], kw["block_length"]

@@ -120,7 +120,7 @@ def test_decode_encode_roundtrip(chat, text):
 
 
 def test_dream_chat_template(chat):
-    """spec/dream.md section 3: Qwen2.5's template with the default system prompt; answers end at eos or
+    """docs/official.md 3: Qwen2.5's template with the default system prompt; answers end at eos or
     <|im_end|>."""
     prompt = chat.render([{"role": "user", "content": "Hi"}])
     assert prompt == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"

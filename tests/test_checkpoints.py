@@ -248,7 +248,7 @@ def test_a_template_we_do_not_write_out_is_one_line(releases, tmp_path):
 
 def test_weight_bytes_of_the_real_sizes(capsys):
     """README's GPU memory column: parameters x 2 bytes at each release's real config. LLaDA-8B's equals its
-    safetensors index's total_size (16,031,162,368, spec/llada.md); the Dream-7B shape's 15.23 GB is what
+    safetensors index's total_size (16,031,162,368, docs/official.md 1); the Dream-7B shape's 15.23 GB is what
     DiffuCoder-7B's four shards add up to on its model page (4.88 + 4.93 + 4.33 + 1.09 GB)."""
     from tools import checkpoint
     assert checkpoint.release_bytes("GSAI-ML/LLaDA-1.5") == 16_031_162_368

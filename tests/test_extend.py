@@ -306,7 +306,7 @@ def test_a_silent_fork_is_refused_in_one_line(llada, case):
 @torch.inference_mode()
 def test_dream_selection_is_called_at_a_blocks_first_step_with_its_first_position_open(dream):
     """Fast-dLLM's Dream block sampler decodes a block's first position at the block's first step, whatever its
-    confidence (spec/dream.md 7.3): the step rule opens that position alone, and a fork's selection rule is
+    confidence (docs/official.md 6.2): the step rule opens that position alone, and a fork's selection rule is
     called there too (README hooks table); it is not wrapped, so its errors name it."""
     seen = []
 

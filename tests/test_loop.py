@@ -73,7 +73,7 @@ def test_pad_prompts_left_pads_and_masks():
 
 
 def test_dream_whole_canvas_threshold(dream):
-    """Fast-dLLM's Dream `confidence_threshold` without blocks (spec/dream.md 7.2): gen/steps tokens are
+    """Fast-dLLM's Dream `confidence_threshold` without blocks (docs/official.md 6.1): gen/steps tokens are
     offered per step, the first always taken, the others at confidence >= tau, the refused ones offered
     again; after the scheduled steps only the carry is offered, until no mask is left."""
     prompt = torch.tensor([PROMPTS["dream"][0]])

@@ -1,4 +1,4 @@
-"""LLaDA-MoE (spec/lladamoe.md): the official forward's logits and Fast-dLLM's baseline decode on the golden tiny
+"""LLaDA-MoE (docs/official.md 8): the official forward's logits and Fast-dLLM's baseline decode on the golden tiny
 checkpoint, every routing switch against a plain transcription of the official forward, what we refuse, the
 dispatch on config.json, every cache and rule, padded batches, compile, host syncs, and the command line."""
 import json
@@ -87,7 +87,7 @@ def test_sampled_golden_run_ids(moe, run):
 
 # ------------------------------------------------------------------------------------- every routing switch
 def reference_logits(folder: str, ids: torch.Tensor) -> torch.Tensor:
-    """spec/lladamoe.md's forward, written out plainly on the checkpoint's own tensors (float32): a per-token loop
+    """The official forward (docs/official.md 8), written out plainly on the checkpoint's own tensors (float32): a per-token loop
     over its top-k experts as the official block does, repeat_kv, RoPE on the first rotary dims."""
     with open(os.path.join(folder, "config.json")) as f:
         hf = json.load(f)

@@ -1,5 +1,5 @@
 """The decoding rules by value, each against an oracle written apart from the code under test (tests/reference.py,
-from the official formulas as spec/dream.md and spec/llada.md record them), through the public generate() only:
+from the official formulas as docs/official.md records them), through the public generate() only:
 Dream's whole-canvas sampler with every ranking (topk_margin included), greedy and sampled with top_p / top_k from
 a fixed generator; Fast-dLLM's Dream block schedule without a threshold (entropy, blocks); and the factor rule
 (Fast-dLLM 3.3) in whole decodes. The whole-canvas oracle is itself anchored on the official golden runs."""
@@ -27,7 +27,7 @@ def test_canvas_oracle_reproduces_the_official_runs(dream, run):
 
 @pytest.mark.parametrize("steps", [64, 16])
 def test_topk_margin_equals_the_reference(dream, steps):
-    """remasking="topk_margin" (Dream's whole-canvas sampler, spec/dream.md 5): positions ranked by the top two
+    """remasking="topk_margin" (Dream's whole-canvas sampler, docs/official.md 5): positions ranked by the top two
     probabilities' difference. On this fixture the margin's order decodes other tokens than maskgit_plus's and
     entropy's, so a sampler that ranked by either (or ignored remasking) fails here."""
     want, calls, _, ties = reference_dream_canvas(dream, PAIR, 64, steps, alg="topk_margin")
@@ -47,7 +47,7 @@ SAMPLED = [(4.0, 0.9, None), (4.0, None, 3), (4.0, 0.8, 3)]
 @pytest.mark.parametrize("alg", ["maskgit_plus", "entropy", "topk_margin"])
 @pytest.mark.parametrize("temperature,top_p,top_k", SAMPLED)
 def test_sampled_top_p_top_k_equal_the_reference(dream, alg, temperature, top_p, top_k):
-    """Dream's sampling at temperature > 0 (spec/dream.md 5): logits / T, the nucleus, the top-k, then one
+    """Dream's sampling at temperature > 0 (docs/official.md 5): logits / T, the nucleus, the top-k, then one
     Categorical draw over the masked positions in row-major order per call from the seeded generator, scored by
     the drawn token's probability. The oracle draws with the official torch.distributions.Categorical from the
     global RNG seeded alike. Catches a filter applied in another order or not at all (each changes the tokens
@@ -66,7 +66,7 @@ def test_sampled_top_p_top_k_equal_the_reference(dream, alg, temperature, top_p,
 
 @pytest.mark.parametrize("steps", [64, 32, 8])
 def test_dream_block_schedule_equals_the_reference(dream, steps):
-    """Fast-dLLM's Dream block sampler without a threshold (spec/dream.md 7.3, its default entropy ranking):
+    """Fast-dLLM's Dream block sampler without a threshold (docs/official.md 6.2, its default entropy ranking):
     the refresh call decodes the block's first token, then steps/blocks - 1 calls follow the float32 schedule
     over the block's masks. 16, 8 and 2 steps a block, two rows. Catches a wrong grid (per block, not per
     decode), a floor in another precision, a first call that ranks like the others, or another ranking."""
@@ -80,7 +80,7 @@ def test_dream_block_schedule_equals_the_reference(dream, steps):
                                                   ("llada", "dual", True), ("llada", "free", True),
                                                   ("dream", "none", False), ("dream", "dual", True)])
 def test_factor_rule_in_a_decode_equals_the_reference(llada, dream, family, cache, refresh, f):
-    """Fast-dLLM's factor rule (3.3; spec/llada.md 3) over whole decodes: each step takes the top n-1 by
+    """Fast-dLLM's factor rule (3.3; docs/official.md 2) over whole decodes: each step takes the top n-1 by
     confidence, n the first rank with c(n) < 1 - f/(n+1) (a first failure at the last rank takes all, as the
     official code does). These decodes reach every branch (a failure mid-way, at the last rank, none). Dream:
     our extension, its block's first call still decodes the first token alone. Caches refreshed every step

@@ -31,7 +31,7 @@ from tools.flags import Parser, nonempty, shape_arguments, writable  # noqa: E40
 GOLDEN = os.path.join(ROOT, "tests", "golden")
 MARKER = "random_checkpoint.json"   # written last: a folder holding it is a whole checkpoint this tool wrote
 
-# The real models' shapes (spec/llada.md and spec/dream.md, section 1) and the small ones measured on a CPU.
+# The real models' shapes (docs/official.md 1 and 3) and the small ones measured on a CPU.
 SHAPES = {
     "llada-8b": dict(family="llada", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn=12288, vocab=126464),
     "dream-7b": dict(family="dream", d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn=18944, vocab=152064),
@@ -241,8 +241,8 @@ def random_prompts(cfg: ModelConfig, batch: int, length: int, seed: int = 0) -> 
 # (each at its real distance from the end of the vocabulary, so the real vocabulary gets the real ids) and chat
 # template. docs/models.md gives each fact's source, and which ones no public copy of the file confirmed.
 
-# Special tokens by real id. LLaDA: spec/llada.md 1 (tokenizer_config.json). Qwen2.5's 22, the first 14 special;
-# Dream adds <|beginoftext|> and <|mask|> (spec/dream.md 3); DiffuCoder-Instruct adds <|dlm_pad|>.
+# Special tokens by real id. LLaDA: docs/official.md 1 (tokenizer_config.json). Qwen2.5's 22, the first 14 special;
+# Dream adds <|beginoftext|> and <|mask|> (docs/official.md 3); DiffuCoder-Instruct adds <|dlm_pad|>.
 LLADA_TOKENS = {126080: "<|startoftext|>", 126081: "<|endoftext|>", 126082: "[CLS]", 126083: "[gMASK]",
                 126336: "<|mdm_mask|>", 126340: "<role>", 126341: "</role>", 126346: "<|start_header_id|>",
                 126347: "<|end_header_id|>", 126348: "<|eot_id|>"}
@@ -263,7 +263,7 @@ LLADAMOE_TOKENS = {156892: "<|endoftext|>", 156895: "<|mask|>", 156896: "<role>"
                    156898: "<|role_end|>"}
 
 # Chat templates, written here (jinja, as tokenizer_config.json holds them) to render what each model's own does:
-# LLaDA's (spec/llada.md 1: bos once, header + trimmed content + <|eot_id|> per message, the assistant header
+# LLaDA's (docs/official.md 1: bos once, header + trimmed content + <|eot_id|> per message, the assistant header
 # always), and ChatML with a default system prompt, in Dream-v0's form (the system inside the loop) and Qwen2.5's
 # (before it).
 LLADA_TEMPLATE = ("{% for message in messages %}{% set content = '<|start_header_id|>' + message['role'] + "
@@ -318,7 +318,7 @@ LING_TEMPLATE = """{%- set thinking_option = 'off' %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<role>ASSISTANT</role>' }}{% endif %}"""
 
-# Dream's generation_config.json (spec/dream.md 1, verbatim; its ids follow config.json).
+# Dream's generation_config.json (docs/official.md 3, verbatim; its ids follow config.json).
 DREAM_GENERATION = dict(_from_model_config=True, alg="origin", alg_temp=None, eps=0.001, mask_token_id=None,
                         output_history=False, steps=512, temperature=0.0, top_k=None, top_p=None,
                         transformers_version="4.46.2")
@@ -345,7 +345,7 @@ LLADAMOE_ROW = dict(family="lladamoe", shape="lladamoe-7b", shards=3, tokens=LLA
                         "AutoConfig": "configuration_lladamoe.LLaDAConfig",
                         "AutoModel": "modeling_lladamoe.LLaDAMoEModelLM",
                         "AutoModelForCausalLM": "modeling_lladamoe.LLaDAMoEModelLM"}), drop=("mask_token_id",))
-# One row per released checkpoint (issue 30); `ids` are config.json's special ids (real values), `eos`/`pad`/`bos`/
+# One row per released checkpoint; `ids` are config.json's special ids (real values), `eos`/`pad`/`bos`/
 # `mask` the tokenizer files' tokens, `tokenizer` "tokenizer.json" or Qwen2's "slow" files. The weights' shape at
 # real size is SHAPES[shape]; REAL_VOCAB[family] is its vocabulary.
 RELEASES = {
