@@ -186,7 +186,7 @@ ARCHS = {
         include_bias=False, weight_tying=False, input_emb_norm=False, scale_logits=False,
         attention_layer_norm=False)),
     "lladamoe": Arch("LLaDA-MoE", "llada", ("lladamoe", "llada"), read_lladamoe, LLADAMOE_WEIGHTS,
-                     architectures=("LLaDAMoEModelLM", "LLaDAMoEModel"), keys=("num_experts",),
+                     architectures=("LLaDAMoEModelLM", "LLaDAMoEModel"), keys=("num_experts",), mask_token="<|mask|>",
                      fixed=dict(hidden_act="silu", rope_scaling=None, attention_bias=False, tie_word_embeddings=False)),
     "dream": Arch("Dream-7B", "dream", ("dream",), lambda hf: dict(
         hf_sizes(hf, "intermediate_size"), qkv_bias=True, mask_id=hf["mask_token_id"]), QWEN2_WEIGHTS,

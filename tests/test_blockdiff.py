@@ -208,3 +208,19 @@ def test_the_sub_block_cache_drift_is_measured_and_bounded(v2):
     exact = max(drift(v2, torch.tensor([p]), cache="prefix", **kw) for p in PROMPTS)
     approx = max(drift(v2, torch.tensor([p]), cache="dual", **kw) for p in PROMPTS)
     assert exact < ATOL and 0.5 < approx < 45, (exact, approx)
+
+
+def test_compiled_one_graph_per_feed_width_and_ids_equal_eager(v2):
+    """compile=True on a padded batch with the sub-block cache: one graph per width fed (the prefill, a block, a
+    sub-block: the slots and the grid's mask are tensors, so every block shares them) and one more for the block
+    width with per-row slots (a per-row rebuild); the ids eager's."""
+    from torch._dynamo.utils import counters
+    from fastdllm import Compiled
+    ids, am = pad_prompts(PROMPTS[2:4], 0)                       # 32 and 45 tokens: the prefill is one block
+    kw = dict(attention_mask=am, gen_length=32, block_length=16, sub_block=4, threshold=0.9, cache="dual")
+    eager, e = generate(v2, ids, **kw)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    compiled, c = generate(v2, ids, compile=Compiled(), **kw)
+    assert torch.equal(compiled, eager) and c["fed"] == e["fed"]
+    assert counters["stats"]["unique_graphs"] - before == len(set(e["fed"])) + 1 == 4

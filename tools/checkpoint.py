@@ -41,11 +41,17 @@ SHAPES = {
     # dense_intermediate_size, which no layer of the release uses).
     "lladamoe-7b": dict(family="lladamoe", d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, ffn=8192,
                         vocab=157184, experts=64, top_k=8, expert_ffn=1024),
+    # Fast-dLLM v2 7B: Qwen2.5-7B-Instruct's widths (Efficient-Large-Model/Fast_dLLM_v2_7B config.json).
+    "fastdllm-v2-7b": dict(family="fastdllm_v2", d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn=18944,
+                           vocab=152064),
 }
 # Special ids keep their distance from the end of the vocabulary, so the real vocabulary gets the real ids
 # (LLaDA: mask 126336, eos = pad 126081; Dream: mask 151666, bos = eos = pad 151643).
 SPECIALS_FROM_END = {"llada": dict(mask=128, eos=383), "dream": dict(mask=398, eos=421),
-                     "lladamoe": dict(mask=289, eos=292)}    # LLaDA-MoE: mask 156895, eos = pad 156892 of 157184
+                     "lladamoe": dict(mask=289, eos=292),    # LLaDA-MoE: mask 156895, eos = pad 156892 of 157184
+                     # Fast-dLLM v2: |<MASK>| 151665 (the tokenizer's), eos <|im_end|> 151645, pad/bos 151643
+                     "fastdllm_v2": dict(mask=399, eos=419, pad=421)}
+GOLDEN_CONFIG = {"llada": "llada-tiny", "dream": "dream-tiny", "fastdllm_v2": "fastdllm-v2-tiny"}
 
 
 def hf_config(family: str, d_model: int, n_layers: int, vocab: int, n_heads: int, n_kv_heads: int,
@@ -54,10 +60,16 @@ def hf_config(family: str, d_model: int, n_layers: int, vocab: int, n_heads: int
     file at small sizes), resized."""
     if family == "lladamoe":
         return lladamoe_config(d_model, n_layers, vocab, n_heads, n_kv_heads, ffn)
-    with open(os.path.join(GOLDEN, f"{family}-tiny", "config.json")) as f:
+    with open(os.path.join(GOLDEN, GOLDEN_CONFIG[family], "config.json")) as f:
         cfg = json.load(f)
     mask, eos = vocab - SPECIALS_FROM_END[family]["mask"], vocab - SPECIALS_FROM_END[family]["eos"]
-    if family == "llada":   # mlp_ratio stays 4 as in the real file, whose mlp_hidden_size is 3x d_model
+    if family == "fastdllm_v2":   # its config.json names no mask id (the tokenizer's |<MASK>| is), pad = eos
+        pad = vocab - SPECIALS_FROM_END[family]["pad"]
+        cfg.update(hidden_size=d_model, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+                   num_key_value_heads=n_kv_heads, intermediate_size=ffn, vocab_size=vocab, bos_token_id=pad,
+                   eos_token_id=eos, pad_token_id=eos, layer_types=["full_attention"] * n_layers,
+                   max_window_layers=n_layers)
+    elif family == "llada":   # mlp_ratio stays 4 as in the real file, whose mlp_hidden_size is 3x d_model
         cfg.update(d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, mlp_hidden_size=ffn,
                    embedding_size=vocab, vocab_size=vocab, mask_token_id=mask, eos_token_id=eos, pad_token_id=eos,
                    max_sequence_length=4096)
@@ -112,6 +124,8 @@ def make_checkpoint(folder: str, family: str, d_model: int, n_layers: int, vocab
     total = write_weights(folder, hf, shards, gain, logit_std, seed, device)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
+    if family == "fastdllm_v2":    # the mask id is the tokenizer's, the pad generation_config.json's
+        write_fastdllm_v2_ids(folder, hf)
     if family == "dream":   # Dream's from_pretrained requires it; its ids follow config.json
         with open(os.path.join(GOLDEN, "dream-tiny", "generation_config.json")) as f:
             gc = json.load(f)
@@ -121,6 +135,17 @@ def make_checkpoint(folder: str, family: str, d_model: int, n_layers: int, vocab
     with open(os.path.join(folder, MARKER), "w") as f:
         json.dump(dict(written_by="tools/checkpoint.py", **spec(hf, shards, gain, logit_std, seed)), f, indent=2)
     return total
+
+
+def write_fastdllm_v2_ids(folder: str, hf: dict):
+    """A random Fast-dLLM v2 checkpoint's ids where the release keeps them: |<MASK>| in added_tokens.json (one of
+    its tokenizer files), the pad in generation_config.json (the release's, its ids shifted with the vocabulary)."""
+    vocab = hf["vocab_size"]
+    with open(os.path.join(folder, "added_tokens.json"), "w") as f:
+        json.dump({"|<MASK>|": vocab - SPECIALS_FROM_END["fastdllm_v2"]["mask"]}, f, indent=2)
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump(dict(FASTDLLM_V2_GENERATION, bos_token_id=hf["bos_token_id"], pad_token_id=hf["bos_token_id"],
+                       eos_token_id=[hf["eos_token_id"], hf["bos_token_id"]]), f, indent=2)
 
 
 def write_weights(folder: str, hf: dict, shards: int, gain: float, logit_std: float, seed: int, device) -> int:
@@ -254,7 +279,7 @@ QWEN_TOKENS = dict(enumerate(
 QWEN_NOT_SPECIAL = set(range(151657, 151665))
 DREAM_TOKENS = {**QWEN_TOKENS, 151665: "<|beginoftext|>", 151666: "<|mask|>"}
 DIFFUCODER_TOKENS = {**DREAM_TOKENS, 151667: "<|dlm_pad|>"}
-REAL_VOCAB = {"llada": 126464, "dream": 152064, "lladamoe": 157184}   # embedding rows (LLaDA: embedding_size)
+REAL_VOCAB = {"llada": 126464, "dream": 152064, "lladamoe": 157184, "fastdllm_v2": 152064}   # embedding rows (LLaDA: embedding_size)
 # LLaDA-MoE: the Ling 2.0 tokenizer's end of text and mask at the reported ids (dInfer's eos 156892 and mask 156895;
 # the mask's name is dllm's, the end's is not confirmed). The role tags its template writes are tokens of it (dllm makes
 # <|role_end|> LLaDA-MoE's end of turn) at ids no public copy showed: nothing reads them by id, so the tiny copy
@@ -323,6 +348,10 @@ DREAM_GENERATION = dict(_from_model_config=True, alg="origin", alg_temp=None, ep
                         output_history=False, steps=512, temperature=0.0, top_k=None, top_p=None,
                         transformers_version="4.46.2")
 
+# Fast-dLLM v2's generation_config.json (Efficient-Large-Model/Fast_dLLM_v2_7B, Qwen2.5-7B-Instruct's; ids follow).
+FASTDLLM_V2_GENERATION = dict(do_sample=True, repetition_penalty=1.05, temperature=0.7, top_k=20, top_p=0.8,
+                              transformers_version="4.53.1")
+
 LLADA_ROW = dict(family="llada", shape="llada-8b", shards=6, tokens=LLADA_TOKENS, tokenizer="tokenizer.json",
                  tokenizer_class="PreTrainedTokenizerFast", model_max_length=4096, bos="<|startoftext|>",
                  eos="<|endoftext|>", pad="<|endoftext|>", mask="<|mdm_mask|>", template=LLADA_TEMPLATE,
@@ -345,6 +374,15 @@ LLADAMOE_ROW = dict(family="lladamoe", shape="lladamoe-7b", shards=3, tokens=LLA
                         "AutoConfig": "configuration_lladamoe.LLaDAConfig",
                         "AutoModel": "modeling_lladamoe.LLaDAMoEModelLM",
                         "AutoModelForCausalLM": "modeling_lladamoe.LLaDAMoEModelLM"}), drop=("mask_token_id",))
+# Fast-dLLM v2 (Efficient-Large-Model/Fast_dLLM_v2_7B): Qwen2.5's slow tokenizer files (vocab.json, merges.txt,
+# added_tokens.json with |<MASK>| at 151665), no bos token, eos <|im_end|>, pad <|endoftext|>, the template in
+# chat_template.jinja; config.json: model_type Fast_dLLM_Qwen, bd_size 32, bos 151643, eos = pad 151645, no mask id.
+FASTDLLM_V2_ROW = dict(family="fastdllm_v2", shape="fastdllm-v2-7b", shards=4,
+                       tokens={**QWEN_TOKENS, 151665: "|<MASK>|"}, tokenizer="slow", tokenizer_class="Qwen2Tokenizer",
+                       model_max_length=131072, bos=None, eos="<|im_end|>", pad="<|endoftext|>", mask="|<MASK>|",
+                       template=QWEN25_TEMPLATE, template_file="chat_template.jinja", ids={},
+                       generation=dict(FASTDLLM_V2_GENERATION, bos_token_id=151643, pad_token_id=151643,
+                                       eos_token_id=[151645, 151643]))
 # One row per released checkpoint; `ids` are config.json's special ids (real values), `eos`/`pad`/`bos`/
 # `mask` the tokenizer files' tokens, `tokenizer` "tokenizer.json" or Qwen2's "slow" files. The weights' shape at
 # real size is SHAPES[shape]; REAL_VOCAB[family] is its vocabulary.
@@ -364,6 +402,7 @@ RELEASES = {
     # Instruct-tuned with a new pad token at fixed length: the tokenizer's pad is <|dlm_pad|>, config.json's stays.
     "apple/DiffuCoder-7B-Instruct": {**DIFFUCODER_ROW, "tokens": DIFFUCODER_TOKENS, "pad": "<|dlm_pad|>"},
     "apple/DiffuCoder-7B-cpGRPO": {**DIFFUCODER_ROW, "tokens": DIFFUCODER_TOKENS, "pad": "<|dlm_pad|>"},
+    "Efficient-Large-Model/Fast_dLLM_v2_7B": FASTDLLM_V2_ROW,
 }
 
 
@@ -448,7 +487,8 @@ def make_release(folder: str, repo: str, d_model: int = 64, n_layers: int = 2, v
     if row["generation"] is not None:
         eos = row["generation"].get("eos_token_id", hf["eos_token_id"])
         files["generation_config.json"] = {**row["generation"],
-                                           **{k: hf[k] for k in ("bos_token_id", "pad_token_id") if k in hf},
+                                           **{k: at(row["generation"][k]) if k in row["generation"] else hf[k]
+                                              for k in ("bos_token_id", "pad_token_id") if k in hf},
                                            "eos_token_id": [at(i) for i in eos] if isinstance(eos, list) else eos}
     for name, obj in files.items():
         with open(os.path.join(folder, name), "w") as f:

@@ -115,7 +115,8 @@ def counted(model, prompt, guide=None, **kw):
 def random_model(family: str, shape: str, dtype):
     """A random model of the family: the real widths with 2 layers (--shape real), or 2 small layers with the
     real models' special ids at a 4,096 vocabulary (the counts are the same)."""
-    base = {"llada": "llada-8b", "dream": "dream-7b", "qwen2": "dream-7b", "lladamoe": "lladamoe-7b"}[family]
+    base = {"llada": "llada-8b", "dream": "dream-7b", "qwen2": "dream-7b", "lladamoe": "lladamoe-7b",
+            "fastdllm_v2": "fastdllm-v2-7b"}[family]
     s = dict(SHAPES[base], n_layers=2) if shape == "real" else dict(family=family, d_model=128, n_layers=2,
                                                                       n_heads=4,
                                                                       n_kv_heads=4 if "llada" in family else 2,
@@ -124,6 +125,8 @@ def random_model(family: str, shape: str, dtype):
                    s["n_kv_heads"], s["ffn"])
     if family == "qwen2":
         hf.update(model_type="qwen2", tie_word_embeddings=True)
+    if family == "fastdllm_v2":            # the release's mask id is its tokenizer's: given here directly
+        hf.update(mask_token_id=s["vocab"] - 399)
     cfg = ModelConfig.from_hf(hf)
     with torch.device("cpu"):
         model = Transformer(cfg)
@@ -133,7 +136,7 @@ def random_model(family: str, shape: str, dtype):
     return model.to(dtype).eval()
 
 
-DEPTH = {"llada": 32, "dream": 28, "lladamoe": 16}     # the released checkpoints' layers
+DEPTH = {"llada": 32, "dream": 28, "lladamoe": 16, "fastdllm_v2": 28}     # the released checkpoints' layers
 MODES = {"none": dict(cache="none"), "prefix": dict(cache="prefix"), "dual": dict(cache="dual"),
          "free": dict(cache="free"), "guided": dict(cache="prefix", guide=True), "guided-free": dict(cache="free", guide=True)}
 
@@ -146,12 +149,15 @@ def counts(args):
         guide = random_model("qwen2", args.shape, dtype) if family == "dream" else None
         for name in args.modes:
             mode = dict(MODES[name])
+            if model.config.block and (name not in ("none", "prefix", "dual")):
+                continue                  # block diffusion: its exact prefix cache, the sub-block cache, none
             if mode.pop("guide", False):
                 if guide is None:
                     continue
                 mode["guide"] = guide
             for rule in ("tau 0.9", "1/step") if "guide" not in mode else ("guided",):
-                kw = dict(mode, gen_length=32, block_length=8, steps=32)
+                kw = dict(mode, gen_length=32, block_length=8, **(dict(sub_block=4) if model.config.block else
+                                                                   dict(steps=32)))
                 if rule == "tau 0.9":
                     kw["threshold"] = 0.9
                 for B in args.batch:
