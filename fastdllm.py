@@ -303,7 +303,8 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
     "row_nfe", "row_committed" (per row), "fed", "committed", "filled" (per call), "calls_saved", "guide_calls",
     "seconds", "answer_tokens", "tokens_per_s": README "Python API"). settings: the fields of `Settings`.
     attention_mask: (B, P) 1/0 for left-padded prompts: each row decodes as it would alone. generator: the only
-    source of randomness (default: one seeded 0). on_step(x, stats): called after every step, the canvas live.
+    source of randomness (default: one seeded 0). on_step(x, stats): called after every step, the canvas live (in the
+    layout of the ids it returns).
     A block-diffusion model (blockdiff.py) answers to a grid block's edge: ids (B, P + answer), shorter answers
     filled with its pad id."""
     plan, x = make_plan(model, prompt, settings, attention_mask, generator, on_step)
@@ -320,7 +321,7 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
                 x[:, s:e] = torch.where(take, p.x0, x[:, s:e])           # 4. commit
                 ended = plan.stop(x, at, p)                              # 5. stop
                 seen = plan.read(x, at, p, take, ended, seen, stats)     # the one host read
-                on_step(x, stats)
+                on_step(plan.output(x), stats)                          # the canvas, in the ids' layout
                 if seen.answer_ended or seen.block_ended:
                     break
             if seen.answer_ended:                                        # every row's answer has ended

@@ -68,7 +68,8 @@ class ModelConfig:
         if not self.eos_ids and self.eos_id is not None:
             self.eos_ids = (self.eos_id,)
         self.arch = self.arch or self.family
-        self.head_dim = self.head_dim or self.dim // self.n_heads
+        if not self.head_dim and type(self.dim) is int and type(self.n_heads) is int and self.n_heads > 0:
+            self.head_dim = self.dim // self.n_heads      # (read_config refuses sizes that are not ints)
         a = ARCHS[self.arch]
         self.shift = int(a.shift_logits) if self.shift is None else self.shift
         self.causal = a.causal if self.causal is None else self.causal

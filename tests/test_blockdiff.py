@@ -224,3 +224,18 @@ def test_compiled_one_graph_per_feed_width_and_ids_equal_eager(v2):
     compiled, c = generate(v2, ids, compile=Compiled(), **kw)
     assert torch.equal(compiled, eager) and c["fed"] == e["fed"]
     assert counters["stats"]["unique_graphs"] - before == len(set(e["fed"])) + 1 == 4
+
+
+@pytest.mark.parametrize("kw,pattern", [
+    (dict(block_length=64), r"block_length 64: this checkpoint was trained with blocks of 32 \(config.json bd_size\)"),
+    (dict(block_length=24, gen_length=48), r"use 32 or a divisor of it"),
+    (dict(threshold=1.5), r"threshold 1.5 is outside \(0, 1\]"),
+    (dict(threshold=0.0), r"threshold must be a number > 0"),
+    (dict(sub_block=3), r"sub_block 3 does not divide block_length 32"),
+    (dict(steps=16), r"steps does not apply to Fast-dLLM v2"),
+    (dict(cache="free"), r"cache 'free' does not apply to a block-diffusion model"),
+    (dict(remasking="low_confidence"), r"remasking does not apply to Fast-dLLM v2"),
+])
+def test_bad_settings_are_one_line_naming_the_setting(v2, kw, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        generate(v2, torch.tensor([PROMPTS[0]]), **dict(dict(gen_length=64), **kw))

@@ -22,7 +22,7 @@ import cli
 from chat import Chat, chat_template
 from conftest import GOLDEN, ROOT
 from model import checkpoint_names, load_model, read_config
-from tools.checkpoint import REAL_VOCAB, RELEASES, make_release
+from tools.checkpoint import GOLDEN_CONFIG, REAL_VOCAB, RELEASES, make_release
 
 FLAGS = ["--gen-length", "16", "--block-length", "8"]
 CONVERSATIONS = [
@@ -62,7 +62,7 @@ def test_files_are_the_real_format(releases, repo):
     tensors have the real names, bf16, in the real number of shards named by the index; the tokenizer files are
     the family's (LLaDA: tokenizer.json; Dream: Qwen2's slow files), the template where the checkpoint keeps it."""
     d, row = releases[repo], RELEASES[repo]
-    golden = read(os.path.join(GOLDEN, f"{row['family']}-tiny"), "config.json")
+    golden = read(os.path.join(GOLDEN, GOLDEN_CONFIG[row["family"]]), "config.json")
     hf = read(d, "config.json")
     # LLaDA-MoE's release differs from the official classes' own file (the golden one) in what `config` and `drop` say
     edits, dropped = row.get("config", {}), set(row.get("drop", ()))
@@ -175,6 +175,10 @@ def test_every_cache_mode_answers(releases, repo, cache, monkeypatch, capsys):
     """cli.main in each cache mode: an answer and its stats, and generate() got the checkpoint's end ids."""
     calls, real = [], cli.generate
     monkeypatch.setattr(cli, "generate", lambda model, prompt, **kw: calls.append(kw) or real(model, prompt, **kw))
+    if cache == "free" and RELEASES[repo]["family"] == "fastdllm_v2":    # block diffusion: its prefix cache is exact
+        with pytest.raises(ValueError, match="cache 'free' does not apply to a block-diffusion model"):
+            cli.main(["--model", releases[repo], "--prompt", "the cat", "--cache", cache, *FLAGS])
+        return
     assert cli.main(["--model", releases[repo], "--prompt", "the cat", "--cache", cache, *FLAGS]) is None
     lines = capsys.readouterr().out.splitlines()
     assert re.match(r"NFE \d+ \| ", lines[-1])
@@ -256,7 +260,9 @@ def test_weight_bytes_of_the_real_sizes(capsys):
     assert checkpoint.release_bytes(MOE[1]) == 14_713_761_792      # 7,356,880,896 parameters (docs/models.md)
     checkpoint.main(["--sizes"])
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == len(RELEASES) and lines[-1] == "apple/DiffuCoder-7B-cpGRPO: 15,231,233,024 bytes (15.23 GB)"
+    assert len(lines) == len(RELEASES) and "apple/DiffuCoder-7B-cpGRPO: 15,231,233,024 bytes (15.23 GB)" in lines
+    # Fast-dLLM v2 7B is Qwen2.5-7B-Instruct's shape, as Dream-7B: the same 7,615,616,512 parameters.
+    assert "Efficient-Large-Model/Fast_dLLM_v2_7B: 15,231,233,024 bytes (15.23 GB)" in lines
 
 
 # ----------------------------------------------------------------------------------------------------------

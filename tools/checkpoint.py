@@ -51,7 +51,7 @@ SPECIALS_FROM_END = {"llada": dict(mask=128, eos=383), "dream": dict(mask=398, e
                      "lladamoe": dict(mask=289, eos=292),    # LLaDA-MoE: mask 156895, eos = pad 156892 of 157184
                      # Fast-dLLM v2: |<MASK>| 151665 (the tokenizer's), eos <|im_end|> 151645, pad/bos 151643
                      "fastdllm_v2": dict(mask=399, eos=419, pad=421)}
-GOLDEN_CONFIG = {"llada": "llada-tiny", "dream": "dream-tiny", "fastdllm_v2": "fastdllm-v2-tiny"}
+GOLDEN_CONFIG = {"llada": "llada-tiny", "dream": "dream-tiny", "lladamoe": "lladamoe-tiny", "fastdllm_v2": "fastdllm-v2-tiny"}
 
 
 def hf_config(family: str, d_model: int, n_layers: int, vocab: int, n_heads: int, n_kv_heads: int,
