@@ -34,7 +34,7 @@ class Arch:
     shift_logits: bool = False
     causal: bool = False
     mask_token: str | None = None   # config.json names no mask id: this special token's id in the tokenizer files
-    generation_pad: bool = False    # the pad id is generation_config.json's (the tokenizer's), not config.json's
+    generation_ids: tuple = ()      # ids read from generation_config.json, not config.json (the official decode's)
 
 
 def arch_of(hf: dict) -> str | None:
@@ -167,8 +167,8 @@ def read_block(hf: dict, block_key: str) -> dict:
     if any(k != "full_attention" for k in kinds):
         raise ValueError(f"config.json sets layer_types with {sorted(set(kinds) - {'full_attention'})}; fastdllm "
                          f"implements full attention in every layer only")
-    block = hf[block_key]
-    if not (type(block) is int and block > 0):
+    block = hf.get(block_key, 0) if block_key == "block_size" else hf[block_key]   # SDAR's releases name none
+    if not (type(block) is int and block >= 0):
         raise ValueError(f"config.json sets {block_key} = {block!r}: the trained block must be a positive integer")
     tied = bool(hf.get("tie_word_embeddings", False))      # the 1.5B / 1.7B releases tie the head, 7B / 8B do not
     return dict(hf_sizes(hf, "intermediate_size"), block=block, tie_embeddings=tied, mask_id=hf.get("mask_token_id"))
@@ -177,7 +177,8 @@ def read_block(hf: dict, block_key: str) -> dict:
 def read_sdar(hf: dict) -> dict:
     """SDAR's config.json (JetAstra/SDAR, the JetLM/SDAR-*-Chat remote code configuration_sdar.py): Qwen3 blocks,
     RMSNorm over each head's q and k before RoPE, its own head_dim, no biases (attention_bias is refused)."""
-    return dict(read_block(hf, "block_size"), qk_norm=True, head_dim=hf.get("head_dim") or 0)
+    return dict(read_block(hf, "block_size"), qk_norm=True, head_dim=hf.get("head_dim") or 0,
+                mask_id=hf.get("mask_token_id", 151669))
 
 
 ARCHS = {
@@ -203,11 +204,12 @@ ARCHS = {
     # is the tokenizer's |<MASK>| (151665; config.json has none), the pad the tokenizer's (151643).
     "fastdllm_v2": Arch("Fast-dLLM v2", "fastdllm_v2", ("fast_dllm_qwen",), lambda hf: dict(
         read_block(hf, "bd_size"), qkv_bias=True, mask_id=hf.get("mask_token_id", 151665)), QWEN2_WEIGHTS, shift_logits=True, mask_token="|<MASK>|",
-        generation_pad=True, fixed=dict(hidden_act="silu", rope_scaling=None, use_sliding_window=False)),
+        generation_ids=("pad_token_id",), fixed=dict(hidden_act="silu", rope_scaling=None, use_sliding_window=False)),
     # SDAR (JetLM/SDAR-1.7B/4B/8B-Chat; the TraDo models are SDAR checkpoints): Qwen3 made block-causal, no shift.
     "sdar": Arch("SDAR", "sdar", ("sdar",), read_sdar, QWEN2_WEIGHTS | {
         "layers.{}.attn.q_norm.weight": "model.layers.{}.self_attn.q_norm.weight",
         "layers.{}.attn.k_norm.weight": "model.layers.{}.self_attn.k_norm.weight"}, mask_token="<|MASK|>",
+        generation_ids=("eos_token_id", "pad_token_id"),
         fixed=dict(hidden_act="silu", rope_scaling=None, use_sliding_window=False, attention_bias=False)),
 }
 WEIGHT_MAP = {name: a.weights for name, a in ARCHS.items()}

@@ -22,7 +22,9 @@ import torch.nn.functional as F
 
 from sampler import NEG_INF, Proposal, Schedule, StepRule, Threshold, argmax_except
 
+FAMILIES = ("fastdllm_v2", "sdar")           # the block-diffusion families (model.ModelConfig.family)
 SDAR_REMASKING = ("low_confidence_dynamic", "low_confidence_static", "sequential")
+SDAR_BLOCK = 4     # SDAR's released configs name no block: its models were trained with 4 (the -b8 .. -b64 others)
 
 
 # ---------------------------------------------------------------------------------------- the canvas
@@ -175,12 +177,15 @@ class SDAR(BlockStep):
             nothing = torch.zeros_like(at.masked)
             return Proposal(torch.zeros_like(at.masked, dtype=torch.long), torch.full_like(at.masked, NEG_INF,
                             dtype=torch.float32), nothing, nothing.sum(-1), logits)
-        x0, conf = sdar_sample(logits, self.temperature, self.top_k, self.top_p, self.generator, self.mask_id)
+        # The official samples every position of the block, masked or not (the random numbers a step draws): a
+        # position without logits here (not masked) is drawn from another's, then not opened.
+        block = torch.arange(at.masked.shape[1], device=at.masked.device)
+        rows = torch.searchsorted(at.cols, block).clamp(max=max(len(at.masked_cols) - 1, 0))
+        x0, conf = sdar_sample(logits[:, rows], self.temperature, self.top_k, self.top_p, self.generator, self.mask_id)
         k = torch.full((at.masked.shape[0],), self.counts[min(self.step, len(self.counts) - 1)],
                        device=at.masked.device)
         self.step += 1
-        x0, conf = self.widen(x0, conf, at, at.masked)
-        return Proposal(x0, conf, at.masked, k, logits)
+        return Proposal(x0, conf.masked_fill(~at.masked, NEG_INF), at.masked, k, logits)
 
 
 # ---------------------------------------------------------------------------------------- selection
@@ -212,8 +217,7 @@ def block_parts(cfg, st, generator):
         rule = FastDLLMv2(sub_block=st.sub_block or min(8, st.block_length), temperature=st.temperature,
                           top_p=st.top_p, generator=generator, mask_id=cfg.mask_id)
         return rule, st.select or Threshold(1.0 if st.threshold is None else st.threshold, strict=True)
-    n_blocks = st.gen_length // st.block_length
-    rule = SDAR(steps_per_block=st.steps // n_blocks, block_length=st.block_length, temperature=st.temperature,
+    rule = SDAR(steps_per_block=st.steps, block_length=st.block_length, temperature=st.temperature,
                 top_k=st.top_k, top_p=st.top_p, generator=generator, mask_id=cfg.mask_id)
     select = (DynamicThreshold(st.threshold) if st.remasking == "low_confidence_dynamic" else
               FirstMasks() if st.remasking == "sequential" else Schedule())
@@ -225,9 +229,11 @@ def check_block(cfg, st, given: dict, longest: int):
     def bad(msg):
         raise ValueError(msg)
     G, trained = st.block_length, cfg.block
-    if trained % G:
-        bad(f"block_length {G}: this checkpoint was trained with blocks of {trained} (config.json "
-            f"{'bd_size' if cfg.family == 'fastdllm_v2' else 'block_size'}); use {trained} or a divisor of it")
+    # Fast-dLLM v2's bd_size is its training grid (the official mask is built on it: a larger block would see only
+    # part of itself). SDAR decodes with any block (its releases name none; block_size, where given, is the default).
+    if cfg.family == "fastdllm_v2" and trained % G:
+        bad(f"block_length {G}: this checkpoint was trained with blocks of {trained} (config.json bd_size); use "
+            f"{trained} or a divisor of it")
     if grid_length(cfg.family, longest, st.gen_length, G) > cfg.max_seq_len:
         bad(f"prompt ({longest} tokens) + gen_length ({st.gen_length}), to the grid block's edge, exceeds the model's "
             f"{cfg.max_seq_len} positions: shorten the prompt or lower gen_length")
@@ -253,6 +259,5 @@ def check_block(cfg, st, given: dict, longest: int):
         if st.remasking == "low_confidence_dynamic" and st.threshold is None:
             bad("SDAR's low_confidence_dynamic needs a threshold (0.85 is SDAR's): pass threshold, or "
                 "remasking='low_confidence_static'")
-        if st.steps // (st.gen_length // G) > G:
-            bad(f"steps: {st.steps // (st.gen_length // G)} steps per block of {G} tokens; use at most one step a "
-                f"token, steps <= gen_length ({st.gen_length})")
+        if st.steps < 1:
+            bad(f"steps {st.steps}: SDAR's steps are per block (its denoising_steps): use at least 1")

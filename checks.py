@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from blockdiff import SDAR_REMASKING
+from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_REMASKING
 from cache import CachePolicy
 
 CACHE_MODES = ("none", "prefix", "dual", "free")
@@ -38,8 +38,8 @@ def known(options: dict, settings_class) -> dict:
 
 
 def check_settings(gen_length, block_length, steps, cache, threshold, factor, temperature, top_p=None,
-                   top_k=None, alg_temp=None, eps=None, generator=None):
-    """The checks that need no model."""
+                   top_k=None, alg_temp=None, eps=None, generator=None, grid=False):
+    """The checks that need no model. grid: a block-diffusion model's (blockdiff.check_block checks its blocks)."""
     # A wrong type gets the same one line as a wrong value, not a TypeError from deep inside torch.
     for name, v, kind in (("gen_length", gen_length, int), ("block_length", block_length, int), ("steps", steps, int),
                           ("temperature", temperature, float), ("top_k", top_k, int), ("threshold", threshold, float),
@@ -55,12 +55,12 @@ def check_settings(gen_length, block_length, steps, cache, threshold, factor, te
         bad(f"eps must be in (0, 1) (got {eps}): Dream's time runs from 1 down to eps (default 1e-3)")
     if gen_length < 1 or block_length < 1:
         bad(f"gen_length ({gen_length}) and block_length ({block_length}) must be positive")
-    if gen_length % block_length:
+    if not grid and gen_length % block_length:
         bad(f"gen_length {gen_length} is not a multiple of block_length {block_length}: "
             f"pick a block_length that divides it, e.g. {next(b for b in range(block_length, 0, -1) if gen_length % b == 0)}")
     if steps < 1:
         bad(f"steps must be >= 1 (got {steps})")
-    if steps % (gen_length // block_length):
+    if not grid and steps % (gen_length // block_length):
         bad(f"steps {steps} is not divisible by the number of blocks {gen_length // block_length} "
             f"(gen_length / block_length): use a multiple, e.g. steps={gen_length}")
     if not isinstance(cache, (str, CachePolicy)):
@@ -243,7 +243,7 @@ def check_call(model, prompt, st, attention_mask, generator, on_step, whole_canv
         bad("this is a causal LM (model_type qwen2), not a diffusion LM: pass it as guide= and a "
             "LLaDA or Dream checkpoint as the model")
     check_settings(st.gen_length, st.block_length, st.steps, st.cache, st.threshold, st.factor, st.temperature,
-                   st.top_p, st.top_k, st.alg_temp, st.eps, generator)
+                   st.top_p, st.top_k, st.alg_temp, st.eps, generator, grid=cfg.family in BLOCK_FAMILIES)
     check_prompt(cfg, prompt, st.gen_length, st.remasking, st.top_p, st.top_k, st.alg_temp, attention_mask)
     check_stop(cfg, st.stop_at_eos, st.eos_ids)
     check_hooks(st, on_step)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import checks
 import sampler as S
-from blockdiff import block_causal, block_parts, check_block, grid_canvas, grid_output
+from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, block_causal, block_parts, check_block, grid_canvas, grid_output
 from cache import BLOCK_CACHE_POLICIES, CACHE_POLICIES, CachePolicy, KVCache, Refresh
 from guided import guided_parts
 from model import Compiled, pad_prompts  # noqa: F401  (pad_prompts: fastdllm's API)
@@ -231,13 +231,15 @@ def resolve(model, prompt, options: dict, attention_mask, generator, on_step) ->
     (settings, whether this is Dream's own whole-canvas sampler)."""
     st = Settings(**checks.known(options, Settings))
     cfg, guided = model.config, st.guide is not None
-    dream, block = cfg.family == "dream", cfg.block > 0 and not guided
+    dream, block = cfg.family == "dream", cfg.family in BLOCK_FAMILIES and not guided
     parallel = st.threshold is not None or st.factor is not None or getattr(st.select, "parallel", st.select is not None)
     remasking = (("maskgit_plus" if parallel else "entropy") if dream else "low_confidence" if cfg.family == "llada"
                  else ("low_confidence_dynamic" if st.threshold is not None else "low_confidence_static")
                  if cfg.family == "sdar" else None)
-    block_length = cfg.block if block and options.get("block_length") is None else st.block_length   # its trained block
-    st = dataclasses.replace(st, remasking=st.remasking or remasking, steps=st.gen_length if st.steps is None or guided
+    block_length = ((cfg.block or SDAR_BLOCK) if block and options.get("block_length") is None   # its trained block
+                    else st.block_length)
+    steps = block_length if block and cfg.family == "sdar" else st.gen_length          # one token a step
+    st = dataclasses.replace(st, remasking=st.remasking or remasking, steps=steps if st.steps is None or guided
                              else st.steps, block_length=st.gen_length if guided else block_length or st.gen_length)
     whole_canvas = dream and options.get("block_length", Settings.block_length) is None and not guided
     checks.check_call(model, prompt, st, attention_mask, generator, on_step, whole_canvas, Settings(), options)
@@ -253,7 +255,7 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     cfg, device = model.config, model.lm_head.weight.device
     (B, P), generator = prompt.shape, generator or torch.Generator(device).manual_seed(0)
     eos = torch.tensor(sorted(set(st.eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
-    block = cfg.block > 0 and st.guide is None
+    block = cfg.family in BLOCK_FAMILIES and st.guide is None
     if block:       # block diffusion: each row on one grid from position 0, its answer right after its prompt
         x, lengths, blocks = grid_canvas(prompt.to(device), attention_mask, st.gen_length, st.block_length, cfg.family,
                                          cfg.mask_id)
@@ -273,8 +275,8 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
         (step_rule, select, cache), stop_run = guided_parts(model, st, Settings(), x[:, :P], attention_mask, pos, eos), 1
     elif block:
         (step_rule, select), stop_run = block_parts(cfg, st, generator), st.stop_at_eos
-        cache = st.cache if isinstance(st.cache, CachePolicy) else BLOCK_CACHE_POLICIES[st.cache](step_rule.sub_block
-                                                                                                 if hasattr(step_rule, "sub_block") else None)
+        sub = getattr(step_rule, "sub_block", st.block_length)        # SDAR: one sub-block, the block (exact)
+        cache = st.cache if isinstance(st.cache, CachePolicy) else BLOCK_CACHE_POLICIES[st.cache](sub)
     else:
         step_rule, select = S.family_rules(cfg, st, whole_canvas, generator, device)
         cache, stop_run = st.cache if isinstance(st.cache, CachePolicy) else CACHE_POLICIES[st.cache](), st.stop_at_eos

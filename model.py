@@ -429,9 +429,8 @@ def read_config(model_dir: str) -> ModelConfig:
     if "mask_token_id" not in hf and arch and arch.mask_token:   # the release's config.json names no mask id
         mask = added_token_id(model_dir, arch.mask_token)
         hf = hf if mask is None else dict(hf, mask_token_id=mask)
-    if arch and arch.generation_pad:      # the pad the official decode fills an ended answer with
-        pad = read_json(os.path.join(model_dir, "generation_config.json")).get("pad_token_id")
-        hf = hf if type(pad) is not int else dict(hf, pad_token_id=pad)
+    generation = read_json(os.path.join(model_dir, "generation_config.json")) if arch and arch.generation_ids else {}
+    hf = dict(hf, **{k: generation[k] for k in arch.generation_ids if k in generation}) if generation else hf
     try:
         cfg = ModelConfig.from_hf(hf)
     except KeyError as e:
@@ -473,11 +472,14 @@ def read_json(path: str) -> dict:
 
 
 def added_token_id(model_dir: str, content: str) -> int | None:
-    """The id of the special token `content` in the folder's tokenizer.json (or added_tokens.json, which a folder
-    without tokenizer.json has), or None (no file, no such token)."""
+    """The id of the special token `content` in the folder's tokenizer files (tokenizer.json, tokenizer_config.json,
+    added_tokens.json), or None (no file, no such token)."""
     added = read_json(os.path.join(model_dir, "tokenizer.json")).get("added_tokens")
     found = [t.get("id") for t in added if isinstance(t, dict) and t.get("content") == content] if isinstance(
         added, list) else []
+    decoder = read_json(os.path.join(model_dir, "tokenizer_config.json")).get("added_tokens_decoder")
+    found += [int(i) for i, t in decoder.items() if isinstance(t, dict) and t.get("content") == content
+              and str(i).isdigit()] if isinstance(decoder, dict) else []
     found.append(read_json(os.path.join(model_dir, "added_tokens.json")).get(content))
     return next((i for i in found if type(i) is int), None)
 

@@ -175,7 +175,7 @@ def test_every_cache_mode_answers(releases, repo, cache, monkeypatch, capsys):
     """cli.main in each cache mode: an answer and its stats, and generate() got the checkpoint's end ids."""
     calls, real = [], cli.generate
     monkeypatch.setattr(cli, "generate", lambda model, prompt, **kw: calls.append(kw) or real(model, prompt, **kw))
-    if cache == "free" and RELEASES[repo]["family"] == "fastdllm_v2":    # block diffusion: its prefix cache is exact
+    if cache == "free" and RELEASES[repo]["family"] in ("fastdllm_v2", "sdar"):   # block diffusion: an exact prefix cache
         with pytest.raises(ValueError, match="cache 'free' does not apply to a block-diffusion model"):
             cli.main(["--model", releases[repo], "--prompt", "the cat", "--cache", cache, *FLAGS])
         return

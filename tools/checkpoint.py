@@ -44,18 +44,26 @@ SHAPES = {
     # Fast-dLLM v2 7B: Qwen2.5-7B-Instruct's widths (Efficient-Large-Model/Fast_dLLM_v2_7B config.json).
     "fastdllm-v2-7b": dict(family="fastdllm_v2", d_model=3584, n_layers=28, n_heads=28, n_kv_heads=4, ffn=18944,
                            vocab=152064),
+    # SDAR-4B-Chat (JetLM/SDAR-4B-Chat config.json): Qwen3-4B's widths, heads of 128 (not 2560 / 32).
+    "sdar-4b": dict(family="sdar", d_model=2560, n_layers=36, n_heads=32, n_kv_heads=8, ffn=9728, vocab=151936,
+                    head_dim=128),
+    "sdar-8b": dict(family="sdar", d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn=12288, vocab=151936,
+                    head_dim=128),
 }
 # Special ids keep their distance from the end of the vocabulary, so the real vocabulary gets the real ids
 # (LLaDA: mask 126336, eos = pad 126081; Dream: mask 151666, bos = eos = pad 151643).
 SPECIALS_FROM_END = {"llada": dict(mask=128, eos=383), "dream": dict(mask=398, eos=421),
                      "lladamoe": dict(mask=289, eos=292),    # LLaDA-MoE: mask 156895, eos = pad 156892 of 157184
                      # Fast-dLLM v2: |<MASK>| 151665 (the tokenizer's), eos <|im_end|> 151645, pad/bos 151643
-                     "fastdllm_v2": dict(mask=399, eos=419, pad=421)}
-GOLDEN_CONFIG = {"llada": "llada-tiny", "dream": "dream-tiny", "lladamoe": "lladamoe-tiny", "fastdllm_v2": "fastdllm-v2-tiny"}
+                     "fastdllm_v2": dict(mask=399, eos=419, pad=421),
+                     # SDAR: <|MASK|> 151669, <|endoftext|> 151643 (bos = eos = pad) of 151936
+                     "sdar": dict(mask=267, eos=293)}
+GOLDEN_CONFIG = {"llada": "llada-tiny", "dream": "dream-tiny", "lladamoe": "lladamoe-tiny", "fastdllm_v2": "fastdllm-v2-tiny",
+                 "sdar": "sdar-tiny"}
 
 
 def hf_config(family: str, d_model: int, n_layers: int, vocab: int, n_heads: int, n_kv_heads: int,
-              ffn: int) -> dict:
+              ffn: int, head_dim: int | None = None) -> dict:
     """config.json with every field the real one has: the golden tiny checkpoint's (a copy of the real
     file at small sizes), resized."""
     if family == "lladamoe":
@@ -69,6 +77,11 @@ def hf_config(family: str, d_model: int, n_layers: int, vocab: int, n_heads: int
                    num_key_value_heads=n_kv_heads, intermediate_size=ffn, vocab_size=vocab, bos_token_id=pad,
                    eos_token_id=eos, pad_token_id=eos, layer_types=["full_attention"] * n_layers,
                    max_window_layers=n_layers)
+    elif family == "sdar":       # the GitHub training copy's keys (block_size, mask_token_id; the Hub's lack them)
+        cfg.update(hidden_size=d_model, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+                   num_key_value_heads=n_kv_heads, intermediate_size=ffn, vocab_size=vocab, mask_token_id=mask,
+                   bos_token_id=eos, eos_token_id=eos, max_window_layers=n_layers,
+                   head_dim=head_dim or max(2 * (d_model // n_heads), 2))
     elif family == "llada":   # mlp_ratio stays 4 as in the real file, whose mlp_hidden_size is 3x d_model
         cfg.update(d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, mlp_hidden_size=ffn,
                    embedding_size=vocab, vocab_size=vocab, mask_token_id=mask, eos_token_id=eos, pad_token_id=eos,
@@ -126,6 +139,10 @@ def make_checkpoint(folder: str, family: str, d_model: int, n_layers: int, vocab
         json.dump(hf, f, indent=2)
     if family == "fastdllm_v2":    # the mask id is the tokenizer's, the pad generation_config.json's
         write_fastdllm_v2_ids(folder, hf)
+    if family == "sdar":           # the end ids the official decode stops at
+        with open(os.path.join(folder, "generation_config.json"), "w") as f:
+            json.dump(dict(SDAR_GENERATION, bos_token_id=hf["eos_token_id"], pad_token_id=hf["eos_token_id"],
+                           eos_token_id=[hf["eos_token_id"] + 2, hf["eos_token_id"]]), f, indent=2)
     if family == "dream":   # Dream's from_pretrained requires it; its ids follow config.json
         with open(os.path.join(GOLDEN, "dream-tiny", "generation_config.json")) as f:
             gc = json.load(f)
@@ -279,7 +296,7 @@ QWEN_TOKENS = dict(enumerate(
 QWEN_NOT_SPECIAL = set(range(151657, 151665))
 DREAM_TOKENS = {**QWEN_TOKENS, 151665: "<|beginoftext|>", 151666: "<|mask|>"}
 DIFFUCODER_TOKENS = {**DREAM_TOKENS, 151667: "<|dlm_pad|>"}
-REAL_VOCAB = {"llada": 126464, "dream": 152064, "lladamoe": 157184, "fastdllm_v2": 152064}   # embedding rows (LLaDA: embedding_size)
+REAL_VOCAB = {"llada": 126464, "dream": 152064, "lladamoe": 157184, "fastdllm_v2": 152064, "sdar": 151936}   # embedding rows (LLaDA: embedding_size)
 # LLaDA-MoE: the Ling 2.0 tokenizer's end of text and mask at the reported ids (dInfer's eos 156892 and mask 156895;
 # the mask's name is dllm's, the end's is not confirmed). The role tags its template writes are tokens of it (dllm makes
 # <|role_end|> LLaDA-MoE's end of turn) at ids no public copy showed: nothing reads them by id, so the tiny copy
@@ -352,6 +369,15 @@ DREAM_GENERATION = dict(_from_model_config=True, alg="origin", alg_temp=None, ep
 FASTDLLM_V2_GENERATION = dict(do_sample=True, repetition_penalty=1.05, temperature=0.7, top_k=20, top_p=0.8,
                               transformers_version="4.53.1")
 
+# SDAR's generation_config.json (JetLM/SDAR-4B-Chat; ids follow): <|im_end|> and <|endoftext|> end the text.
+SDAR_GENERATION = dict(do_sample=True, temperature=0.6, top_k=20, top_p=0.95, transformers_version="4.51.0")
+QWEN3_TOKENS = {**QWEN_TOKENS, 151665: "<tool_response>", 151666: "</tool_response>", 151667: "<think>",
+                151668: "</think>", 151669: "<|MASK|>"}
+# Qwen3's ChatML (no default system prompt), as SDAR's chat_template.jinja writes a conversation without tools.
+QWEN3_TEMPLATE = ("{%- for message in messages %}\n    {{- '<|im_start|>' + message.role + '\\n' + message.content + "
+                  "'<|im_end|>\\n' }}\n{%- endfor %}\n{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}"
+                  "\n{%- endif %}\n")
+
 LLADA_ROW = dict(family="llada", shape="llada-8b", shards=6, tokens=LLADA_TOKENS, tokenizer="tokenizer.json",
                  tokenizer_class="PreTrainedTokenizerFast", model_max_length=4096, bos="<|startoftext|>",
                  eos="<|endoftext|>", pad="<|endoftext|>", mask="<|mdm_mask|>", template=LLADA_TEMPLATE,
@@ -383,6 +409,14 @@ FASTDLLM_V2_ROW = dict(family="fastdllm_v2", shape="fastdllm-v2-7b", shards=4,
                        template=QWEN25_TEMPLATE, template_file="chat_template.jinja", ids={},
                        generation=dict(FASTDLLM_V2_GENERATION, bos_token_id=151643, pad_token_id=151643,
                                        eos_token_id=[151645, 151643]))
+# SDAR (JetLM/SDAR-4B-Chat): Qwen3's tokenizer.json, |<MASK|> 151669 an added token not flagged special, eos = pad
+# <|endoftext|>, no bos; config.json as the Hub's (no block_size, no mask_token_id: the decode's, the tokenizer's).
+SDAR_ROW = dict(family="sdar", shape="sdar-4b", shards=2, tokens=QWEN3_TOKENS, tokenizer="tokenizer.json",
+                tokenizer_class="Qwen2Tokenizer", model_max_length=131072, bos=None, eos="<|endoftext|>",
+                pad="<|endoftext|>", mask="<|MASK|>", template=QWEN3_TEMPLATE, template_file="chat_template.jinja", ids={},
+                not_special=set(range(151657, 151665)) | set(range(151665, 151670)),
+                generation=dict(SDAR_GENERATION, bos_token_id=151643, pad_token_id=151643, eos_token_id=[151645, 151643]),
+                drop=("block_size", "mask_token_id"))
 # One row per released checkpoint; `ids` are config.json's special ids (real values), `eos`/`pad`/`bos`/
 # `mask` the tokenizer files' tokens, `tokenizer` "tokenizer.json" or Qwen2's "slow" files. The weights' shape at
 # real size is SHAPES[shape]; REAL_VOCAB[family] is its vocabulary.
@@ -403,6 +437,8 @@ RELEASES = {
     "apple/DiffuCoder-7B-Instruct": {**DIFFUCODER_ROW, "tokens": DIFFUCODER_TOKENS, "pad": "<|dlm_pad|>"},
     "apple/DiffuCoder-7B-cpGRPO": {**DIFFUCODER_ROW, "tokens": DIFFUCODER_TOKENS, "pad": "<|dlm_pad|>"},
     "Efficient-Large-Model/Fast_dLLM_v2_7B": FASTDLLM_V2_ROW,
+    "JetLM/SDAR-4B-Chat": SDAR_ROW,
+    "JetLM/SDAR-8B-Chat": {**SDAR_ROW, "shape": "sdar-8b"},
 }
 
 
@@ -410,7 +446,7 @@ def release_bytes(repo: str) -> int:
     """The bf16 bytes of a released checkpoint's weights: its real config's parameter count x 2."""
     shape = SHAPES[RELEASES[repo]["shape"]]
     hf = hf_config(shape["family"], shape["d_model"], shape["n_layers"], shape["vocab"], shape["n_heads"],
-                   shape["n_kv_heads"], shape["ffn"])
+                   shape["n_kv_heads"], shape["ffn"], shape.get("head_dim"))
     with torch.device("meta"):
         return 2 * sum(p.numel() for p in Transformer(ModelConfig.from_hf(hf)).parameters())
 
@@ -435,7 +471,7 @@ def write_release_tokenizer(folder: str, row: dict, at) -> None:
     for a, b in MERGES:
         vocab[a + b] = len(vocab)
     tokens = {at(i): t for i, t in row["tokens"].items()}
-    special = lambda i: i - at(0) not in QWEN_NOT_SPECIAL      # noqa: E731  (i: an id here)
+    special = lambda i: i - at(0) not in row.get("not_special", QWEN_NOT_SPECIAL)      # noqa: E731  (i: an id here)
     entry = lambda i: dict(content=tokens[i], lstrip=False, normalized=False, rstrip=False, single_word=False,
                            special=special(i))                 # noqa: E731
     if row["tokenizer"] == "tokenizer.json":
@@ -488,7 +524,7 @@ def make_release(folder: str, repo: str, d_model: int = 64, n_layers: int = 2, v
         eos = row["generation"].get("eos_token_id", hf["eos_token_id"])
         files["generation_config.json"] = {**row["generation"],
                                            **{k: at(row["generation"][k]) if k in row["generation"] else hf[k]
-                                              for k in ("bos_token_id", "pad_token_id") if k in hf},
+                                              for k in ("bos_token_id", "pad_token_id") if k in hf or k in row["generation"]},
                                            "eos_token_id": [at(i) for i in eos] if isinstance(eos, list) else eos}
     for name, obj in files.items():
         with open(os.path.join(folder, name), "w") as f:

@@ -149,14 +149,14 @@ def counts(args):
         guide = random_model("qwen2", args.shape, dtype) if family == "dream" else None
         for name in args.modes:
             mode = dict(MODES[name])
-            if model.config.block and (name not in ("none", "prefix", "dual")):
+            if model.config.family in ("fastdllm_v2", "sdar") and (name not in ("none", "prefix", "dual")):
                 continue                  # block diffusion: its exact prefix cache, the sub-block cache, none
             if mode.pop("guide", False):
                 if guide is None:
                     continue
                 mode["guide"] = guide
             for rule in ("tau 0.9", "1/step") if "guide" not in mode else ("guided",):
-                kw = dict(mode, gen_length=32, block_length=8, **(dict(sub_block=4) if model.config.block else
+                kw = dict(mode, gen_length=32, block_length=8, **(dict(sub_block=4) if model.config.family == "fastdllm_v2" else
                                                                    dict(steps=32)))
                 if rule == "tau 0.9":
                     kw["threshold"] = 0.9
