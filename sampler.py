@@ -5,6 +5,7 @@ commits (selection rules: the schedule, Fast-dLLM's threshold and factor decodin
 has ended (stop rules). Randomness only through an explicit torch.Generator. Logits (B, n, V) at the block's open
 columns `at.cols` become a `Proposal` of (B, N) tensors, -inf where it may not commit. Feeds: cache.py; guides: guided.py.
 """
+import struct
 from typing import NamedTuple
 
 import torch
@@ -21,6 +22,7 @@ class Proposal(NamedTuple):
     open: torch.Tensor     # (B, N) bool: the positions this step may commit (masked, and predicted by this call)
     k: torch.Tensor        # (B,) long: tokens the family's schedule commits now (Dream under a parallel rule: the open count)
     logits: torch.Tensor   # (B, n, V): the model's logits at the block columns at.cols
+    k_host: int | None = None   # k as one host int where the rule knows it without a read (rows with a mask left)
 
 
 # ---------------------------------------------------------------------------------------- sampling
@@ -108,13 +110,25 @@ def dream_num_transfer(num_mask: torch.Tensor, t: torch.Tensor, s: torch.Tensor,
 # p.open. parallel (True without the attribute): the rule decides how many itself, so a block takes the steps it
 # needs; False: it commits the family's schedule p.k, and the family ranks by its remasking score.
 class Schedule:
-    """The k[b] most confident open positions of each row b: LLaDA's and Dream's fixed step schedules."""
+    """The k[b] most confident open positions of each row b: LLaDA's and Dream's fixed step schedules. Equal
+    confidences (saturated: exactly 1.0) are broken as the official code breaks them, by its call at its width
+    (docs/official.md 2, 5): pad(at) -> (left, right) positions at -inf around the block, then a descending sort
+    (Fast-dLLM's LLaDA), or with topk=True `topk(k)` in the rows whose count is the rule's host int p.k_host."""
     parallel = False
 
+    def __init__(self, pad=None, topk: bool = False):
+        self.pad, self.topk = pad, topk
+
     def __call__(self, p: Proposal, at):
-        order = p.conf.argsort(-1, descending=True)
+        (left, right), N = self.pad(at) if self.pad else (0, 0), p.conf.shape[-1]
+        conf = F.pad(p.conf, (left, right), value=NEG_INF) if left or right else p.conf
+        order = conf.argsort(-1, descending=True)
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))
-        return p.open & (rank < p.k[:, None])           # rank: each position's place by confidence
+        take = rank[:, left:left + N] < p.k[:, None]    # rank: each position's place by confidence
+        if self.topk and p.k_host:                       # a row of another count (a fork's, none left) keeps the rank
+            top = torch.zeros_like(conf, dtype=torch.bool).scatter_(-1, conf.topk(p.k_host).indices, True)
+            take = torch.where((p.k == p.k_host)[:, None], top[:, left:left + N], take)
+        return p.open & take
 
 
 class Threshold:
@@ -158,7 +172,7 @@ class QuotaThreshold(Threshold):
     confident; take the first, the others at confidence >= tau; offer the refused again (the carry)."""
 
     def __call__(self, p: Proposal, at):
-        offered = Schedule()(p._replace(k=p.k + (self.carry if at.n else 0)), at)   # a generation starts with none
+        offered = Schedule()(p._replace(k=p.k + (self.carry if at.n else 0), k_host=None), at)   # at first no carry
         take = offered & super().__call__(p, at)
         self.carry = (offered & ~take).sum(-1)
         return take
@@ -226,8 +240,9 @@ class LLaDA(StepRule):
         # (B, n) at the logits' columns -> (B, N), the block's width: -inf where the step may not commit.
         x0 = torch.zeros_like(at.masked, dtype=x0.dtype).index_copy_(1, at.cols, x0)
         conf = torch.full_like(at.masked, NEG_INF, dtype=conf.dtype).index_copy_(1, at.cols, conf)
-        k = self.budget[:, min(at.i, self.steps_per_block - 1)]      # the schedule's count (Schedule reads it)
-        return Proposal(x0, conf.masked_fill_(~at.masked, NEG_INF), at.masked, k, logits)
+        i, spb, N = min(at.i, self.steps_per_block - 1), self.steps_per_block, at.e - at.s
+        k = self.budget[:, i]                                        # the schedule's count (Schedule reads it)
+        return Proposal(x0, conf.masked_fill_(~at.masked, NEG_INF), at.masked, k, logits, N // spb + (i < N % spb))
 
 
 class Dream(StepRule):
@@ -246,20 +261,22 @@ class Dream(StepRule):
         self.temperature, self.alg, self.generator, self.mask_id = temperature, alg, generator, mask_id
         self.opts = dict(temperature=temperature, top_p=top_p, top_k=top_k, generator=generator, mask_id=mask_id)
         self.timesteps = torch.linspace(1, eps, self.grid_steps() + 1, device=device)
+        self.grid = self.timesteps.tolist()     # read once: the host count (k_host) replays the device's float32
         self.first_token = self.first_token if first_token is None else first_token
 
     def grid_steps(self) -> int:
         return self.steps_per_block             # the time grid runs over one block's steps
 
     def clock(self, at):
-        """Where the step stands on the schedule (docs/official.md 5, 6.2 and 7.1) -> (t, t_next: the
-        step goes from t to t_next on the float32 grid; last: the block's last scheduled step takes every mask
+        """Where the step stands on the schedule (docs/official.md 5, 6.2 and 7.1) -> (i: the step goes from
+        timesteps[i] to timesteps[i + 1] on the float32 grid; last: the block's last scheduled step takes every mask
         left; later: masks of later blocks counted in, for FreeCache). Parallel steps past it never read it."""
         i = min(at.i, self.steps_per_block - 1)
-        return self.timesteps[i], self.timesteps[i + 1], at.i == self.steps_per_block - 1, 0
+        return i, at.i == self.steps_per_block - 1, 0
 
     def start_block(self, x, s: int, e: int):
         self.block = (s - (x.shape[1] - self.n_blocks * self.block_length)) // self.block_length
+        self.left = e - s                       # the host's count of a row's masks (each row commits k_host a step)
 
     def propose(self, logits, at, open_=None) -> Proposal:
         first = self.first_token and at.i == 0
@@ -278,14 +295,18 @@ class Dream(StepRule):
             conf, x0, probs = dream_sample(logits, **self.opts)
         score = dream_confidence(self.alg, conf, probs, at.cols, narrow)
         if first or not self.schedule:          # the first token alone, or a parallel rule: no count to compute
-            k = open_.sum(-1)
+            k, k_host = open_.sum(-1), 1 if first else None
         else:
-            t, t_next, last, later = self.clock(at)
-            k = dream_num_transfer(n := at.masked.sum(-1), t, t_next, last, n + later)
+            i, last, later = self.clock(at)
+            k = dream_num_transfer(n := at.masked.sum(-1), self.timesteps[i], self.timesteps[i + 1], last, n + later)
+            f32 = lambda v: struct.unpack("f", struct.pack("f", v))[0]    # noqa: E731  one float32 rounding
+            g = self.grid                       # the official count is one host int: the same float32 arithmetic
+            k_host = self.left if last else int(f32(f32(self.left + later) * f32(1 - f32(g[i + 1] / g[i]))))
+        self.left -= k_host or 0
         # (B, n) at the logits' columns -> (B, N), the block's width: -inf where the step may not commit.
         x0 = torch.zeros_like(open_, dtype=x0.dtype).index_copy_(1, at.cols, x0)
         score = torch.full_like(open_, NEG_INF, dtype=score.dtype).index_copy_(1, at.cols, score)
-        return Proposal(x0, score.masked_fill_(~open_, NEG_INF), open_, k, logits)
+        return Proposal(x0, score.masked_fill_(~open_, NEG_INF), open_, k, logits, k_host)
 
 
 class DreamFree(Dream):
@@ -299,7 +320,7 @@ class DreamFree(Dream):
     def clock(self, at):
         i = min(self.block * self.steps_per_block + at.i, self.steps - 1)
         later = (self.n_blocks - self.block - 1) * self.block_length
-        return self.timesteps[i], self.timesteps[i + 1], at.i == self.steps_per_block - 1, later
+        return i, at.i == self.steps_per_block - 1, later
 
 
 class DreamCanvas(Dream):
@@ -318,11 +339,12 @@ class DreamCanvas(Dream):
 
     def clock(self, at):
         i = min(at.i, self.steps - 1)
-        return self.timesteps[i], self.timesteps[i + 1], at.i == self.steps - 1, 0
+        return i, at.i == self.steps - 1, 0
 
     def propose(self, logits, at) -> Proposal:
         if self.origin:      # draw the positions first (one host sync: one uniform per masked position)
-            t, t_next, last, _ = self.clock(at)
+            i, last, _ = self.clock(at)
+            t, t_next = self.timesteps[i], self.timesteps[i + 1]
             rows, cols = at.masked.nonzero(as_tuple=True)
             take = torch.rand(rows.numel(), device=rows.device, generator=self.generator) < (1 if last else 1 - t_next / t)
             drawn = torch.zeros_like(at.masked)
@@ -330,8 +352,21 @@ class DreamCanvas(Dream):
             return super().propose(logits, at, drawn)._replace(k=drawn.sum(-1))   # every drawn one is committed
         p = super().propose(logits, at)
         if self.until_done:                             # gen/steps offered a step (QuotaThreshold adds the carry)
-            return p._replace(k=torch.full_like(p.k, self.block_length // self.steps if at.i < self.steps else 0))
+            return p._replace(k=torch.full_like(p.k, self.block_length // self.steps if at.i < self.steps else 0),
+                              k_host=None)
         return p
+
+
+def official_schedule(cfg, st, whole_canvas: bool) -> Schedule:
+    """The schedule ranked by the official call at the official width around the block [s, e) (ties decide alike)."""
+    if cfg.family != "dream":   # FlashDLM's LLaDA: topk over the canvas; Fast-dLLM's: a sort of the fed chunk
+        return (Schedule(lambda at: (at.s, at.x.shape[1] - at.e), topk=True) if st.cache == "free" else
+                Schedule(lambda at: (at.s - at.span[0], at.span[1] - at.e) if at.span else (0, 0)))
+    if whole_canvas:            # Dream's own sampler: topk over the canvas
+        return Schedule(lambda at: (at.s, 0), topk=True)
+    # Fast-dLLM's Dream: topk over [s, the fed chunk's end). FlashDLM's takes the block's masks alone: not matched.
+    return Schedule() if st.cache == "free" else Schedule(lambda at: (0, at.span[1] - at.e) if at.span else (0, 0),
+                                                          topk=True)
 
 
 def family_rules(cfg, st, whole_canvas: bool, generator, device):
@@ -339,7 +374,7 @@ def family_rules(cfg, st, whole_canvas: bool, generator, device):
     already decided, fastdllm.resolve); a fork's own select= is used as given."""
     n_blocks = st.gen_length // st.block_length
     select = st.select or (Threshold(st.threshold) if st.threshold is not None else
-                           Factor(st.factor) if st.factor is not None else Schedule())
+                           Factor(st.factor) if st.factor is not None else official_schedule(cfg, st, whole_canvas))
     schedule = not getattr(select, "parallel", True)
     if st.propose is not None:
         return st.propose, select

@@ -446,8 +446,8 @@ class Handler(JsonHandler):
             return self.refuse()
         try:
             req = self.app.parse(ROUTES[path], json_object(raw))
-            self.app.conns[self.request] = "waiting"
             self.app.engine.submit(req.jobs)
+            self.app.conns[self.request] = "waiting"     # after: a batcher that sees nobody else finds the jobs queued
         except ApiError as e:
             return self.send_error_json(e)
         try:

@@ -45,8 +45,10 @@ class KLASS:
         conf = probs[:, :N].gather(-1, p.x0[..., None]).squeeze(-1).masked_fill(~p.open, float("-inf"))
         stable = (kls[:, :N] < self.kl).all(-1) & (at.i >= self.history - 1)   # Dream: moot (1st KL ~27.6 nats)
         ready = p.open & stable & (conf >= self.conf if at.shift else conf > self.conf)
-        k = torch.ones_like(p.k) if at.shift else p.k                   # the official fallbacks: Dream one token
-        fallback = sampler.Schedule()(p._replace(conf=conf, k=k), at)   # the k most confident masks
+        if at.shift:    # the official fallbacks: Dream the first most probable (its float32 p.conf), LLaDA topk(k)
+            fallback = p.open & (torch.arange(N, device=conf.device) == p.conf.argmax(-1, keepdim=True))
+        else:           # over the canvas, as the official loop calls it (ties decide alike)
+            fallback = sampler.Schedule(lambda at: (at.s, L - at.e), topk=True)(p._replace(conf=conf), at)
         return torch.where(ready.any(-1, keepdim=True), ready, fallback)
 
 

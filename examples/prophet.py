@@ -36,8 +36,9 @@ class Prophet(S.LLaDA):       # the step rule (LLaDA with the suffix) and the st
     def __call__(self, x, at, p):
         L, (a, b), w = x.shape[1], at.span or (-1, -1), x.shape[1] + self.suffix_at + len(self.suffix) + 1   # window
         if at.n == 0:
-            if L + self.suffix_at < at.s:                # at.s: the answer's start
-                raise ValueError(f"prophet: --suffix-at {self.suffix_at} lies before the answer: use >= {at.s - L}")
+            low = at.s - L - (not len(self.suffix))     # at.s: the answer's start; no suffix: the window may start there
+            if self.suffix_at < low:
+                raise ValueError(f"prophet: --suffix-at {self.suffix_at} lies before the answer: use >= {low}")
             self.total = (L - at.s) // (at.e - at.s) * self.steps_per_block     # exact steps: every row, every call
         progress, lo = (at.n + 1) / self.total, min(w, at.s) if a <= w else at.s   # prefix past the window: no test
         logits = at.logits(lo, L)                        # a feed that stops short of L (dual) is refused there

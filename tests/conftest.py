@@ -1,9 +1,13 @@
 """Shared fixtures: the golden checkpoints and outputs of the official code (docs/official.md, tests/golden),
-loaded once per session, and a helper that gives a checkpoint folder a tiny word-level tokenizer."""
+loaded once per session, a helper that gives a checkpoint folder a tiny word-level tokenizer, and every test's
+time limit."""
+import faulthandler
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 
 import pytest
 import torch
@@ -20,6 +24,33 @@ from model import load_model  # noqa: E402
 # and so do the CLI subprocesses it starts (OMP_NUM_THREADS in their environment).
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+# Every test has a time limit: one that hangs fails, named, with every thread's stack printed, and the suite goes
+# on (SIGALRM in the main thread). If even that cannot interrupt it, faulthandler ends the run a minute later with
+# the stacks, so that CI never waits forever. FASTDLLM_TEST_TIMEOUT: seconds (default 600).
+TEST_TIMEOUT = float(os.environ.get("FASTDLLM_TEST_TIMEOUT", 600))
+
+
+@pytest.fixture(autouse=True)
+def time_limit(request):
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum, frame):
+        faulthandler.dump_traceback(all_threads=True)
+        raise TimeoutError(f"{request.node.nodeid} ran past its time limit, {TEST_TIMEOUT:g} s "
+                           f"(FASTDLLM_TEST_TIMEOUT)")
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, TEST_TIMEOUT)
+    faulthandler.dump_traceback_later(TEST_TIMEOUT + 60, exit=True)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGALRM, previous)
 
 
 def read_golden(name: str):

@@ -11,8 +11,9 @@ import torch
 
 import bounded
 
-from conftest import ROOT, copy_checkpoint, write_tokenizer
+from conftest import GOLDEN, ROOT, copy_checkpoint, read_golden, write_tokenizer
 from fastdllm import generate, pad_prompts
+from model import load_model
 from reference import predictions
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -96,10 +97,11 @@ def klass_reference(model, row, conf_bar, kl_bar, history=2, steps=GEN):
             ready = stable & masked & (conf > conf_bar if llada else conf >= conf_bar)
             if ready.any():
                 take = ready.nonzero().flatten().tolist()
-            else:
-                rank = conf if llada else conf32
-                order = sorted(masked.nonzero().flatten().tolist(), key=lambda j: -rank[j].item())
-                take = order[:schedule[min(t, spb - 1)] if llada else 1]
+            elif llada:     # the official call: topk over the canvas, per row with its own k (ties: its choice)
+                top = torch.where(masked, conf, float("-inf")).topk(schedule[min(t, spb - 1)]).indices.tolist()
+                take = [j for j in top if masked[j]]      # a k above the masks left: not over committed tokens
+            else:           # argmax of Dream's float32 max probability over the masks: the first of equals
+                take = [int(torch.where(masked, conf32, float("-inf")).argmax())]
             x[0, take] = token[take]
             t += 1
     return x, calls
@@ -213,3 +215,18 @@ def test_klass_program_on_dream_is_the_official_whole_canvas(dream, tmp_path):
     assert code == 2 and err.splitlines()[-1] == ("error: KLASS needs the logits of [10, 42) at every step, on Dream "
                                                   "as one block (this call fed (0, 42) for [10, 18)): use "
                                                   "cache='none' (Dream: --block-length 0 too)")
+
+
+@pytest.mark.parametrize("run", read_golden("ties-golden.json")["klass_runs"],
+                         ids=lambda r: f"s{r['kwargs']['steps']}-c{r['kwargs']['conf_threshold']}-x{r['head_scale']:g}")
+def test_klass_ties_break_as_the_official_code_breaks_them(run):
+    """The official KLASS (shkim0116/KLASS src/model/llada_klass.py) on the golden LLaDA with its LM head scaled up
+    (tests/golden/ties-golden.json): confidences saturate to exactly 1.0, and the fallback's `topk` over the canvas
+    decides which of the equals a step commits."""
+    model = load_model(os.path.join(GOLDEN, "llada-tiny"), device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(run["head_scale"])
+    kw = run["kwargs"]
+    got, st = generate(model, torch.tensor([run["prompt"]]), gen_length=kw["gen_length"], block_length=kw["block_length"],
+                       steps=kw["steps"], **hooks(kw["conf_threshold"], kw["kl_threshold"], 2, model.config))
+    assert got.tolist() == run["output"] and st["nfe"] == run["nfe"]

@@ -114,6 +114,17 @@ def test_prefix_cache_runs_and_dual_is_refused(llada):
             decode(llada, torch.tensor([PROMPTS["llada"][0]]), 8, SUFFIX, at, cache="none")
 
 
+def test_no_suffix_at_the_answers_start(llada):
+    """No suffix (--suffix ""): the window may start at the answer's first position, the official offset 0 (suffix_at =
+    -gen - 1, the window two after an empty suffix); one further left is refused, naming the bound."""
+    for row in PROMPTS["llada"]:
+        want, calls, _ = reference(llada, torch.tensor([row]), 32, 8, 8, [], -33)
+        got, st = decode(llada, torch.tensor([row]), 8, [], -33, cache="none")
+        assert torch.equal(got, want) and st["nfe"] == calls
+    with pytest.raises(ValueError, match=r"^prophet: --suffix-at -34 lies before the answer: use >= -33$"):
+        decode(llada, torch.tensor([PROMPTS["llada"][0]]), 8, [], -34, cache="none")
+
+
 def run_example(*args):
     """The example as a user runs it: a subprocess in its own process group, killed whole after 120 s."""
     r = bounded.run([sys.executable, os.path.join(ROOT, "examples", "prophet.py"), *args], timeout=120, cwd=ROOT)
@@ -127,6 +138,8 @@ def test_command_line_answers_and_refuses_dual_and_dream(tmp_path):
     assert code == 0, err
     answer, stats = out.strip().splitlines()[-2:]
     assert answer.endswith("The answer is 68.") and stats.startswith("NFE ") and int(stats.split()[1]) < 32
+    code, out, err = run_example(*demo, "--suffix", "", "--suffix-at", "-33")   # no suffix, the window at offset 0
+    assert code == 0 and out.strip().splitlines()[-1].startswith("NFE "), err
     code, out, err = run_example(*demo, "--cache", "dual")
     assert code == 2 and err == "error: prophet runs LLaDA (its official eval) with --cache none (official) or " \
         "prefix: got a llada model, --cache dual\n"       # before the model loads

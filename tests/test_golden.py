@@ -9,8 +9,9 @@ import os
 import pytest
 import torch
 
-from conftest import GOLDEN
+from conftest import GOLDEN, read_golden
 from fastdllm import generate
+from model import load_model
 
 with open(os.path.join(GOLDEN, "llada-golden.json")) as f:
     LLADA_RUNS = json.load(f)["runs"]
@@ -70,3 +71,36 @@ def test_llada_cached_forwards_match_golden(llada, llada_golden):
             kv = KVCache.for_model(llada, B, L)
             llada(before, cache=kv, start=0)                 # refresh on the canvas as it was
             check_summary(llada(after[:, s:end], cache=kv, start=s), c[mode])
+
+
+# Exact ties (saturated confidences, common on a trained model): the official runs with the LM head scaled up
+# (tests/golden/ties-golden.json). An order of our own (a sort of the block alone) commits other positions in
+# every one of these runs: the official call at the official width is what decides (docs/official.md 2, 5).
+TIES = read_golden("ties-golden.json")
+
+
+def scaled(folder: str, scale: float):
+    model = load_model(os.path.join(GOLDEN, folder), device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tie_models():
+    return {(f, s): scaled(f, s) for f in ("llada-tiny", "dream-tiny") for s in (30.0, 100.0)}
+
+
+@pytest.mark.parametrize("run", TIES["llada_runs"], ids=lambda r: f"{r['fn']}-{r['batch']}-s{r['kwargs']['steps']}"
+                         f"-x{r['head_scale']:g}")
+def test_llada_ties_break_as_the_official_code_breaks_them(tie_models, llada_golden, run):
+    model = tie_models[("llada-tiny", run["head_scale"])]
+    out, stats = generate(model, torch.tensor(llada_golden["prompts"][run["batch"]]), **llada_call(run))
+    assert out.tolist() == run["output"] and stats["nfe"] == run["nfe"]
+
+
+@pytest.mark.parametrize("run", TIES["dream_runs"], ids=lambda r: f"{r['name']}-x{r['head_scale']:g}")
+def test_dream_ties_break_as_the_official_code_breaks_them(tie_models, run):
+    model = tie_models[("dream-tiny", run["head_scale"])]
+    out, stats = generate(model, torch.tensor(run["input_ids"]), **dream_call(run))
+    assert out.tolist() == run["sequences"] and stats["nfe"] == run["nfe"]

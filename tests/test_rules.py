@@ -6,6 +6,7 @@ a fixed generator; Fast-dLLM's Dream block schedule without a threshold (entropy
 import pytest
 import torch
 
+import sampler as S
 from fastdllm import generate
 from reference import reference_decode, reference_dream_blocks, reference_dream_canvas
 from test_golden import DREAM_RUNS
@@ -69,10 +70,37 @@ def test_dream_block_schedule_equals_the_reference(dream, steps):
     """Fast-dLLM's Dream block sampler without a threshold (docs/official.md 6.2, its default entropy ranking):
     the refresh call decodes the block's first token, then steps/blocks - 1 calls follow the float32 schedule
     over the block's masks. 16, 8 and 2 steps a block, two rows. Catches a wrong grid (per block, not per
-    decode), a floor in another precision, a first call that ranks like the others, or another ranking."""
+    decode), a first call that ranks like the others, or another ranking. (The float32 floor: no decode of a full
+    block reaches a count where float64 floors otherwise; test_the_count_floors_in_float32 reaches one.)"""
     want, calls = reference_dream_blocks(dream, PAIR, 64, 16, steps)
     got, st = generate(dream, PAIR, gen_length=64, block_length=16, steps=steps, cache="none")
     assert torch.equal(got, want) and st["nfe"] == calls == steps
+
+
+def test_the_count_floors_in_float32(dream):
+    """Dream's count int(n (1 - s/t)) is float32 arithmetic (docs/official.md 5): at 55 masks, step 35 of 37 on the
+    grid, it is 27 where float64 floors to 26. A decode reaches that state when a fork's selection commits one
+    token a step until step 35 (one block of 90, 37 steps: the first token, then 34): the step rule then proposes
+    the float32 count, as the oracle's (tests/reference.py dream_count) and the official arithmetic give it."""
+    from reference import dream_count
+    grid = torch.linspace(1, 1e-3, 38)
+    assert int(55 * (1 - grid[36].item() / grid[35].item())) == 26        # float64: the case tells them apart
+    assert dream_count(torch.ones(1, 55, dtype=torch.bool), grid[35], grid[36], False) == 27
+    seen = {}
+
+    class OneAStepThenTheSchedule:
+        parallel = False
+
+        def __call__(self, p, at):
+            seen[at.i] = (int(at.masked.sum()), int(p.k[0]))
+            if at.i >= 35:
+                return S.Schedule()(p, at)
+            first = torch.zeros_like(p.open)
+            first[0, int(p.open[0].nonzero()[0])] = True
+            return first
+
+    generate(dream, PAIR[:1], gen_length=90, block_length=90, steps=37, cache="none", select=OneAStepThenTheSchedule())
+    assert seen[35] == (55, 27)
 
 
 @pytest.mark.parametrize("f", [1.0, 2.0])

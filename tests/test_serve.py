@@ -74,9 +74,10 @@ def request(port, method, path, body=None, raw=None, headers=None):
         return r.status, text
 
 
-def connected(app, port, n):
+def connected(app, port, n, also=()):
     """n connections, made before any request is sent: the server waits for more requests to batch only while
-    another connection could still send one, so these are known to it before the first request arrives."""
+    another connection could still send one, so these (and the sockets `also`) are known to it before the first
+    request arrives."""
     conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT) for _ in range(n)]
     for c in conns:
         c.connect()
@@ -86,7 +87,7 @@ def connected(app, port, n):
         for sock in list(app.conns):      # the server's side of each connection it has accepted
             with contextlib.suppress(OSError):
                 peers.add(sock.getpeername())
-        if all(c.sock.getsockname() in peers for c in conns) or time.monotonic() > deadline:
+        if all(c.getsockname() in peers for c in [c.sock for c in conns] + list(also)) or time.monotonic() > deadline:
             return conns
         time.sleep(0.01)
 
@@ -107,16 +108,39 @@ def ask(conn, body, path="/v1/chat/completions"):
     return out
 
 
-def at_once(app, port, bodies):
-    """Each body from its own client, all at once -> [(status, parsed JSON)] in the same order."""
+def at_once(app, port, bodies, late: float = 0.0):
+    """Each body from its own client, all at once (the first `late` seconds after the others) -> [(status, parsed
+    JSON)] in the same order."""
     conns, results = connected(app, port, len(bodies)), [None] * len(bodies)
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, ask(conns[i], bodies[i])))
-               for i in range(len(bodies))]
+    send = lambda i: time.sleep(late if i == 0 else 0) or results.__setitem__(i, ask(conns[i], bodies[i]))  # noqa: E731
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(TIMEOUT)
     return results
+
+
+def recv_until(s, marker: bytes) -> bytes:
+    """What socket s receives until `marker` has come; a server that closes first (recv: b"") fails, and one that
+    sends nothing fails at the socket's timeout, never a loop that waits forever."""
+    got = b""
+    while marker not in got:
+        chunk = s.recv(4096)
+        assert chunk, f"the server closed the connection before {marker!r}: got {got[:300]!r}"
+        got += chunk
+    return got
+
+
+def test_recv_until_fails_when_the_server_closes_first():
+    """The stream tests read until an event has come: a server that closes first fails the test at once."""
+    ours, theirs = socket.socketpair()
+    theirs.sendall(b"HTTP/1.1 200 OK\r\n\r\n")
+    theirs.close()
+    ours.settimeout(TIMEOUT)
+    with pytest.raises(AssertionError, match="closed the connection before b'data: '"):
+        recv_until(ours, b"data: ")
+    ours.close()
 
 
 def raw_http(port, data: bytes):
@@ -246,9 +270,12 @@ def test_concurrent_requests_batch_and_equal_solo(server):
     app, port = server
     cases = [(p, {}) for p in PROMPTS[:4]] + [(p, {"threshold": None}) for p in PROMPTS[4:7]] + \
             [(PROMPTS[7], {"temperature": 0.7, "seed": 3})]
-    app.engine.window = 1.0       # all eight arrive within the window
+    no_connections(app)
+    # A window no test waits out: the worker waits while a connected client could still send (at_once connects all
+    # eight first), so the batches are what was sent, whatever the arrival times.
+    app.engine.window = 1e6
     try:
-        results = at_once(app, port, [chat(p, **kw) for p, kw in cases])
+        results = at_once(app, port, [chat(p, **kw) for p, kw in cases], late=1.5)   # past the old 1 s window
     finally:
         app.engine.window = app.args.batch_window / 1000
     for (prompt, kw), (status, r) in zip(cases, results):
@@ -542,17 +569,16 @@ def test_client_disconnect_mid_stream(server, monkeypatch):
     log = []
     monkeypatch.setattr(app, "log", log.append)
     monkeypatch.setattr(app.engine, "log", log.append)
-    monkeypatch.setattr(app.engine, "window", 0.5)
+    no_connections(app)
+    monkeypatch.setattr(app.engine, "window", 1e6)    # the batch closes once the connected client has sent
     body = json.dumps(chat(PROMPT, stream=True, threshold=None)).encode()
-    other, (conn,) = {}, connected(app, port, 1)      # there before the first request: it can join its batch
-    t = threading.Thread(target=lambda: other.update(r=ask(conn, chat(PROMPTS[1], threshold=None))))
     s = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+    other, (conn,) = {}, connected(app, port, 1, also=[s])   # both known before a request: one batch of two
+    t = threading.Thread(target=lambda: other.update(r=ask(conn, chat(PROMPTS[1], threshold=None))))
     s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Content-Length: %d\r\n\r\n" % len(body) + body)
     t.start()
-    got = b""
-    while b"data: " not in got:      # the headers, then the first event (the role chunk)
-        got += s.recv(4096)
+    recv_until(s, b"data: ")          # the headers, then the first event (the role chunk)
     s.close()
     t.join(TIMEOUT)
     status, r = other["r"]
@@ -569,7 +595,9 @@ def test_guided_server():
     "guide": false fell back to one token per step instead of the CLI's default threshold; "accept" (a server
     flag, not a request field) was silently ignored."""
     with serving("--guide", os.path.join(ROOT, "demo", "qwen2-arith"), "--batch-window", "1000") as (app, port, _):
+        app.engine.window = 1e6       # the batch closes once every connected client has sent (at_once), not by time
         results = at_once(app, port, [chat(p) for p in PROMPTS])
+        app.engine.window = 1.0
         for p, (status, r) in zip(PROMPTS, results):
             c = r["choices"][0]
             assert (c["message"]["content"], c["fastdllm"]["nfe"]) == solo(app, p) and c["fastdllm"]["batch_size"] == 8
