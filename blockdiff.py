@@ -182,10 +182,10 @@ class SDAR(BlockStep):
         block = torch.arange(at.masked.shape[1], device=at.masked.device)
         rows = torch.searchsorted(at.cols, block).clamp(max=max(len(at.masked_cols) - 1, 0))
         x0, conf = sdar_sample(logits[:, rows], self.temperature, self.top_k, self.top_p, self.generator, self.mask_id)
-        k = torch.full((at.masked.shape[0],), self.counts[min(self.step, len(self.counts) - 1)],
-                       device=at.masked.device)
-        self.step += 1
-        return Proposal(x0, conf.masked_fill(~at.masked, NEG_INF), at.masked, k, logits)
+        count = self.counts[min(self.step, len(self.counts) - 1)]
+        k = torch.full((at.masked.shape[0],), count, device=at.masked.device)
+        self.step += 1          # k_host: the official top-k (its tie order) is called with this count
+        return Proposal(x0, conf.masked_fill(~at.masked, NEG_INF), at.masked, k, logits, k_host=count)
 
 
 # ---------------------------------------------------------------------------------------- selection
@@ -199,7 +199,7 @@ class DynamicThreshold:
 
     def __call__(self, p: Proposal, at):
         high = p.open & (p.conf > self.tau)
-        return torch.where((high.sum(-1) >= p.k)[:, None], high, Schedule()(p, at))
+        return torch.where((high.sum(-1) >= p.k)[:, None], high, Schedule(topk=True)(p, at))
 
 
 class FirstMasks:
@@ -220,7 +220,7 @@ def block_parts(cfg, st, generator):
     rule = SDAR(steps_per_block=st.steps, block_length=st.block_length, temperature=st.temperature,
                 top_k=st.top_k, top_p=st.top_p, generator=generator, mask_id=cfg.mask_id)
     select = (DynamicThreshold(st.threshold) if st.remasking == "low_confidence_dynamic" else
-              FirstMasks() if st.remasking == "sequential" else Schedule())
+              FirstMasks() if st.remasking == "sequential" else Schedule(topk=True))
     return rule, st.select or select
 
 
