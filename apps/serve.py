@@ -328,7 +328,7 @@ class App:
             raise ApiError(404, f"the model {json.dumps(model)[:80]} does not exist: this server serves "
                            f"{json.dumps(self.name)} (GET /v1/models)", "model", "model_not_found")
         n, limit = get(body, "n", 1), 1 if kind == "denoise" else self.args.max_batch
-        if n > limit:      # the n answers to a prompt are decoded as one batch (one stream: one answer)
+        if n > limit:      # the n answers to a prompt: one batch when greedy (one stream: one answer)
             raise ApiError(400, f"'n' must be at most {limit} (--max-batch; a denoise stream: 1)", "n", "unsupported")
         stream = kind == "denoise" or get(body, "stream", False)
         stop = get(body, "stop", [])
