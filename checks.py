@@ -145,11 +145,21 @@ def check_prompt(cfg, prompt, gen_length, remasking, top_p, top_k, alg_temp, att
     if prompt.shape[1] + gen_length > cfg.max_seq_len:
         bad(f"prompt ({prompt.shape[1]} tokens) + gen_length ({gen_length}) exceeds the model's "
             f"{cfg.max_seq_len} positions: shorten the prompt or lower gen_length")
+    check_family(cfg, remasking, top_p, top_k, alg_temp)
+
+
+def check_family(cfg, remasking, top_p=None, top_k=None, alg_temp=None, name=lambda key: key):
+    """The family's own options, on config.json alone (the programs check them before the weights): its remasking
+    names (None: the family's default); top_p, top_k and alg_temp are Dream's. name(key) words a setting as the
+    caller knows it (a flag, a field)."""
     names = LLADA_REMASKING if cfg.family == "llada" else DREAM_REMASKING if cfg.family == "dream" else (remasking,)
-    if remasking not in names:          # (a block-diffusion family's: blockdiff.check_block)
-        bad(f"unknown remasking {remasking!r} for {cfg.family}: use one of {', '.join(names)}")
-    if cfg.family == "llada" and (top_p is not None or top_k is not None or alg_temp):
-        bad("top_p, top_k and alg_temp are Dream options; LLaDA samples with temperature only")
+    if remasking is not None and remasking not in names:          # (a block-diffusion family's: blockdiff.check_block)
+        bad(f"unknown {name('remasking')} {remasking!r} for {cfg.family}: use one of {', '.join(names)}")
+    given = [k for k, on in (("top_p", top_p is not None), ("top_k", top_k is not None), ("alg_temp", bool(alg_temp)))
+             if on]
+    if cfg.family == "llada" and given:
+        bad(f"{name(given[0])} is a Dream option ({', '.join(map(name, ('top_p', 'top_k', 'alg_temp')))}): LLaDA "
+            f"samples with {name('temperature')} only; drop {name(given[0])}")
 
 
 def check_stop(cfg, stop_at_eos, eos_ids):

@@ -29,9 +29,18 @@ DEFAULT_MODEL = "GSAI-ML/LLaDA-8B-Instruct"
 
 
 # Flags that only mean something beside another flag: given without it they are an error, never ignored.
-NEEDS = {"accept": "guide", "accept_k": "guide", "accept_ratio": "guide", "accept_threshold": "guide",
-         "speculative": "guide", "batch_size": "prompt_file"}
-NOT_GIVEN = object()   # what a NEEDS flag holds after parsing when it was not on the command line
+# -> (the flag it needs, its default). They are absent after parsing unless given (argparse.SUPPRESS).
+NEEDS = {"accept": ("guide", Settings.accept), "accept_k": ("guide", Settings.accept_k),
+         "accept_ratio": ("guide", Settings.accept_ratio), "accept_threshold": ("guide", Settings.accept_threshold),
+         "speculative": ("guide", Settings.speculative), "batch_size": ("prompt_file", 8)}
+# The flags a fork's part replaces (examples/): given beside it, refused in the CLI's words, never ignored.
+REPLACED = {"cache": (("cache",), "cache policy decides what each call feeds"),
+            "select": (("threshold", "factor"), "selection rule decides how many tokens a step commits"),
+            "propose": (("steps", "remasking", "temperature", "top_p", "top_k", "alg_temp"), "step rule makes the "
+                        "proposals (and draws its own noise)"),
+            "stop": (("no_early_stop",), "stop rule decides when an answer has ended")}
+DESCRIPTION = ("Fast-dLLM inference for LLaDA and Dream. The defaults are the method's headline setting; the plain "
+               "baseline is --cache none --threshold none.")
 
 
 def flag_name(key: str) -> str:
@@ -90,15 +99,16 @@ def checked(kind, ok, what: str):
     return parse
 
 
-def fit_gen_length(args, n_prompt: int, max_seq_len: int) -> int:
+def fit_gen_length(args, n_prompt: int, max_seq_len: int, note: bool = True) -> int:
     """An explicit --gen-length as given (generate() checks it); the default 256 cut to the largest multiple
-    of --block-length that fits the model's positions (the demo model has 64), said on stderr."""
+    of --block-length that fits the model's positions (the demo model has 64), said on stderr (if note)."""
     block = args.block_length or 1
     fit = (max_seq_len - n_prompt) // block * block
     if not args.fit_gen_length or n_prompt + args.gen_length <= max_seq_len or fit < 1:
         return args.gen_length
-    print(f"note: the prompt ({n_prompt} tokens) + gen-length {args.gen_length} exceed the model's {max_seq_len} "
-          f"positions: generating {fit} tokens (pass --gen-length to choose)", file=sys.stderr)
+    if note:
+        print(f"note: the prompt ({n_prompt} tokens) + gen-length {args.gen_length} exceed the model's {max_seq_len} "
+              f"positions: generating {fit} tokens (pass --gen-length to choose)", file=sys.stderr)
     return fit
 
 
@@ -133,7 +143,7 @@ def load_guide(guide_dir, args, cfg, chat, device, dtype):
         guide_tok = None
     check_guide(cfg, read_config(guide_dir), chat.tok, guide_tok)
     try:
-        return load(f"the guide {args.guide}", guide_dir, device, dtype)
+        return load(f"the guide {args.guide}", resolve_model_dir(args.guide, role="guide"), device, dtype)
     except ValueError as e:     # a truncated or corrupt file: say it is the guide's
         raise ValueError(f"the guide {args.guide}: {e}") from None
 
@@ -157,14 +167,33 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
+def check_config(args, cfg, chat):
+    """generate()'s checks that need config.json and the tokenizer but no weight, made before any is read (or
+    downloaded): the family's options (named as flags), the end ids, and every prompt the command line holds
+    (--prompt, --prompt-file's lines): ids outside the vocabulary, the mask token, the prompt + the answer beyond
+    the model's positions. generate() makes them all again."""
+    kw = settings(args)
+    checks.check_family(cfg, kw["remasking"], kw["top_p"], kw["top_k"], kw["alg_temp"], name=flag_name)
+    checks.check_stop(cfg, not args.no_early_stop, args.stop_ids)
+    texts = enumerate(args.prompts, 1) if args.prompt_file else [(0, args.prompt)] if args.prompt else []
+    rows = {line: chat.encode(chat.render([{"role": "user", "content": q}])) for line, q in texts if q}
+    gen_length = fit_gen_length(args, max(map(len, rows.values()), default=0), cfg.max_seq_len, note=False)
+    for line, row in rows.items():     # a batch is as long as its longest prompt, whose own check covers it
+        try:
+            checks.check_prompt(cfg, torch.tensor([row]), gen_length, None, kw["top_p"], kw["top_k"], kw["alg_temp"])
+        except ValueError as e:
+            raise ValueError(f"--prompt-file {args.prompt_file} line {line}: {e}" if line else str(e)) from None
+
+
 def load_all(args):
     """What every command line of the project loads (this CLI, serve.py, bench.py run): the checks of the small
-    files first (config.json, tokenizer.json, the guide's), then the guide and the model. Sets args.stop_ids,
-    args.guide_model and args.compiled (one Compiled for the process). -> (model, chat, cfg, device)."""
+    files first (config.json, tokenizer.json, the guide's; a repo's weights are not even fetched before them),
+    then the guide and the model. Sets args.stop_ids, args.guide_model and args.compiled (one Compiled for the
+    process). -> (model, chat, cfg, device)."""
     device, dtype = pick_device_dtype(args.device, args.dtype)
     # The guide first: a typo in its path must not wait for the model's download.
-    guide_dir = resolve_model_dir(args.guide, role="guide") if args.guide else None
-    model_dir = resolve_model_dir(args.model)
+    guide_dir = resolve_model_dir(args.guide, role="guide", weights=False) if args.guide else None
+    model_dir = resolve_model_dir(args.model, weights=False)
     cfg = read_config(model_dir)
     if cfg.causal:
         raise ValueError(f"--model {args.model} is a causal LM (model_type qwen2), not a diffusion LM: it belongs to "
@@ -182,8 +211,9 @@ def load_all(args):
         raise ValueError(f"config.json's mask_token_id {cfg.mask_id} is the ordinary token {word!r} of "
                          f"tokenizer.json, not a special mask token: fix config.json or re-download the checkpoint")
     args.stop_ids = sorted(chat.stop_ids)     # the checkpoint's own end tokens (chat.Chat: which files say so)
+    check_config(args, cfg, chat)
     args.guide_model = load_guide(guide_dir, args, cfg, chat, device, dtype)
-    model = load(args.model, model_dir, device, dtype)
+    model = load(args.model, resolve_model_dir(args.model), device, dtype)
     args.compiled = Compiled() if args.compile else None
     return model, chat, cfg, device
 
@@ -191,71 +221,129 @@ def load_all(args):
 # ----------------------------------------------------------------------------------------------------------
 # The command line
 
-def parse_args(argv=None, hooks=()):
-    p = argparse.ArgumentParser(description="Fast-dLLM inference for LLaDA and Dream. The defaults are the "
-                                "method's headline setting; the plain baseline is --cache none --threshold none.")
+def new_parser(**kw) -> argparse.ArgumentParser:
+    """An ArgumentParser whose errors are one line, a ValueError the programs print as `error: ...` (argparse
+    would print its usage too)."""
+    p = argparse.ArgumentParser(**kw)
 
-    def error(message):   # argparse would print its usage too: our errors are one line (see __main__)
+    def error(message):
         raise ValueError(f"{message} (see --help)")
     p.error = error
-    # SUPPRESS: --gen-length and --threshold are absent unless given, so we can tell a default from a choice.
-    p.add_argument("--model", default=DEFAULT_MODEL, help="Hugging Face repo id or local folder "
-                   "(default: %(default)s)")
-    p.add_argument("--prompt", help="the user message (required unless --prompt-file; with --interactive: the "
-                   "first turn)")
-    p.add_argument("--gen-length", type=int, default=argparse.SUPPRESS, help=f"tokens to generate (default: "
-                   f"{CLI_DEFAULTS['gen_length']}, or the largest multiple of --block-length that fits the model)")
-    p.add_argument("--block-length", type=int, default=Settings.block_length, help="semi-autoregressive block "
-                   "size; 0 = one block (for Dream: Dream's own whole-canvas sampler) (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: gen-length)")
-    p.add_argument("--cache", default=argparse.SUPPRESS, help=f"KV cache: {' | '.join(CACHE_MODES)} "
-                   f"(default: {CLI_DEFAULTS['cache']})")
-    p.add_argument("--threshold", type=optional_float, default=argparse.SUPPRESS, help="parallel decoding: "
-                   f"unmask every token with confidence >= this; none = off (default: {CLI_DEFAULTS['threshold']}; "
-                   f"none with --factor)")
-    p.add_argument("--factor", type=float, default=None, help="factor-based parallel decoding (default: off)")
-    p.add_argument("--temperature", type=checked(float, math.isfinite, "a finite number"), default=0.0,
-                   help="0 = greedy (default: %(default)s)")
-    p.add_argument("--remasking", default=None, help="LLaDA: low_confidence (default) | random; Dream: entropy "
-                   "(default) | maskgit_plus | topk_margin | origin")
-    p.add_argument("--top-p", type=float, default=None, help="Dream only (default: off)")
-    p.add_argument("--top-k", type=int, default=None, help="Dream only (default: off)")
-    p.add_argument("--alg-temp", type=float, default=None, help="Dream only: randomness of the position choice")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the sampling generator (default: %(default)s)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model's layers, one graph per shape fed")
-    p.add_argument("--no-chat", action="store_true", help="raw prompt, no chat template (base models)")
-    p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin, until exit, quit or its "
-                   "end (a model without a chat template, like the demo, answers each question alone)")
-    p.add_argument("--prompt-file", help="one prompt per line, decoded in batches: one answer line per input line "
-                   "(a blank line's answer is an empty line, so line N answers line N)")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per batch with --prompt-file "
-                   "(default: %(default)s)")
-    p.add_argument("--no-early-stop", action="store_true", help="decode every block even after the answer "
-                   "ended (default: stop once a finished block holds an end token)")
-    p.add_argument("--no-stream", action="store_true", help="print the answer at the end, not block by block")
-    p.add_argument("--trace", action="store_true", help="print which tokens each step unmasked")
-    p.add_argument("--guide", help="a causal LM sharing the model's tokenizer (Qwen2 format, repo id or folder): "
-                   "FlashDLM's guided diffusion (default: off)")
-    p.add_argument("--accept", default=Settings.accept, choices=ACCEPT_RULES, metavar="RULE",
-                   help="guided: deterministic | topk | topk_relative | dynamic_threshold | aggressive "
-                   "(default: %(default)s)")
-    p.add_argument("--accept-k", type=checked(int, lambda k: k >= 1, "an integer >= 1"), default=Settings.accept_k,
-                   help="guided topk and topk_relative: the guide's top k (default: %(default)s)")
-    p.add_argument("--accept-ratio", type=checked(float, lambda r: 0 < r <= 1, "a number in (0, 1]"),
-                   default=Settings.accept_ratio, help="guided topk_relative ratio (default: %(default)s)")
-    p.add_argument("--accept-threshold", type=checked(float, lambda t: 0 <= t < 1, "a number in [0, 1)"),
-                   default=Settings.accept_threshold, help="guided dynamic_threshold: accept a draft whose guide "
-                   "probability exceeds this (default: %(default)s)")
-    p.add_argument("--speculative", action="store_true", default=False, help="guided: commit the guide's token "
-                   "in place of the first rejected draft, i.e. the guide's quality (default: the diffusion "
-                   "model's first draft)")
-    args = p.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(NEEDS, NOT_GIVEN)))
-    given = {flag for flag in NEEDS if getattr(args, flag) is not NOT_GIVEN}
-    for flag, need in NEEDS.items():
+    return p
+
+
+# What serve.py leaves out (its prompts come in requests) and bench.py run has its own of or refuses.
+PROMPT_FLAGS = ("--prompt", "--prompt-file", "--interactive", "--batch-size", "--no-stream", "--trace")
+
+
+def add_flags(p, omit=()):
+    """fastdllm.py's flags onto p (a parser or a group of one), but for `omit`: a flag left out holds its default.
+    SUPPRESS: --gen-length, --cache, --threshold and the NEEDS flags are absent unless given, so that a default
+    can be told from a choice."""
+    def add(flag, **kw):
+        if flag not in omit:
+            return p.add_argument(flag, **kw)
+        default = kw.get("default", False if kw.get("action") == "store_true" else None)
+        if default is not argparse.SUPPRESS:
+            p.set_defaults(**{flag[2:].replace("-", "_"): default})
+    add("--model", default=DEFAULT_MODEL, help="Hugging Face repo id or local folder (default: %(default)s)")
+    add("--prompt", help="the user message (required unless --prompt-file; with --interactive: the first turn)")
+    add("--gen-length", type=int, default=argparse.SUPPRESS, help=f"tokens to generate (default: "
+        f"{CLI_DEFAULTS['gen_length']}, or the largest multiple of --block-length that fits the model)")
+    add("--block-length", type=int, default=Settings.block_length, help="semi-autoregressive block size; 0 = one "
+        "block (for Dream: Dream's own whole-canvas sampler) (default: %(default)s)")
+    add("--steps", type=int, default=None, help="denoising steps (default: gen-length)")
+    add("--cache", default=argparse.SUPPRESS, help=f"KV cache: {' | '.join(CACHE_MODES)} (default: "
+        f"{CLI_DEFAULTS['cache']})")
+    add("--threshold", type=optional_float, default=argparse.SUPPRESS, help="parallel decoding: unmask every token "
+        f"with confidence >= this; none = off (default: {CLI_DEFAULTS['threshold']}; none with --factor)")
+    add("--factor", type=float, default=None, help="factor-based parallel decoding (default: off)")
+    add("--temperature", type=checked(float, math.isfinite, "a finite number"), default=0.0,
+        help="0 = greedy (default: %(default)s)")
+    add("--remasking", default=None, help="LLaDA: low_confidence (default) | random; Dream: entropy (default) | "
+        "maskgit_plus | topk_margin | origin")
+    add("--top-p", type=float, default=None, help="Dream only (default: off)")
+    add("--top-k", type=int, default=None, help="Dream only (default: off)")
+    add("--alg-temp", type=float, default=None, help="Dream only: randomness of the position choice")
+    add("--device", default=None, help="cpu | cuda (default: cuda if available)")
+    add("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
+    add("--seed", type=int, default=0, help="seed of the sampling generator; a negative one is taken modulo 2**64, "
+        "as torch does (default: %(default)s)")
+    add("--compile", action="store_true", help="torch.compile the model's layers, one graph per shape fed")
+    add("--no-chat", action="store_true", help="raw prompt, no chat template (base models)")
+    add("--interactive", action="store_true", help="multi-turn chat on stdin, until exit, quit or its end (a model "
+        "without a chat template, like the demo, answers each question alone)")
+    add("--prompt-file", help="one prompt per line, decoded in batches: one answer line per input line (a blank "
+        "line's answer is an empty line, so line N answers line N)")
+    add("--batch-size", type=int, default=argparse.SUPPRESS, help="prompts per batch with --prompt-file "
+        f"(default: {NEEDS['batch_size'][1]})")
+    add("--no-early-stop", action="store_true", help="decode every block even after the answer ended (default: "
+        "stop once a finished block holds an end token)")
+    add("--no-stream", action="store_true", help="print the answer at the end, not block by block")
+    add("--trace", action="store_true", help="print which tokens each step unmasked")
+    add("--guide", help="a causal LM sharing the model's tokenizer (Qwen2 format, repo id or folder): FlashDLM's "
+        "guided diffusion (default: off)")
+    add("--accept", default=argparse.SUPPRESS, choices=ACCEPT_RULES, metavar="RULE", help="guided: deterministic | "
+        f"topk | topk_relative | dynamic_threshold | aggressive (default: {Settings.accept})")
+    add("--accept-k", type=checked(int, lambda k: k >= 1, "an integer >= 1"), default=argparse.SUPPRESS,
+        help=f"guided topk and topk_relative: the guide's top k (default: {Settings.accept_k})")
+    add("--accept-ratio", type=checked(float, lambda r: 0 < r <= 1, "a number in (0, 1]"), default=argparse.SUPPRESS,
+        help=f"guided topk_relative ratio (default: {Settings.accept_ratio})")
+    add("--accept-threshold", type=checked(float, lambda t: 0 <= t < 1, "a number in [0, 1)"),
+        default=argparse.SUPPRESS, help="guided dynamic_threshold: accept a draft whose guide probability exceeds "
+        f"this (default: {Settings.accept_threshold})")
+    add("--speculative", action="store_true", default=argparse.SUPPRESS, help="guided: commit the guide's token in "
+        "place of the first rejected draft, i.e. the guide's quality (default: the diffusion model's first draft)")
+
+
+def add_own(p, own: dict):
+    """A fork's own flags (examples/) onto p: name=(default, help), typed as the default."""
+    for key, (default, text) in own.items():
+        p.add_argument(flag_name(key), type=type(default), default=default, help=f"{text} (default: %(default)r)")
+
+
+def own_flags(argv: list, **own) -> tuple[dict, list]:
+    """A fork's own flags alone, name=(default, help) -> ({name: value}, the rest of argv, the CLI's)."""
+    p = new_parser(add_help=False, allow_abbrev=False)
+    add_own(p, own)
+    values, rest = p.parse_known_args(argv)
+    return vars(values), rest
+
+
+def fork_parts(fork, values: dict, model: str) -> dict:
+    """fork(**its flags) -> its hooks; a fork that asks for the checkpoint's `config` or `tokenizer` gets them
+    (its small files: nothing is loaded)."""
+    needs = inspect.signature(fork).parameters
+    if "config" in needs or "tokenizer" in needs:
+        folder = resolve_model_dir(model, weights=False)
+        values |= {k: v() for k, v in dict(config=lambda: read_config(folder),
+                                           tokenizer=lambda: load_tokenizer(folder)).items() if k in needs}
+    return fork(**values)
+
+
+def parse_args(argv=None, hooks=(), fork=None, own=None):
+    """fastdllm.py's command line -> its flags, checked (finish_args). A fork's program (run: fork, own) adds its
+    own flags and titles --help with the first sentence of its file's docstring."""
+    if fork is None:
+        p = new_parser(description=DESCRIPTION)
+    else:
+        doc = " ".join((getattr(fork, "__globals__", {}).get("__doc__") or "").split())
+        p = new_parser(description=doc.split(". ")[0].rstrip(".") + ". Decoded as fastdllm.py decodes, with its "
+                       "flags; this method's own are listed last.", conflict_handler="resolve")
+    add_flags(p)
+    if own:     # a flag of the CLI's name (prophet's --cache) is the fork's: conflict_handler="resolve"
+        add_own(p.add_argument_group("this method's own flags"), own)
+    return finish_args(p, p.parse_args(argv), hooks, fork, own)
+
+
+def finish_args(p, args, hooks=(), fork=None, own=None):
+    """The checks of the parsed flags that need no model (serve.py and bench.py run parse with their own parsers
+    and call this): then a fork's parts are made (fork_parts), and the flags they replace refused."""
+    values = {key: vars(args).pop(key) for key in own or {}}
+    given = {flag for flag in NEEDS if flag in vars(args)}
+    for flag, (need, default) in NEEDS.items():
         if flag not in given:
-            setattr(args, flag, p.get_default(flag))
+            setattr(args, flag, default)
         elif not getattr(args, need):
             flag, need = flag.replace("_", "-"), need.replace("_", "-")
             raise ValueError(f"--{flag} only applies with --{need}: add --{need}, or drop --{flag}")
@@ -265,12 +353,6 @@ def parse_args(argv=None, hooks=()):
             raise ValueError(f"--{flag.replace('_', '-')} is empty: pass a path (or leave the flag out)")
     args.fit_gen_length = "gen_length" not in vars(args)
     args.gen_length = getattr(args, "gen_length", CLI_DEFAULTS["gen_length"])
-    if "threshold" not in vars(args):   # --factor, --guide or a fork's select= replaces the default
-        args.threshold = None if args.factor is not None or args.guide or "select" in hooks else CLI_DEFAULTS["threshold"]
-    if "cache" in hooks and "cache" in vars(args):
-        raise ValueError(f"--cache {args.cache} does not apply: this program feeds the model with its own cache "
-                         f"policy; drop --cache")
-    args.cache = getattr(args, "cache", CLI_DEFAULTS["cache"])
     if not args.prompt and not args.interactive and not args.prompt_file:
         raise ValueError("no prompt: pass --prompt \"...\" (or --prompt-file, --interactive)")
     if args.prompt_file and (args.prompt or args.interactive):
@@ -289,6 +371,16 @@ def parse_args(argv=None, hooks=()):
     check_text(args.prompt or "")
     if not -2**63 <= args.seed < 2**64:   # torch's seed is 64-bit: say so before loading, not after
         raise ValueError(f"--seed {args.seed} does not fit in 64 bits: use a seed between 0 and 2**64 - 1")
+    hooks = fork_parts(fork, values, args.model) if fork is not None else dict(hooks)
+    for kind, (flags, what) in REPLACED.items():     # given: in the namespace (SUPPRESS) and not the default
+        flag = next((f for f in flags if kind in hooks and vars(args).get(f, p.get_default(f)) != p.get_default(f)),
+                    None)
+        if flag:
+            raise ValueError(f"{flag_name(flag)} does not apply: this program's own {what}; drop {flag_name(flag)}")
+    if "threshold" not in vars(args):   # --factor, --guide or a fork's select= replaces the default
+        args.threshold = None if args.factor is not None or args.guide or "select" in hooks else CLI_DEFAULTS["threshold"]
+    args.cache = getattr(args, "cache", CLI_DEFAULTS["cache"])
+    args.hooks = hooks
     return args
 
 
@@ -341,12 +433,11 @@ def answer_prompts(model, chat, args, device):
     print(f"{len(rows)} prompts{note} | NFE {nfe} | {tokens / max(seconds, 1e-9):.1f} tokens/s | {seconds:.2f} s")
 
 
-def main(argv=None, **hooks):
+def main(argv=None, fork=None, own=None, **hooks):
     """The command line. hooks: a fork's own parts (cache=, select=, stop=, propose=; examples/), given to every
     generate() call: each replaces the CLI's default of its kind (a select= the threshold 0.9, a stop= the early
-    stop)."""
-    args = parse_args(argv, hooks)
-    args.hooks = hooks
+    stop); or fork, own: a fork's program (run), its parts made from its own flags."""
+    args = parse_args(argv, hooks, fork, own)
     check_flags(args)
     model, chat, cfg, device = load_all(args)
     if args.prompt_file:
@@ -399,38 +490,16 @@ def main(argv=None, **hooks):
         ids = out
 
 
-def own_flags(argv: list, **defaults) -> tuple[dict, list]:
-    """A fork's own flags (examples/): `--name value`, typed as its default -> ({name: value}, the CLI's argv)."""
-    values, rest, argv = dict(defaults), [], list(argv)
-    while argv:
-        arg = argv.pop(0)
-        key = arg[2:].split("=")[0].replace("-", "_")
-        if not (arg.startswith("--") and key in defaults):
-            rest.append(arg)
-            continue
-        text = arg.split("=", 1)[1] if "=" in arg else argv.pop(0) if argv else ""
-        try:
-            values[key] = type(defaults[key])(text)
-        except ValueError:
-            raise ValueError(f"--{key.replace('_', '-')} expects a {type(defaults[key]).__name__}, got {text!r}") from None
-    return values, rest
-
-
 def run(fork=None, **own):
     """`python fastdllm.py ...`: main() with one-line errors and Unix exit statuses. A fork's program (examples/)
-    passes fork(**its flags) -> its hooks, and the flags' defaults (fork(config=, tokenizer=): the checkpoint's)."""
+    passes fork(**its flags) -> its hooks, and its flags, name=(default, help), listed by --help after the CLI's;
+    fork(config=, tokenizer=) also gets the checkpoint's (read after every check that needs no model)."""
     if sys.stdout is None:   # started with stdout closed (`>&-`): the answers would go nowhere
         print("error: standard output is closed: the answer has nowhere to go (drop `>&-`, or redirect to a "
               "file or /dev/null)", file=sys.stderr)
         sys.exit(2)
     try:
-        values, argv = own_flags(sys.argv[1:], **own)
-        needs = inspect.signature(fork).parameters if fork else {}
-        if "config" in needs or "tokenizer" in needs:      # the fork's parts depend on the checkpoint
-            folder = resolve_model_dir(own_flags(argv, model=DEFAULT_MODEL)[0]["model"])
-            values |= {k: v() for k, v in dict(config=lambda: read_config(folder),
-                                               tokenizer=lambda: load_tokenizer(folder)).items() if k in needs}
-        status = main(argv, **(fork(**values) if fork else {}))
+        status = main(sys.argv[1:], fork, own)
         sys.stdout.flush()     # here, so that a closed pipe is caught below, not at the interpreter's exit
         sys.exit(status)
     except BrokenPipeError:

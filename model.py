@@ -373,8 +373,9 @@ def check_readable(path: str):
 EXAMPLE_REPO = {"model": "GSAI-ML/LLaDA-8B-Instruct", "guide": "Qwen/Qwen2.5-1.5B-Instruct"}
 
 
-def resolve_model_dir(name_or_path: str, role: str = "model") -> str:
-    """A local folder as is; otherwise a Hugging Face repo id, fetched (json, safetensors, tokenizer only).
+def resolve_model_dir(name_or_path: str, role: str = "model", weights: bool = True) -> str:
+    """A local folder as is; otherwise a Hugging Face repo id, fetched (json, safetensors, tokenizer only;
+    weights=False: the small files alone, so that the programs check them before gigabytes of weights come).
     role ("model" or "guide") names which one the user got wrong in the error messages."""
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise ValueError(f"the {role} must be a folder path or a Hugging Face repo id such as "
@@ -400,8 +401,8 @@ def resolve_model_dir(name_or_path: str, role: str = "model") -> str:
         # Dream has no tokenizer.json: *.json brings its vocab.json, tokenizer_config.json, added_tokens.json and
         # special_tokens_map.json, and merges.txt completes them; DiffuCoder's chat template is chat_template.jinja.
         # Never a pickle (*.bin, *.pt) or remote code.
-        return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "merges.txt",
-                                                               "chat_template.jinja"])
+        small = ["*.json", "tokenizer*", "merges.txt", "chat_template.jinja"]
+        return snapshot_download(name_or_path, allow_patterns=small + ["*.safetensors"] * weights)
     except Exception as e:  # network, auth or a missing repo: one line, not a stack of HTTP frames
         from huggingface_hub import constants
         if constants.HF_HUB_OFFLINE:

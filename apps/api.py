@@ -14,6 +14,7 @@ canvas size, token ids, the answer's text: serve.App), the batching (serve.Engin
 """
 import difflib
 import json
+import math
 import re
 import traceback
 import urllib.parse
@@ -47,13 +48,16 @@ def is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def is_num(v):      # a number a setting can hold: not 1e400 (read as inf) nor a 400-digit integer
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e300
+def is_num(v):      # a number a setting can hold, a float's: not 1e400 (JSON's reader makes it inf), nor 10**400
+    try:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    except OverflowError:    # an integer too large for a float
+        return False
 
 
 STR, BOOL, OBJ, LIST = [(lambda v, t=t: isinstance(v, t), what) for t, what in
                         ((str, "a string"), (bool, "true or false"), (dict, "an object"), (list, "a list"))]
-NUM, COUNT = (is_num, "a number"), (lambda v: is_int(v) and v >= 1, "an integer >= 1")
+NUM, COUNT = (is_num, "a finite number"), (lambda v: is_int(v) and v >= 1, "an integer >= 1")
 # Every field a request may send -> (check, what it must be); null is the same as leaving a field out. The
 # prompt fields are checked by prompt_fields; threshold > 0 as generate() accepts (above 1: one token a step).
 FIELDS = {

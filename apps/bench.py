@@ -19,6 +19,7 @@ tokens equal to the *exact* decode (no cache, one token per step, the same steps
 where they differ, so an approximation's cost in quality sits next to its speed. Speed is only reported,
 never asserted; tests/test_bench.py checks that the numbers are computed right.
 """
+import argparse
 import contextlib
 import hashlib
 import json
@@ -40,7 +41,7 @@ from fastdllm import generate
 from guided import check_guide
 from model import ModelConfig, load_model, read_config, resolve_model_dir
 from tools.checkpoint import check_fits, load_random, random_prompts, reusable, shape_config
-from tools.flags import Parser, integer, listing, nonempty, random_arguments, rows_arguments, run_arguments
+from tools.flags import REFUSED, Parser, integer, listing, nonempty, random_arguments, rows_arguments, run_arguments
 
 MiB = 2 ** 20
 PROMPT = "Tom has 23 apples and buys 45 more. How many apples does he have?"   # `run`'s default
@@ -336,9 +337,10 @@ def compare(a_path: str, b_path: str) -> str:
 # ----------------------------------------------------------------------------------------------------------
 # 4. Command line: every flag checked before anything is loaded, each error one line that names the flag
 
-def run(args, rest):
-    """bench.py run: the modes table on a real checkpoint and prompt, with fastdllm.py's decoding flags."""
-    a = cli.parse_args(["--prompt", PROMPT if args.prompt is None else args.prompt] + rest)
+def run(args, parser):
+    """bench.py run: the modes table on a real checkpoint and prompt, with fastdllm.py's decoding flags (its
+    --factor is the table's: a row per cache)."""
+    a = cli.finish_args(parser, argparse.Namespace(**vars(args) | {"prompt": args.prompt or PROMPT, "factor": None}))
     cli.check_early(cli.settings(a, cache="none", threshold=None))    # every row sets its own cache and rule
     model, chat, cfg, device = cli.load_all(a)        # the CLI's checks and loading; one Compiled (--compile)
     guide, dtype = a.guide_model, model.lm_head.weight.dtype
@@ -406,10 +408,10 @@ def random_table(args):
 def main(argv=None):
     p = Parser(prog="bench.py", description="fastdllm benchmarks (see the module docstring)")
     sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="the modes table on a real model and prompt", epilog="Every other flag is "
-                       "fastdllm.py's (python fastdllm.py --help): --model, --gen-length, --block-length, --steps, "
-                       "--temperature, --guide (adds a guided row per cache), --accept, --device, --dtype, --seed, ...")
+    r = sub.add_parser("run", help="the modes table on a real model and prompt")
     run_arguments(r)
+    cli.add_flags(r.add_argument_group("decoding (fastdllm.py's flags; --guide adds a guided row per cache)"),
+                  omit=(*REFUSED, "--prompt", "--factor"))
     m = sub.add_parser("modes", help="the modes table on a random checkpoint")
     random_arguments(m)
     rows_arguments(m, factors="", stops="off")
@@ -424,12 +426,10 @@ def main(argv=None):
     c = sub.add_parser("compare", help="two --json results side by side")
     c.add_argument("before")
     c.add_argument("after")
-    args, rest = p.parse_known_args(argv)
-    if rest and args.cmd != "run":
-        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    args = p.parse_args(argv)
     if args.cmd == "compare":
         return print(compare(args.before, args.after))
-    settings, env, rows = run(args, rest) if args.cmd == "run" else random_table(args)
+    settings, env, rows = run(args, r) if args.cmd == "run" else random_table(args)
     if args.json:
         write_json(args.json, settings=settings, environment=env, rows=rows)
 

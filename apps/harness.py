@@ -58,6 +58,7 @@ from chat import Chat
 from cli import CLI_DEFAULTS, check_early, pick_device_dtype
 from fastdllm import Compiled, Settings, generate, pad_prompts
 from guided import check_guide
+from checks import check_family, check_prompt
 from model import load_model, read_config, resolve_model_dir
 
 log = logging.getLogger("lm_eval.fastdllm")   # under lm-eval's logger, so it prints with lm-eval's lines
@@ -159,9 +160,13 @@ class FastDLLM(LM):
     # --- the model and its tokenizer, loaded on first use: a refused task never reads a weight -------------
     @property
     def chat(self) -> Chat:
+        """The tokenizer and chat template, from the model's small files (a repo's weights are fetched later, by
+        net()); the settings' checks that need config.json are made here, before any weight."""
         if self._chat is None:
-            self.model_dir = resolve_model_dir(self.model_name)
+            self.model_dir = resolve_model_dir(self.model_name, weights=False)
             self.cfg = read_config(self.model_dir)
+            s = self.settings
+            check_family(self.cfg, s["remasking"], s["top_p"], s["top_k"], s["alg_temp"])
             self._chat = Chat(self.model_dir, self.cfg)
             self._chat.stop_ids |= set(self.cfg.eos_ids)     # config.json may list several end ids
         return self._chat
@@ -169,7 +174,7 @@ class FastDLLM(LM):
     def checked_guide(self) -> str:
         """The guide's folder, looked up before the model's (as in the CLI), after checking on the small files
         (configs, tokenizers) that it shares the model's token ids."""
-        guide_dir = resolve_model_dir(self.guide_name, role="guide")
+        guide_dir = resolve_model_dir(self.guide_name, role="guide", weights=False)
         chat = self.chat
         guide_cfg = read_config(guide_dir)
         try:
@@ -183,9 +188,10 @@ class FastDLLM(LM):
         if self._net is None:
             if self.guide_name:
                 self._guide_dir = self._guide_dir or self.checked_guide()
-                self._guide = load_model(self._guide_dir, device=self._device, dtype=self.dtype)
-            self.chat           # looks the model up: self.model_dir, self.cfg
-            self._net = load_model(self.model_dir, device=self._device, dtype=self.dtype)
+                self._guide = load_model(resolve_model_dir(self.guide_name, role="guide"), device=self._device,
+                                         dtype=self.dtype)
+            self.chat           # the small files' checks first
+            self._net = load_model(resolve_model_dir(self.model_name), device=self._device, dtype=self.dtype)
         return self._net
 
     # --- lm-eval's interface ----------------------------------------------------------------------------
@@ -219,18 +225,22 @@ class FastDLLM(LM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         from tqdm import tqdm
-        net, s = self.net(), self.settings
+        s = self.settings
         # At temperature 0 a request repeated (lm-eval's `repeats`, or its padding of a rank's share) gets
         # the same answer, so it is decoded once. Groups: one task and one request setting each.
         todo = list({id(r): r for r in requests}.values()) if not s["temperature"] else requests
-        groups = {}
+        groups, rows = {}, {}
         for i, r in enumerate(todo):
             until, gen_length = self.request_settings(r.args[1])
             groups.setdefault((r.task_name, tuple(until), gen_length), []).append(i)
-        answers = [None] * len(todo)
+            rows[i] = self.encode(r.args[0])
+            try:      # every prompt is checked before a weight is read (the mask token, ids, its length)
+                check_prompt(self.cfg, torch.tensor([rows[i]]), gen_length, None, s["top_p"], s["top_k"], s["alg_temp"])
+            except ValueError as e:
+                raise ValueError(f"a request of {r.task_name}: {e}") from None
+        net, answers = self.net(), [None] * len(todo)
         bar = tqdm(total=len(todo), desc="fastdllm", disable=disable_tqdm or self.rank != 0)
         for (task, until, gen_length), idx in groups.items():
-            rows = {i: self.encode(todo[i].args[0]) for i in idx}
             idx.sort(key=lambda i: -len(rows[i]))            # similar lengths together: less padding
             t = self.throughput.setdefault(task, counters())
             t["gen_length"] = sorted(set(t["gen_length"]) | {gen_length})

@@ -35,14 +35,16 @@ from http.server import ThreadingHTTPServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)     # the method's modules (fastdllm.py, model.py, ...) live at the repository's root
+import checks  # noqa: E402
 import cli  # noqa: E402
 from api import (CLIENT_GONE, ApiError, JsonHandler, check_fields, check_text, choice, chunk, envelope, get,
                  json_object, prompt_fields, quoted, shutting_down, stop_scan, tokens, usage)
 from chat import decode  # noqa: E402
+from tools.flags import Refused  # noqa: E402
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web", "index.html")
 # fastdllm.py flags that have no meaning for a server: its prompts come in requests.
-CLI_ONLY = ("--prompt", "--prompt-file", "--interactive", "--batch-size", "--no-stream", "--trace", "--bench")
+CLI_ONLY = cli.PROMPT_FLAGS
 
 
 class Cancelled(Exception):
@@ -53,9 +55,9 @@ class Job:
     """One answer of a request (a prompt, or one of its n copies): its ids and decoding settings, the key of
     the batches it may join, and the request's queue its results go to."""
 
-    def __init__(self, ids, max_tokens, kw, *, index, key, seed, drawn, guided, stops, out, want_steps):
+    def __init__(self, ids, max_tokens, kw, *, index, key, seed, shows_seed, guided, stops, out, want_steps):
         self.ids, self.max_tokens, self.kw, self.index, self.key = ids, max_tokens, kw, index, key
-        self.seed, self.drawn, self.guided, self.stops, self.out = seed, drawn, guided, stops, out
+        self.seed, self.shows_seed, self.guided, self.stops, self.out = seed, shows_seed, guided, stops, out
         self.want_steps = want_steps
         self.cancelled = False            # set by the handler when its client has gone
         self.queued = time.perf_counter()
@@ -220,7 +222,7 @@ class Engine:
                     "queue_seconds": round(started - job.queued, 4), "settings": job.settings()}
             if job.guided:
                 cost["guide_calls"] = stats["guide_calls"]
-            if job.drawn:          # a sampled request without a seed: the one drawn for it (send it to repeat)
+            if job.shows_seed:     # the seed that repeats this answer with n=1 (Request.parse)
                 cost["seed"] = job.seed
             job.put("done", {"ids": out[len(job.ids):], "fastdllm": cost})
         self.log(f"batch {self.batches}: {len(batch)} request(s) | gen {k['gen_length']} | cache {k['cache']} | "
@@ -271,9 +273,14 @@ class App:
             factor = None if threshold is not None and "threshold" in body else a.factor
         kw = {n: get(body, n, getattr(a, n)) for n in ("block_length", "steps", "cache", "temperature", "remasking",
                                                       "top_p", "top_k")}
+        kw["top_p"] = None if kw["top_p"] == 1 else kw["top_p"]       # top_p 1 means "off"
+        for field in ("remasking", "top_p", "top_k"):     # the family's own options, named by their field
+            try:      # (the server's flags were checked at start)
+                checks.check_family(self.cfg, **{"remasking": None, field: kw[field] if field in body else None})
+            except ValueError as e:
+                raise ApiError(400, str(e), field, "invalid_value") from None
         return kw | dict(block_length=kw["block_length"] or None, threshold=threshold, factor=factor,
-                         temperature=float(kw["temperature"]), alg_temp=a.alg_temp,
-                         top_p=None if kw["top_p"] == 1 else kw["top_p"]), guided     # top_p 1 means "off"
+                         temperature=float(kw["temperature"]), alg_temp=a.alg_temp), guided
 
     def gen_length(self, n_prompt: int, body: dict, kw: dict, guided: bool, param: str):
         """max_tokens -> (max_tokens, gen_length): the canvas is max_tokens rounded up to a whole number of
@@ -321,14 +328,16 @@ class App:
             raise ApiError(404, f"the model {json.dumps(model)[:80]} does not exist: this server serves "
                            f"{json.dumps(self.name)} (GET /v1/models)", "model", "model_not_found")
         n, limit = get(body, "n", 1), 1 if kind == "denoise" else self.args.max_batch
-        if n > limit:      # the n answers to a prompt are decoded as one batch (one stream: one answer)
+        if n > limit:      # the n answers to a prompt: one batch when greedy (one stream: one answer)
             raise ApiError(400, f"'n' must be at most {limit} (--max-batch; a denoise stream: 1)", "n", "unsupported")
         stream = kind == "denoise" or get(body, "stream", False)
         stop = get(body, "stop", [])
         stops = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
         kw, guided = self.settings(body)
-        # A sampled answer draws its noise for its whole batch: it shares one only with the other n-1 answers to
-        # its prompt, and a request without a seed gets a fresh one (--seed, if given, is the server's default).
+        # A sampled answer draws its noise for its whole batch, so it is decoded alone: choice c with the request's
+        # seed + c (mod 2**64, as torch takes a negative seed), reported where the client cannot know it (a drawn
+        # seed, or n > 1), so that sending it back with n=1 repeats that choice. A request without a seed gets a
+        # fresh one (--seed, if given, is the server's default).
         sampled = kw["temperature"] > 0 or kw["remasking"] == "random" or bool(kw["alg_temp"])
         drawn = sampled and body.get("seed") is None
         seed = self.args.seed if not drawn or self.args.seed_given else secrets.randbits(63)
@@ -348,8 +357,9 @@ class App:
                                      f"{k['steps']}); every step commits at least one token")
             except ValueError as e:
                 raise ApiError(400, str(e), None, "invalid_value") from None
-            key = ("sampled", group, i) if sampled else (guided, *sorted(k.items()))
-            jobs += [Job(ids, max_tokens, k, index=i * n + c, key=key, seed=seed, drawn=drawn,
+            key = (guided, *sorted(k.items()))
+            jobs += [Job(ids, max_tokens, k, index=i * n + c, key=("sampled", group, i, c) if sampled else key,
+                         seed=(seed + c) % 2**64 if sampled else seed, shows_seed=drawn or sampled and n > 1,
                          guided=guided, stops=stops, out=out, want_steps=stream) for c in range(n)]
         include_usage = bool(get(body, "stream_options", {}).get("include_usage"))
         return Request(kind, self.name, jobs, out, stream, include_usage, n)
@@ -612,40 +622,39 @@ def close(server: Server, grace: float = 5.0):
 # Command line
 
 def parse_args(argv=None):
-    """The server's own flags, and every decoding flag of fastdllm.py as the server's defaults (parsed by
-    cli.parse_args itself, so the names, defaults and checks are the CLI's)."""
-    p = argparse.ArgumentParser(
-        description="Serve a LLaDA / Dream checkpoint with Fast-dLLM decoding: an OpenAI-compatible API and a live "
-        "page of the decode (docs/serve.md).", allow_abbrev=False,
-        epilog="Every decoding flag of fastdllm.py (python fastdllm.py --help) sets the server's default, --model "
-        "included; --seed, if given, is the seed of sampled requests that send none.")
-
-    def error(message):
-        raise ValueError(f"{message} (see --help)")
-    p.error = error
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine "
-                   "only; 0.0.0.0 is every interface, with no authentication)")
-    p.add_argument("--port", type=cli.checked(int, lambda n: 0 <= n < 65536, "a port in [0, 65535]"), default=8000,
-                   help="port; 0 = any free one (default: %(default)s)")
-    p.add_argument("--served-name", help="the model name clients pass and /v1/models lists (default: --model)")
+    """The server's own flags, and every decoding flag of fastdllm.py as the server's defaults (cli.add_flags and
+    cli.finish_args: the names, defaults and checks are the CLI's)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = cli.new_parser(description="Serve a LLaDA / Dream checkpoint with Fast-dLLM decoding: an OpenAI-compatible "
+                       "API and a live page of the decode (docs/serve.md).", epilog="The decoding flags are the "
+                       "server's defaults; a request may set some of them (docs/serve.md). --seed, if given, is the "
+                       "seed of sampled requests that send none.")
+    own = p.add_argument_group("the server")
+    own.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine "
+                     "only; 0.0.0.0 is every interface, with no authentication)")
+    own.add_argument("--port", type=cli.checked(int, lambda n: 0 <= n < 65536, "a port in [0, 65535]"), default=8000,
+                     help="port; 0 = any free one (default: %(default)s)")
+    own.add_argument("--served-name", help="the model name clients pass and /v1/models lists (default: --model)")
     at_least_1 = cli.checked(int, lambda n: n >= 1, "an integer >= 1")      # a wrong value: named, with its flag
-    p.add_argument("--batch-window", type=cli.checked(float, lambda ms: 0 <= ms < float("inf"), "a number of ms >= 0"),
-                   default=20.0, help="ms to wait for more requests to batch with the first, while another "
-                   "connection could send one (default: %(default)s)")
-    p.add_argument("--max-batch", type=at_least_1, default=8, help="most requests in one batch (default: %(default)s)")
-    p.add_argument("--max-body", type=at_least_1, default=1 << 20, help="largest body in bytes (default: %(default)s)")
-    p.add_argument("--quiet", action="store_true", help="no request and batch log on stderr")
-    own, rest = p.parse_known_args(argv)
-    own.seed_given = any(a.split("=")[0] == "--seed" for a in rest)    # else a sampled request gets a fresh seed
-    refused = [a for a in rest if a.split("=")[0] in CLI_ONLY or a.startswith("--bench")]
-    if refused:
-        raise ValueError(f"{refused[0].split('=')[0]} is a fastdllm.py option with no meaning for the server: "
-                         f"prompts come in requests")
-    # cli.parse_args insists on a prompt; the server's prompts come in requests, so it gets a placeholder.
-    args = cli.parse_args(rest + ["--prompt", "(requests)"])
+    own.add_argument("--batch-window", type=cli.checked(float, lambda ms: 0 <= ms < float("inf"), "a number of ms "
+                     ">= 0"), default=20.0, help="ms to wait for more requests to batch with the first, while another "
+                     "connection could send one (default: %(default)s)")
+    own.add_argument("--max-batch", type=at_least_1, default=8, help="most requests in one batch (default: "
+                     "%(default)s)")
+    own.add_argument("--max-body", type=at_least_1, default=1 << 20, help="largest body in bytes (default: "
+                     "%(default)s)")
+    own.add_argument("--quiet", action="store_true", help="no request and batch log on stderr")
+    cli.add_flags(p.add_argument_group("decoding (fastdllm.py's flags)"), omit=CLI_ONLY)
+    for flag in CLI_ONLY:
+        p.add_argument(flag, action=Refused, why="is a fastdllm.py option with no meaning for the server: prompts "
+                       "come in requests")
+    args = p.parse_args(argv)
+    args.seed_given = any(a.split("=")[0] == "--seed" for a in argv)    # else a sampled request gets a fresh seed
+    args.prompt = "(requests)"      # cli.finish_args insists on a prompt; the server's come in requests
+    args = cli.finish_args(p, args)
     args.prompt = None
     cli.check_flags(args, whole_blocks=True)      # the CLI's checks: `--gen-length 30 --block-length 8` is refused
-    return argparse.Namespace(**vars(args) | vars(own))
+    return args
 
 
 def build(args) -> App:

@@ -52,4 +52,6 @@ class DKVCacheDecode(CachePolicy):
 
 if __name__ == "__main__":   # python examples/dkv_cache.py --model demo/llada-arith --gen-length 32 --block-length 8 --prompt "..."
     import cli
-    cli.run(lambda refresh, config: dict(cache=DKVCacheDecode(config, refresh)), refresh=8)
+    cli.run(lambda refresh, config: dict(cache=DKVCacheDecode(config, refresh)),
+            refresh=(8, "feed the whole canvas at a block's first two steps and every this many; between, only "
+                     "the positions that were masks a step before"))

@@ -57,4 +57,10 @@ class DPad(CachePolicy):
 if __name__ == "__main__":   # python examples/dpad.py --model demo/llada-arith --gen-length 32 --block-length 8 --prompt "..."
     import cli
     cli.run(lambda config, scale, **kw: dict(cache=DPad(scale=scale or {"dream": 1.6}.get(config.family, 2.0), **kw)),
-            cache_mode="dual", window=256, k_sigma=4.0, scale=0.0, drop_seed=1234)
+            cache_mode=("dual", "dual: DualCache over the prefix and the kept suffix, the dropped keys masked out; "
+                        "none: no KV cache, every step feeds them"),
+            window=(256, "suffix positions after the block that may be kept (none beyond)"),
+            k_sigma=(4.0, "the window spans this many standard deviations of the keep probability's Gaussian"),
+            scale=(0.0, "the keep probability's scale; 0 = the checkpoint family's official one (LLaDA 2.0, Dream "
+                   "1.6)"),
+            drop_seed=(1234, "seed of the draw of kept positions, afresh for every generation"))

@@ -45,4 +45,6 @@ class EBSampler:
 
 if __name__ == "__main__":
     import cli
-    cli.run(lambda gamma: dict(select=EBSampler(gamma)), gamma=0.01)
+    cli.run(lambda gamma: dict(select=EBSampler(gamma)),
+            gamma=(0.01, "the entropy bound in nats: a step commits the most confident masks while their entropies, "
+                   "summed less the largest, stay <= gamma (0: about one token a step)"))

@@ -61,4 +61,6 @@ def hooks(conf, kl, history, config):
 
 if __name__ == "__main__":   # python examples/klass.py --model demo/llada-arith --gen-length 32 --block-length 8 --prompt "..."
     import cli
-    cli.run(hooks, conf=0.9, kl=0.01, history=2)
+    cli.run(hooks, conf=(0.9, "a mask is ready once its confidence is above this (Dream: at least this)"),
+            kl=(0.01, "... and its KL divergence between consecutive steps (nats, float64) is below this"),
+            history=(2, "... for this many steps (and the block has taken history - 1 steps)"))

@@ -62,4 +62,9 @@ def hooks(suffix, suffix_at, steps_per_block, cache, early, mid, late, config, t
 
 if __name__ == "__main__":   # python examples/prophet.py --model demo/llada-arith --gen-length 32 --block-length 8 --prompt "..."
     import cli
-    cli.run(hooks, suffix="The answer is", suffix_at=-23, steps_per_block=8, cache="none", early=7.5, mid=5.0, late=2.5)
+    cli.run(hooks, suffix=("The answer is", "text forced into the answer ('' for none)"),
+            suffix_at=(-23, "where the suffix starts, counted from the canvas end"),
+            steps_per_block=(8, "denoising steps per block, exactly (the schedule's k a step)"),
+            cache=("none", "KV cache: none (official) or prefix (Prophet reads logits past the block)"),
+            early=(7.5, "the top-2 logit gap that ends the answer while progress (calls / all steps) < 0.33"),
+            mid=(5.0, "the gap while progress < 0.67"), late=(2.5, "the gap after"))

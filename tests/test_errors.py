@@ -249,7 +249,8 @@ ARG_CASES = {
     "unknown cache": (dict(cache="full"), r"unknown cache mode 'full': use one of none, prefix, dual, free$"),
     "unknown remasking": (dict(remasking="entropy"),
         r"unknown remasking 'entropy' for llada: use one of low_confidence, random"),
-    "Dream option on LLaDA": (dict(top_p=0.9), r"top_p, top_k and alg_temp are Dream options"),
+    "Dream option on LLaDA": (dict(top_p=0.9), r"^top_p is a Dream option \(top_p, top_k, alg_temp\): LLaDA samples "
+                              r"with temperature only; drop top_p$"),
     "prompt + gen_length too long": (dict(gen_length=4096, block_length=32),
         r"prompt \(4 tokens\) \+ gen_length \(4096\) exceeds the model's 4096 positions: shorten"),
     # Wrong types: the same one line, not a TypeError (or AttributeError) from inside the loop.
@@ -511,6 +512,23 @@ BEFORE_LOADING = {   # a bad checkpoint folder: the error, said from config.json
     "tokenizer.json a folder": (
         lambda d: make_folder(checkpoint(d, tokenizer=True), "tokenizer.json"), [],
         r"tokenizer\.json is a folder, not a file"),
+    # Issue 39: these need config.json and the tokenizer only, and were found by generate(), after the weights.
+    "--top-k on LLaDA": (
+        lambda d: checkpoint(d, tokenizer=True), ["--top-k", "5"],
+        r"^--top-k is a Dream option \(--top-p, --top-k, --alg-temp\): LLaDA samples with --temperature only; "
+        r"drop --top-k$"),
+    "Dream's remasking on LLaDA": (
+        lambda d: checkpoint(d, tokenizer=True), ["--remasking", "entropy"],
+        r"^unknown --remasking 'entropy' for llada: use one of low_confidence, random$"),
+    "LLaDA's remasking on Dream": (
+        lambda d: checkpoint(d, "dream-tiny", tokenizer=True), ["--remasking", "random"],
+        r"^unknown --remasking 'random' for dream: use one of origin,"),
+    "the mask token in --prompt": (
+        lambda d: checkpoint(d, tokenizer=True), ["--prompt", "w5 <|mdm_mask|> w6"],
+        r"^the prompt contains the mask token id 1000: masks are reserved for the answer"),
+    "prompt + --gen-length beyond the model's positions": (
+        lambda d: edit_config(checkpoint(d, tokenizer=True), max_sequence_length=16), [],
+        r"^prompt \(3 tokens\) \+ gen_length \(16\) exceeds the model's 16 positions"),
 }
 
 
@@ -521,6 +539,51 @@ def test_cli_checks_the_small_files_before_the_weights(tmp_path, monkeypatch, ca
     with pytest.raises(ValueError) as e:
         cli.main(["--model", make(tmp_path), *RUN, *argv])
     assert re.search(pattern, one_line(e)), str(e.value)
+
+
+def test_cli_checks_each_prompt_file_line_before_the_weights(tmp_path, monkeypatch):
+    """Issue 39: a --prompt-file line holding the mask token was found by generate(), after the weights; now
+    before them, named by its line (blank lines count)."""
+    d = checkpoint(tmp_path, tokenizer=True)
+    (tmp_path / "prompts.txt").write_text("w5 w6\n\nw7 <|mdm_mask|>\n")
+    monkeypatch.setattr(cli, "load_model", lambda *a, **kw: pytest.fail("loaded the weights first"))
+    with pytest.raises(ValueError, match=r"^--prompt-file .*prompts\.txt line 3: the prompt contains the mask token"):
+        cli.main(["--model", d, "--prompt-file", str(tmp_path / "prompts.txt"), "--gen-length", "16",
+                  "--block-length", "8"])
+
+
+def test_a_repo_id_is_checked_on_its_small_files_before_its_weights_are_fetched(tmp_path, monkeypatch):
+    """Issue 39: for a repo id the weights came in the same download as config.json, so `--top-k 5` on LLaDA-8B
+    cost 16 GB before its one line. The small files come first: refused there, no safetensors is ever asked for."""
+    import huggingface_hub
+    small = checkpoint(tmp_path, tokenizer=True)
+    for f in os.listdir(small):
+        if f.endswith(".safetensors"):
+            os.remove(os.path.join(small, f))
+    asked = []
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, allow_patterns: asked.append(
+        (repo, allow_patterns)) or small)
+    with pytest.raises(ValueError, match=r"^--top-k is a Dream option"):
+        cli.main(["--model", "someone/llada", *RUN, "--top-k", "5"])
+    assert asked and all(repo == "someone/llada" and "*.safetensors" not in patterns for repo, patterns in asked)
+
+
+def test_the_issue_commands_refuse_before_reading_a_truncated_checkpoint(tmp_path):
+    """Issue 39, as reported: the demo model with its safetensors cut to 1000 bytes. Each command said the file was
+    corrupt (the weights were read first); each is refused on config.json and the tokenizer, one line, exit 2."""
+    d = shutil.copytree(os.path.join(ROOT, "demo", "llada-arith"), tmp_path / "t")
+    with open(d / "model.safetensors", "r+b") as f:
+        f.truncate(1000)
+    cases = {("--top-k", "5", "--prompt", "hi"): "--top-k is a Dream option",
+             ("--prompt", "hi <|mdm_mask|>"): "the prompt contains the mask token id 47",
+             ("--gen-length", "64", "--prompt", "hi"): "exceeds the model's 64 positions"}
+    procs = {argv: bounded.start([sys.executable, os.path.join(ROOT, "fastdllm.py"), "--model", str(d), "--block-length",
+                                  "8", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for argv in cases}
+    for argv, p in procs.items():
+        out, err, late = bounded.finish(p, timeout=120)
+        assert not late and p.returncode == 2 and out == "", (argv, p.returncode, out, err)
+        assert err.startswith("error: ") and cases[argv] in err and len(err.splitlines()) == 1, (argv, err)
 
 
 # Runs fastdllm.py's own __main__ (runpy), with one hook: the second denoising step says so on stderr, so
@@ -1059,6 +1122,8 @@ SERVE28 = {   # issue 28: serve.py's start-up errors, each one line naming the f
                                          r"^gen_length 30 is not a multiple of block_length 8"),
     "--host that does not resolve": (["--host", "no-such-host.invalid"],
                                      r"^port 8000 of no-such-host\.invalid cannot be listened on \(.+\): check --host"),
+    # issue 39: it started, then answered every request 400, blaming the client for the server's flag
+    "--top-k 5 on LLaDA": (["--top-k", "5", "--port", "0"], r"^--top-k is a Dream option .*; drop --top-k$"),
 }
 
 

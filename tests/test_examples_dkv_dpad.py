@@ -250,15 +250,15 @@ def test_a_bad_flag_is_refused_in_one_line():
 
 
 def program_parts(name, **values):
-    """The hooks python examples/<name>.py builds: its cli.run(fork, **flags) caught, fork called with its flags'
-    defaults and `values` (the checkpoint's config, as cli.run hands it)."""
+    """The hooks python examples/<name>.py builds: its cli.run(fork, **flags) caught (flags: name=(default, help)),
+    fork called with its flags' defaults and `values` (the checkpoint's config, as cli.run hands it)."""
     caught, run = {}, cli.run
     cli.run = lambda fork, **own: caught.update(fork=fork, own=own)
     try:
         runpy.run_path(os.path.join(ROOT, "examples", f"{name}.py"), run_name="__main__")
     finally:
         cli.run = run
-    return caught["fork"](**caught["own"] | values)
+    return caught["fork"](**{key: default for key, (default, _) in caught["own"].items()} | values)
 
 
 def test_the_programs_follow_the_checkpoint_family(llada, dream, tmp_path):

@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -257,6 +258,10 @@ DEMO_MODEL = os.path.join(ROOT, "demo", "llada-arith")
     (dict(model=""), "the model must be a folder path or a Hugging Face repo id, not ''"),
     (dict(model=DEMO_MODEL, guide=7), "the guide must be a folder path or a Hugging Face repo id, not 7"),
     (dict(model=DEMO_MODEL, guide=DEMO_MODEL), "the guide is a llada model, not a causal LM"),
+    # issue 39: refused by generate() at the first request, after the weights
+    (dict(model=DEMO_MODEL, top_k=5), "top_k is a Dream option (top_p, top_k, alg_temp): LLaDA samples with "
+     "temperature only; drop top_k"),
+    (dict(model=DEMO_MODEL, remasking="entropy"), "unknown remasking 'entropy' for llada"),
     (dict(model=DEMO_MODEL, guide=os.path.join(ROOT, "tests", "golden", "qwen2-tiny")),
      "the diffusion model's end-of-text id 0 is none of the guide's special ids"),
 ])
@@ -266,6 +271,29 @@ def test_bad_model_args_fail_in_one_line_before_loading(monkeypatch, kw, error):
     monkeypatch.setattr(harness, "load_model", no_weights)
     with pytest.raises(ValueError, match=re.escape(error)):
         harness.FastDLLM(**dict(model="/nonexistent", device="cpu") | kw)
+
+
+def test_a_repo_id_and_the_prompts_are_checked_before_the_weights(monkeypatch, tmp_path):
+    """Issue 39: a repo id's model_args (top_k=5 on LLaDA) and a request's prompt (the mask token in it, or too long
+    for the model) were refused by generate(), after the weights were fetched and read; now on the small files."""
+    asked = []
+
+    def resolve(name, role="model", weights=True):     # the repo's small files, here the demo's folder
+        asked.append(weights)
+        assert not weights, "the weights were fetched"
+        return DEMO_MODEL
+    monkeypatch.setattr(harness, "resolve_model_dir", resolve)
+    monkeypatch.setattr(harness, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
+    lm = harness.FastDLLM(model="someone/llada", device="cpu", top_k=5)      # a repo id: fetched on first use
+    with pytest.raises(ValueError, match=r"^top_k is a Dream option"):
+        lm.net()
+    assert asked == [False]
+    lm = harness.FastDLLM(model="someone/llada", device="cpu", block_length=8)
+    request = lambda text, n: SimpleNamespace(args=(text, {"until": [], "max_gen_toks": n}), task_name="arith")
+    for text, n, error in (("2 + 2 <|mdm_mask|>", 8, "the prompt contains the mask token id 47"),
+                           ("2 + 2", 64, "exceeds the model's 64 positions")):
+        with pytest.raises(ValueError, match=rf"^a request of arith: .*{re.escape(error)}"):
+            lm.generate_until([request("1 + 1", 8), request(text, n)])
 
 
 def test_folders_are_checked_when_the_model_is_made_and_the_guide_is_named(tmp_path):

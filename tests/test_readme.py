@@ -32,3 +32,15 @@ def test_a_readme_block_runs_as_written(i, monkeypatch):
         exec(compile(code, f"README.md, Python block {i + 1}", "exec"), scope)
     out, stats = scope.get("out", scope.get("ids")), scope["stats"]
     assert stats["nfe"] >= 1 and not (out == scope["model"].config.mask_id).any()    # it decoded every position
+
+
+def test_the_install_line_names_the_torch_ci_tests():
+    """Issue 39: the README's torch line pinned no version (and named only an index unreachable offline): it
+    installs the torch CI installs, and keeps the CPU note."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = re.search(r"pip install -q (torch==\S+)", f.read())[1]
+    install = re.search(r"```bash\n(.*?)```", readme, re.S)[1].splitlines()
+    assert install[0] == f"pip install {ci}" and install[1] == "pip install -r requirements.txt"
+    assert "CPU build" in readme.split("```bash")[0]

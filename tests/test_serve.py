@@ -361,7 +361,10 @@ BAD = [  # (body or raw bytes, status, param, code, words in the message)
     (chat(PROMPT, threshold="high"), 400, "threshold", "invalid_value", "a number"),
     (chat(PROMPT, threshold=0.9, factor=1.0), 400, None, "invalid_value", "not both"),
     (chat(PROMPT, guide=True), 400, "guide", "invalid_value", "no guide"),
-    (chat(PROMPT, top_k=5), 400, None, "invalid_value", "Dream options"),      # found by generate() itself
+    # Issue 39: the family's options name their field (generate() found them, with param null)
+    (chat(PROMPT, top_k=5), 400, "top_k", "invalid_value", "top_k is a Dream option"),
+    (chat(PROMPT, top_p=0.9), 400, "top_p", "invalid_value", "top_p is a Dream option"),
+    (chat(PROMPT, remasking="entropy"), 400, "remasking", "invalid_value", "unknown remasking 'entropy' for llada"),
     (chat(PROMPT, logprobs=True), 400, "logprobs", "unsupported", "logprobs"),
     (chat(PROMPT, seed=2**70), 400, "seed", "invalid_value", "64 bits"),
     (chat(PROMPT, stop=[1]), 400, "stop", "invalid_value", "strings"),
@@ -376,7 +379,7 @@ BAD = [  # (body or raw bytes, status, param, code, words in the message)
     ({"prompt": ["x\udbff"]}, 400, "prompt", "invalid_value", "surrogate"),
     (b"[" * 100000 + b"]" * 100000, 400, None, "invalid_json", "too deeply"),
     (b'{"messages": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None, "invalid_json", "too deeply"),
-    (chat(PROMPT, temperature=10**400), 400, "temperature", "invalid_value", "a number"),
+    (chat(PROMPT, temperature=10**400), 400, "temperature", "invalid_value", "a finite number"),
     ({"prompt": PROMPT, "treshold": 0.5}, 400, "treshold", "unknown_field", 'did you mean "threshold"'),
     ({"prompt": PROMPT, "messages": []}, 400, "messages", "unknown_field", "/v1/completions"),
     (chat(PROMPT, threshold=0), 400, "threshold", "invalid_value", "> 0 (above 1: one token per step)"),
@@ -388,7 +391,7 @@ BAD = [  # (body or raw bytes, status, param, code, words in the message)
     (chat(PROMPT, response_format={"type": "json_object"}), 400, "response_format", "unsupported", "text"),
     (chat(PROMPT, stream_options={"include_usage": "yes"}), 400, "stream_options", "invalid_value", "include_usage"),
     (chat(PROMPT, max_tokens=8.0), 400, "max_tokens", "invalid_value", "integer"),
-    (chat(PROMPT, stream=True, remasking="bogus"), 400, None, "invalid_value", "unknown remasking"),  # not a 200
+    (chat(PROMPT, stream=True, remasking="bogus"), 400, "remasking", "invalid_value", "unknown remasking"),  # not a 200
 ]
 
 
@@ -517,7 +520,7 @@ def test_lone_client_does_not_wait_for_the_window(server, monkeypatch):
 def test_sampled_requests_draw_a_seed_and_n_answers(server):
     """Issue 25: a sampled request without a seed got the server's fixed seed (the same answer every time);
     now it gets a fresh one, reported in the answer, and sending it back repeats the answer. n > 1 was refused:
-    the n answers are now one batch (sampled: n draws; greedy: n equal answers), prompt tokens counted once."""
+    now n answers, prompt tokens counted once (greedy: one batch of n equal answers)."""
     app, port = server
     body = {"prompt": PROMPTS[7], "temperature": 1.0, "max_tokens": 16}
     seeds = []
@@ -529,17 +532,40 @@ def test_sampled_requests_draw_a_seed_and_n_answers(server):
     assert seeds[0] != seeds[1]
     ids = app.chat.encode(PROMPTS[7])
     r = post(port, "/v1/completions", body | {"n": 3, "seed": 5})
-    rows, _ = cli.run_batch(app.model, [ids] * 3, serve.argparse.Namespace(**vars(app.args) | {"seed": 5}),
-                                 app.engine.device, gen_length=16, temperature=1.0)
-    assert [c["text"] for c in r["choices"]] == [app.chat.answer(row[len(ids):]) for row in rows]
-    assert [c["index"] for c in r["choices"]] == [0, 1, 2] and r["choices"][0]["fastdllm"]["batch_size"] == 3
-    assert r["usage"]["prompt_tokens"] == len(ids)
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2] and r["usage"]["prompt_tokens"] == len(ids)
     r = post(port, "/v1/completions", {"prompt": [PROMPTS[0], PROMPTS[1]], "n": 2})
     assert [c["text"] for c in r["choices"]] == [solo(app, p)[0] for p in PROMPTS[:2] for _ in range(2)]
+    assert r["choices"][0]["fastdllm"]["batch_size"] == 4 and "seed" not in r["choices"][0]["fastdllm"]
     chunks = events(port, "/v1/chat/completions", chat(PROMPT, n=2, stream=True))
     for i in range(2):
         text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"][0]["index"] == i)
         assert text == solo(app, PROMPT)[0]
+
+
+def test_each_sampled_choice_reports_the_seed_that_repeats_it(server):
+    """Issue 39: with n > 1 every choice reported the request's one seed, and sending it back with n=1 repeated
+    none of them (the n were one batch, each row's noise its neighbours'). Now choice c is decoded alone with the
+    request's seed + c (mod 2**64: a negative seed is torch's, -1 is 2**64 - 1) and reports it: each reported seed,
+    sent back with n=1, gives that choice, which is the CLI's answer for that --seed."""
+    app, port = server
+    body, ids = {"prompt": PROMPTS[7], "temperature": 1.0, "max_tokens": 16}, app.chat.encode(PROMPTS[7])
+
+    def alone(seed):      # the CLI's path, one row: what `--seed seed` answers
+        (row,), _ = cli.run_batch(app.model, [ids], serve.argparse.Namespace(**vars(app.args) | {"seed": seed}),
+                                  app.engine.device, gen_length=16, temperature=1.0)
+        return app.chat.answer(row[len(ids):])
+    for n, seed in ((3, None), (3, 5), (2, -1)):
+        r = post(port, "/v1/completions", body | {"n": n} | ({} if seed is None else {"seed": seed}))
+        got = [(c["fastdllm"]["seed"], c["text"]) for c in r["choices"]]
+        assert len({s for s, _ in got}) == n and all(0 <= s < 2**64 for s, _ in got), got
+        if seed is not None:
+            assert [s for s, _ in got] == [(seed + c) % 2**64 for c in range(n)]
+        for s, text in got:
+            again = post(port, "/v1/completions", body | {"seed": s})["choices"][0]
+            assert again["text"] == text == alone(s)
+        assert all(c["fastdllm"]["batch_size"] == 1 for c in r["choices"])
+    minus = post(port, "/v1/completions", body | {"seed": -1})["choices"][0]["text"]
+    assert minus == post(port, "/v1/completions", body | {"seed": 2**64 - 1})["choices"][0]["text"]
 
 
 def test_threshold_above_one_means_one_token_per_step(server):
@@ -839,3 +865,61 @@ def test_error_wording(server, path, body, param, words, not_words):
     status, r = request(port, "POST", path, body)
     assert status == 400 and r["error"]["param"] == param and words in r["error"]["message"], r
     assert not_words is None or not_words not in r["error"]["message"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Issue 39: what a new user tripped over, round 2
+
+def test_help_lists_every_flag_it_takes(capsys):
+    """serve.py --help and bench.py run --help sent the reader to `fastdllm.py --help` for the decoding flags;
+    they list them now, under their own, and not the CLI's prompt flags they refuse."""
+    import bench
+    for parse, own in ((lambda: serve.parse_args(["--help"]), ("--host", "--max-batch")),
+                       (lambda: bench.main(["run", "--help"]), ("--caches", "--batch"))):
+        with pytest.raises(SystemExit) as e:
+            parse()
+        text = " ".join(capsys.readouterr().out.split())
+        assert e.value.code == 0 and "fastdllm.py --help" not in text, text
+        for flag in ("--model", "--gen-length", "--block-length", "--steps", "--temperature", "--remasking", "--top-k",
+                     "--seed", "--device", "--dtype", "--guide", "--accept"):
+            assert f" {flag} " in text, (flag, text)
+        assert "--prompt-file" not in text and "--interactive" not in text and "--trace" not in text
+        assert all(f" {flag} " in text for flag in own), text
+
+
+def test_a_large_finite_number_is_a_number(server):
+    """`temperature: 1e300` was refused as "must be a number"; only what a float cannot hold (1e400 reads as
+    infinity, a 400-digit integer) is refused, as such. 1e300 samples, as the CLI's --temperature 1e300 does."""
+    app, port = server
+    r = post(port, "/v1/completions", {"prompt": PROMPTS[7], "temperature": 1e300, "seed": 3, "max_tokens": 16})
+    assert r["choices"][0]["text"] == solo_ids(app, PROMPTS[7], seed=3, gen_length=16, temperature=1e300)
+    for value in (10**400, b"1e400"):
+        body = json.dumps({"prompt": PROMPTS[7]})[:-1].encode() + b', "temperature": ' + (
+            value if isinstance(value, bytes) else str(value).encode()) + b"}"
+        status, r = request(port, "POST", "/v1/completions", raw=body)
+        assert (status, r["error"]["param"]) == (400, "temperature") and "must be a finite number" in \
+            r["error"]["message"], r
+
+
+def solo_ids(app, prompt, seed, **override):
+    """A completions prompt (raw text, no template) alone, the CLI's path -> its answer."""
+    ids = app.chat.encode(prompt)
+    (row,), _ = cli.run_batch(app.model, [ids], serve.argparse.Namespace(**vars(app.args) | {"seed": seed}),
+                              app.engine.device, **override)
+    return app.chat.answer(row[len(ids):])
+
+
+def test_the_page_checks_query_is_read_as_the_page_reads_it():
+    """`tools/page_check.py --query "threshold=none&step=9"` was a traceback (float("none")), after the server and
+    the browser had started; the query's other fields were not sent to the API the page is compared with."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("page_check", os.path.join(ROOT, "tools", "page_check.py"))
+    page_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(page_check)
+    assert page_check.page_query("threshold=none&step=9") == {"threshold": None}
+    assert page_check.page_query("cache=none&max_tokens=16&block_length=4&threshold=0.5&speed=0") == dict(
+        threshold=0.5, cache="none", max_tokens=16, block_length=4)
+    r = bounded.run([sys.executable, os.path.join(ROOT, "tools", "page_check.py"), "--query", "threshold=abc"],
+                    timeout=60)
+    assert (r.returncode, r.stdout) == (2, "") and r.stderr == ("error: page_check.py: argument --query: "
+                                                               "threshold='abc' is not a value the page takes (see --help)\n")

@@ -160,17 +160,20 @@ REFUSED = {"--cache": "pass --caches (a row per cache)", "--threshold": "pass --
 
 
 class Refused(argparse.Action):
-    """A fastdllm.py flag that has no meaning in the table: refused in one line, never silently ignored."""
+    """A fastdllm.py flag that has no meaning here (why, e.g. "has no meaning in the modes table: ..."): refused in
+    one line, never silently ignored, and not listed by --help."""
 
-    def __init__(self, option_strings, dest, **kw):
+    def __init__(self, option_strings, dest, why="", **kw):
         super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        self.why = why
 
     def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{self.option_strings[0]} has no meaning in the modes table: {REFUSED[self.option_strings[0]]}")
+        parser.error(f"{self.option_strings[0]} {self.why}")
 
 
 def run_arguments(p):
-    """bench.py run's own flags; the rest are fastdllm.py's, and those with no meaning in a table are refused."""
+    """bench.py run's own flags; the rest are fastdllm.py's (bench.py adds them: cli.add_flags), and those with no
+    meaning in a table are refused."""
     rows_arguments(p)
     # Parsed here, not passed through: they are prefixes of --prompt-file and --factors, which argparse would
     # otherwise take them for.
@@ -178,5 +181,5 @@ def run_arguments(p):
     p.add_argument("--factor", type=positive, default=None, help="adds a row per cache at this factor")
     p.add_argument("--batch", type=integer(1), default=1, help="the prompt, repeated (default: %(default)s)")
     p.add_argument("--json", type=out_file, default=None, help="write every row, the settings and the environment")
-    for flag in REFUSED:
-        p.add_argument(flag, action=Refused)
+    for flag, why in REFUSED.items():
+        p.add_argument(flag, action=Refused, why=f"has no meaning in the modes table: {why}")

@@ -143,6 +143,7 @@ class Browser:
                 return reply.get("result", {})
 
     def open(self, width: int, height: int):
+        self.size = (width, height)
         target = self.call("Target.createTarget", url="about:blank")["targetId"]
         self.session = self.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
         self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
@@ -329,7 +330,7 @@ END_COLOURS = """(() => {
   const bg = e => getComputedStyle(e).backgroundColor.replace(/ /g, "");
   const legend = [...document.querySelectorAll(".legend span")].find(s => s.textContent.trim() === "end of text");
   const spans = [...document.querySelectorAll("#canvas .tok")], t = run.trace, k = run.drawn;
-  const g = $("trace").getContext("2d"), y = Math.floor((k - 1) * t.pitch + 1 + t.ch / 2);
+  const g = $("trace").getContext("2d"), y = Math.floor((k - 1) * t.pitch + t.top + t.ch / 2);
   const trace = spans.map((s, p) => s.textContent === "EOS" && !s.classList.contains("new") ?
     g.getImageData(Math.floor(t.left + (p + 0.5) * t.cw), y, 1, 1).data.slice(0, 3).join(",") : null);
   return {swatch: bg(legend.querySelector("i")), highlighted: spans.filter(s => s.classList.contains("new")).length,
@@ -508,6 +509,62 @@ def long(page, base):
     return out
 
 
+# What of the canvas card lies outside its content box (the trace grid, a block of the token canvas), and how far
+# the page is wider than the window.
+FITS = """(() => {
+  const card = $("trace").parentElement, st = getComputedStyle(card), box = card.getBoundingClientRect();
+  const lo = box.left + parseFloat(st.borderLeftWidth) + parseFloat(st.paddingLeft);
+  const hi = box.right - parseFloat(st.borderRightWidth) - parseFloat(st.paddingRight);
+  const out = [$("trace"), $("step"), ...document.querySelectorAll("#canvas .block")].map(e => [e, e.getBoundingClientRect()])
+    .filter(([e, r]) => r.width && (r.left < lo - 0.5 || r.right > hi + 0.5))
+    .map(([e, r]) => `${e.id || e.className} spans x ${r.left.toFixed(0)}..${r.right.toFixed(0)}, the card's content ` +
+                     `${lo.toFixed(0)}..${hi.toFixed(0)}`);
+  const over = document.documentElement.scrollWidth - document.documentElement.clientWidth;
+  return over > 0 ? out.concat([`the page is ${over} px wider than the window`]) : out;
+})()"""
+# The trace's rows whose label column holds no ink (each row's label, "step k", is drawn left of its cells).
+UNLABELLED = """(() => {
+  const t = run.trace, c = $("trace"), rows = Math.round(c.height / t.pitch), out = [];
+  const d = c.getContext("2d").getImageData(0, 0, Math.max(1, t.left - 2), c.height).data, w = Math.max(1, t.left - 2);
+  for (let k = 1; k <= rows; k++) {
+    let ink = false;
+    for (let y = (k - 1) * t.pitch; y < k * t.pitch && !ink; y++)
+      for (let x = 0; x < w && !ink; x++) ink = d[(y * w + x) * 4 + 3] > 0;
+    if (!ink) out.push(k);
+  }
+  return out;
+})()"""
+
+
+@check("narrow")
+def narrow(page, base):
+    """A 390 px window (a phone): the trace grid and the token canvas stay inside their card during a decode and
+    after it, and once the replay has ended every step still shows its label (below 12 px a row the rows were
+    drawn without labels: only the current step's showed, and steps 1-3 vanished once it moved on). A server
+    without a guide shows no guide checkbox (its [hidden] lost to label.check's display)."""
+    width, height = page.browser.size
+    page.browser.call("Emulation.setDeviceMetricsOverride", width=390, height=844, deviceScaleFactor=1, mobile=False)
+    try:
+        want = truth(base, PROMPT, threshold=0.9)
+        page.load("speed=300")
+        page.click()
+        out, deadline = set(), time.monotonic() + 20
+        while page.js("$('go').disabled || !!(run && run.timer)") and time.monotonic() < deadline:
+            out.update(f"during the decode: {x}" for x in page.wait(FITS, 0) or [])
+            time.sleep(0.05)
+        page.settle()
+        out = sorted(out) + [f"after it: {x}" for x in page.wait(FITS, 0) or []]
+        rows = page.wait(UNLABELLED, 0)
+        if rows:
+            out.append(f"the trace's rows {rows} show no label")
+        if page.js("getComputedStyle($('guide-box')).display") != "none":
+            out.append("the guide checkbox shows on a server without a guide")
+        return out + same_run(page, want)
+    finally:
+        page.browser.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1,
+                          mobile=False)
+
+
 @check("no-info")
 def no_info(page, base):
     """The server could not be reached when the page loaded: say so, and let Denoise try again."""
@@ -528,13 +585,44 @@ def server_down(page: Page, server: subprocess.Popen) -> list:
     return problems_after_failure(page.settle(), "cannot reach the server")
 
 
+# The page's URL parameters (apps/web/index.html): the form's fields as the API's request fields, and the replay's.
+def number(low, kind=float, above=False):
+    """A URL parameter's value: a `kind` >= low (above: > low), else ValueError."""
+    def parse(v: str):
+        if not (kind(v) > low if above else kind(v) >= low):
+            raise ValueError(v)
+        return kind(v)
+    return parse
+
+
+QUERY = {"threshold": lambda v: None if v in ("none", "off") else number(0, above=True)(v), "cache": str,
+         "max_tokens": number(1, int), "block_length": number(1, int), "guide": lambda v: {"1": True, "0": False}[v],
+         "prompt": str, "step": number(0, int), "speed": number(0, int)}
+
+
+def page_query(text: str) -> dict:
+    """--query: the page's URL parameters -> the request fields they set (the replay's step and speed set none;
+    threshold none or off is null), each value checked: one line naming a bad one."""
+    fields = {"threshold": 0.9}
+    for key, values in urllib.parse.parse_qs(text, keep_blank_values=True).items():
+        if key not in QUERY:
+            raise argparse.ArgumentTypeError(f"unknown page parameter {key!r}: use {', '.join(QUERY)}")
+        try:
+            value = QUERY[key](values[-1])
+        except (ValueError, KeyError):
+            raise argparse.ArgumentTypeError(f"{key}={values[-1]!r} is not a value the page takes") from None
+        if key not in ("step", "speed"):
+            fields[key] = value
+    return fields
+
+
 def screenshot(page: Page, base: str, args) -> list:
     """The page at --query's settings, its NFE and answer checked against /v1/chat/completions -> args.out."""
-    query = urllib.parse.parse_qs(args.query)
-    settings = {"threshold": float(query.get("threshold", ["0.9"])[0])}
-    want = post(base + "v1/chat/completions", {"messages": [{"role": "user", "content": args.prompt}], **settings})
+    settings = {k: v for k, v in page_query(args.query).items() if k != "prompt"}
+    prompt = page_query(args.query).get("prompt", args.prompt)
+    want = post(base + "v1/chat/completions", {"messages": [{"role": "user", "content": prompt}], **settings})
     want = want["choices"][0]
-    query = urllib.parse.urlencode({"prompt": args.prompt}) + "&speed=0&" + args.query
+    query = urllib.parse.urlencode({"prompt": prompt}) + "&speed=0&" + args.query
     page.load(query)
     time.sleep(1.0)                   # let the browser settle, so that it does not slow the decode it times
     page.click()
@@ -555,11 +643,13 @@ def screenshot(page: Page, base: str, args) -> list:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.error = lambda message: p.exit(2, f"error: page_check.py: {message} (see --help)\n")     # one line, no usage
     p.add_argument("--out", help="save the screenshot check's page as this PNG (default: none; docs/page.png is "
                    "the one docs/serve.md shows)")
     p.add_argument("--only", help=f"comma-separated checks to run: {','.join(CHECKS)},screenshot,server-down")
-    p.add_argument("--query", default="threshold=0.9&step=4", help="page URL parameters of the screenshot: the "
-                   "form's fields, and step=N to stop the replay at step N (speed=0 is added)")
+    p.add_argument("--query", default="threshold=0.9&step=4", type=lambda q: page_query(q) and q,
+                   help="page URL parameters of the screenshot: the form's fields (threshold: a number or none), and "
+                   "step=N to stop the replay at step N (speed=0 is added)")
     p.add_argument("--prompt", default=PROMPT)
     p.add_argument("--size", default="1100x860", help="window size WxH")
     args = p.parse_args()
