@@ -224,9 +224,13 @@ def block_parts(cfg, st, generator):
     return rule, st.select or select
 
 
-def check_block(cfg, st, given: dict, longest: int):
-    """What a block-diffusion call refuses, in one line naming the setting and the fix (longest: the longest prompt)."""
+def check_block(cfg, st, given: dict, longest: int, name=lambda key: key):
+    """What a block-diffusion call refuses, in one line naming the setting (as its caller words it: name) and the
+    fix; longest: the longest prompt."""
     def bad(msg):
+        for key in ("block_length", "sub_block", "threshold", "steps", "top_k", "remasking", "alg_temp", "cache",
+                    "gen_length"):
+            msg = msg.replace(f"{key} ", f"{name(key)} ").replace(f"drop {key}", f"drop {name(key)}")
         raise ValueError(msg)
     G, trained = st.block_length, cfg.block
     # Fast-dLLM v2's bd_size is its training grid (the official mask is built on it: a larger block would see only

@@ -15,9 +15,10 @@ from types import SimpleNamespace
 import torch
 
 import checks
+from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, check_block
 from chat import Chat, check_text, load_tokenizer, read_turns, streamer
 from checks import CACHE_MODES
-from fastdllm import Settings, generate, pad_prompts
+from fastdllm import Settings, decided, generate, pad_prompts
 from guided import ACCEPT_RULES, check_accept, check_guide, check_guided_settings
 from model import Compiled, check_readable, load_model, read_config, resolve_model_dir
 
@@ -49,7 +50,8 @@ def flag_name(key: str) -> str:
 
 def settings(args, **override):
     """The CLI's flags as generate() keywords (--compile: the process's one Compiled, so graphs are reused)."""
-    kw = dict(gen_length=args.gen_length, block_length=args.block_length or None, steps=args.steps,
+    kw = dict(gen_length=args.gen_length, block_length=args.block_length or None, sub_block=args.sub_block,
+              steps=args.steps,
               cache=args.cache, threshold=args.threshold, factor=args.factor, temperature=args.temperature,
               remasking=args.remasking, top_p=args.top_p, top_k=args.top_k, alg_temp=args.alg_temp,
               compile=getattr(args, "compiled", None) or args.compile)
@@ -173,11 +175,15 @@ def check_config(args, cfg, chat):
     (--prompt, --prompt-file's lines): ids outside the vocabulary, the mask token, the prompt + the answer beyond
     the model's positions. generate() makes them all again."""
     kw = settings(args)
+    check_early(kw | {"guide": args.guide}, flag_name)          # now with the checkpoint's own block
     checks.check_family(cfg, kw["remasking"], kw["top_p"], kw["top_k"], kw["alg_temp"], name=flag_name)
     checks.check_stop(cfg, not args.no_early_stop, args.stop_ids)
     texts = enumerate(args.prompts, 1) if args.prompt_file else [(0, args.prompt)] if args.prompt else []
     rows = {line: chat.encode(chat.render([{"role": "user", "content": q}])) for line, q in texts if q}
     gen_length = fit_gen_length(args, max(map(len, rows.values()), default=0), cfg.max_seq_len, note=False)
+    if cfg.family in BLOCK_FAMILIES and not args.guide:
+        given = {k: v for k, v in kw.items() if v is not None and (k != "block_length" or args.block_given)}
+        check_block(cfg, decided(cfg, given), given, max(map(len, rows.values()), default=1), flag_name)
     for line, row in rows.items():     # a batch is as long as its longest prompt, whose own check covers it
         try:
             checks.check_prompt(cfg, torch.tensor([row]), gen_length, None, kw["top_p"], kw["top_k"], kw["alg_temp"])
@@ -198,16 +204,18 @@ def load_all(args):
     if cfg.causal:
         raise ValueError(f"--model {args.model} is a causal LM (model_type qwen2), not a diffusion LM: it belongs to "
                          f"--guide; pass a LLaDA or Dream checkpoint as --model")
+    if cfg.family in BLOCK_FAMILIES and not args.block_given:
+        args.block_length = cfg.block or SDAR_BLOCK          # the block it was trained with (SDAR's releases: 4)
     if cfg.family == "dream" and not args.block_length and (args.cache != "none" or args.threshold is not None
                                                           or args.factor is not None):
         raise ValueError("--block-length 0 selects Dream's own whole-canvas sampler, which has no cache and no "
                          "parallel decoding: add --cache none --threshold none, or pass a --block-length")
     check_readable(os.path.join(model_dir, "tokenizer.json"))
     chat = Chat(model_dir, cfg, chat=not args.no_chat)
-    # The mask id must be a special token: an ordinary word means config.json does not match the tokenizer
-    # (blame the config, not a prompt that happens to use the word).
+    # The mask id must be an added token (SDAR's <|MASK|> is one not flagged special): an ordinary word means
+    # config.json does not match the tokenizer (blame the config, not a prompt that happens to use the word).
     word = chat.tok.id_to_token(cfg.mask_id)
-    if word is not None and not getattr(chat.tok.get_added_tokens_decoder().get(cfg.mask_id), "special", False):
+    if word is not None and chat.tok.get_added_tokens_decoder().get(cfg.mask_id) is None:
         raise ValueError(f"config.json's mask_token_id {cfg.mask_id} is the ordinary token {word!r} of "
                          f"tokenizer.json, not a special mask token: fix config.json or re-download the checkpoint")
     args.stop_ids = sorted(chat.stop_ids)     # the checkpoint's own end tokens (chat.Chat: which files say so)
@@ -250,9 +258,13 @@ def add_flags(p, omit=()):
     add("--prompt", help="the user message (required unless --prompt-file; with --interactive: the first turn)")
     add("--gen-length", type=int, default=argparse.SUPPRESS, help=f"tokens to generate (default: "
         f"{CLI_DEFAULTS['gen_length']}, or the largest multiple of --block-length that fits the model)")
-    add("--block-length", type=int, default=Settings.block_length, help="semi-autoregressive block size; 0 = one "
-        "block (for Dream: Dream's own whole-canvas sampler) (default: %(default)s)")
-    add("--steps", type=int, default=None, help="denoising steps (default: gen-length)")
+    add("--block-length", type=int, default=argparse.SUPPRESS, help="semi-autoregressive block size; 0 = one "
+        f"block (for Dream: Dream's own whole-canvas sampler) (default: {Settings.block_length}; block diffusion: the "
+        f"checkpoint's own block)")
+    add("--sub-block", type=int, default=None, help="Fast-dLLM v2: decode a block in sub-blocks of this many tokens "
+        "(default: 8)")
+    add("--steps", type=int, default=None, help="denoising steps (default: gen-length; SDAR: per block, default "
+        "the block length)")
     add("--cache", default=argparse.SUPPRESS, help=f"KV cache: {' | '.join(CACHE_MODES)} (default: "
         f"{CLI_DEFAULTS['cache']})")
     add("--threshold", type=optional_float, default=argparse.SUPPRESS, help="parallel decoding: unmask every token "
@@ -351,6 +363,8 @@ def finish_args(p, args, hooks=(), fork=None, own=None):
     for flag in ("model", "guide", "prompt_file"):
         if getattr(args, flag) is not None and not getattr(args, flag).strip():
             raise ValueError(f"--{flag.replace('_', '-')} is empty: pass a path (or leave the flag out)")
+    args.block_given = "block_length" in vars(args)        # block diffusion: else the checkpoint's own block
+    args.block_length = getattr(args, "block_length", Settings.block_length)
     args.fit_gen_length = "gen_length" not in vars(args)
     args.gen_length = getattr(args, "gen_length", CLI_DEFAULTS["gen_length"])
     if not args.prompt and not args.interactive and not args.prompt_file:
@@ -395,7 +409,7 @@ def check_early(kw: dict, name=lambda key: key):
 def check_flags(args, whole_blocks: bool = False):
     """The decoding flags' checks that need no model, before one is loaded (main(), serve.py). whole_blocks: a
     default gen_length rounded up to whole blocks first, as serve.py's requests without max_tokens use it."""
-    kw = settings(args)
+    kw = settings(args, **({} if getattr(args, "block_given", True) else dict(block_length=None)))  # the model's
     if whole_blocks and args.fit_gen_length and args.block_length:
         kw["gen_length"] = -(-args.gen_length // args.block_length) * args.block_length
     check_early(kw | {"guide": args.guide}, flag_name)

@@ -226,11 +226,11 @@ class Plan:
                                  row_nfe=stats["row_nfe"].tolist(), row_committed=stats["row_committed"].tolist())
 
 
-def resolve(model, prompt, options: dict, attention_mask, generator, on_step) -> tuple[Settings, bool]:
-    """The call's settings with every default decided (the family's and the method's) and every check passed ->
-    (settings, whether this is Dream's own whole-canvas sampler)."""
+def decided(cfg, options: dict) -> Settings:
+    """The call's settings with every default decided: the method's (Settings) and the family's (its remasking, its
+    block, one token a step)."""
     st = Settings(**checks.known(options, Settings))
-    cfg, guided = model.config, st.guide is not None
+    guided = st.guide is not None
     dream, block = cfg.family == "dream", cfg.family in BLOCK_FAMILIES and not guided
     parallel = st.threshold is not None or st.factor is not None or getattr(st.select, "parallel", st.select is not None)
     remasking = (("maskgit_plus" if parallel else "entropy") if dream else "low_confidence" if cfg.family == "llada"
@@ -239,11 +239,17 @@ def resolve(model, prompt, options: dict, attention_mask, generator, on_step) ->
     block_length = ((cfg.block or SDAR_BLOCK) if block and options.get("block_length") is None   # its trained block
                     else st.block_length)
     steps = block_length if block and cfg.family == "sdar" else st.gen_length          # one token a step
-    st = dataclasses.replace(st, remasking=st.remasking or remasking, steps=steps if st.steps is None or guided
-                             else st.steps, block_length=st.gen_length if guided else block_length or st.gen_length)
-    whole_canvas = dream and options.get("block_length", Settings.block_length) is None and not guided
+    return dataclasses.replace(st, remasking=st.remasking or remasking, steps=steps if st.steps is None or guided
+                               else st.steps, block_length=st.gen_length if guided else block_length or st.gen_length)
+
+
+def resolve(model, prompt, options: dict, attention_mask, generator, on_step) -> tuple[Settings, bool]:
+    """The call's settings decided and every check passed -> (settings, whether this is Dream's own whole-canvas
+    sampler)."""
+    cfg, st = model.config, decided(model.config, options)
+    whole_canvas = cfg.family == "dream" and options.get("block_length", Settings.block_length) is None and not st.guide
     checks.check_call(model, prompt, st, attention_mask, generator, on_step, whole_canvas, Settings(), options)
-    if block:
+    if cfg.family in BLOCK_FAMILIES and st.guide is None:
         check_block(cfg, st, options, prompt.shape[1])
     return st, whole_canvas
 

@@ -121,6 +121,7 @@ class Schedule:
 
     def __call__(self, p: Proposal, at):
         (left, right), N = self.pad(at) if self.pad else (0, 0), p.conf.shape[-1]
+        left, right = max(left, 0), max(right, 0)       # a fork's span inside the block: read() refuses it, named
         conf = F.pad(p.conf, (left, right), value=NEG_INF) if left or right else p.conf
         order = conf.argsort(-1, descending=True)
         rank = torch.empty_like(order).scatter_(-1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order))

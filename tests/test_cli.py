@@ -83,8 +83,8 @@ def test_help_shows_the_defaults(capsys):
     with pytest.raises(SystemExit):
         command_line.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())     # argparse wraps lines
-    for default in ("(default: 256,", "(default: 32)", "(default: dual)", "(default: 0.9;", "(default: 0.0)",
-                    "(default: gen-length)", "(default: 0)"):
+    for default in ("(default: 256,", "(default: 32;", "(default: dual)", "(default: 0.9;", "(default: 0.0)",
+                    "(default: gen-length;", "(default: 0)", "(default: 8)"):
         assert default in text, default
 
 
