@@ -1,5 +1,8 @@
 """The README's code is the code: every Python block of README.md runs as written, from the repository's root, on
-the tiny models it names; the block quoted from generate()'s loop is still in fastdllm.py, word for word."""
+the tiny models it names, and prints what its "# >>> " lines show; the block quoted from generate()'s loop is still
+in fastdllm.py, word for word."""
+import contextlib
+import io
 import os
 import re
 import textwrap
@@ -27,11 +30,13 @@ def test_a_readme_block_runs_as_written(i, monkeypatch):
             assert textwrap.indent(code, " " * 12) in f.read()
         return
     monkeypatch.chdir(ROOT)
-    scope = {}
-    with torch.inference_mode(False):
+    scope, printed = {}, io.StringIO()
+    with torch.inference_mode(False), contextlib.redirect_stdout(printed):
         exec(compile(code, f"README.md, Python block {i + 1}", "exec"), scope)
     out, stats = scope.get("out", scope.get("ids")), scope["stats"]
     assert stats["nfe"] >= 1 and not (out == scope["model"].config.mask_id).any()    # it decoded every position
+    shown = [line[len("# >>> "):] for line in code.splitlines() if line.startswith("# >>> ")]
+    assert shown and printed.getvalue().splitlines() == shown     # what the block says it prints, it prints
 
 
 def test_the_install_line_names_the_torch_ci_tests():
