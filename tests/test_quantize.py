@@ -153,13 +153,6 @@ NO_TORCHAO = r"^int8 weights \(quantize='int8', --quantize int8\) need torchao, 
              r"pip install -r requirements-extras\.txt$"
 
 
-@pytest.fixture
-def without_torchao(monkeypatch):
-    """torchao made unimportable (None in sys.modules: `import` raises ImportError), as where it is not installed."""
-    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")] + ["torchao"]:
-        monkeypatch.setitem(sys.modules, name, None)
-
-
 @pytest.mark.parametrize("value", ["int4", "INT8", "fp8", True])
 def test_an_unsupported_quantization_is_one_line_naming_int8(value):
     with pytest.raises(ValueError) as e:
