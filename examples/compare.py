@@ -95,8 +95,9 @@ WHY = {
 
 WEIGHTS_WHY = ("bf16 rounds every weight and activation to 8 significant bits; int8 stores each linear layer's weight "
                "as 8-bit integers with one scale per output channel (the embedding and the head stay float), half "
-               "bf16's bytes. On a CPU neither is faster here: the time is the tiny model's overheads, and int8 "
-               "converts its weights back at every call (a GPU's compiled kernels fuse that).")
+               "bf16's bytes. On this CPU both are slower than float32: its bf16 matmuls are, and int8 converts "
+               "its weights back at every call, through torchao's tensor subclass (a GPU's compiled kernels fuse "
+               "the conversion).")
 
 
 def fork_of(path: str):
@@ -335,8 +336,8 @@ COLUMNS = """| # | method | command | valid | final number | calls | fed | ms |
 NOTES = """
 The built-in modes: one token a step is the exact baseline; early stop ends an answer once a finished block holds
 the end token; 4 tokens a step is a fixed parallel schedule; threshold decoding (Fast-dLLM 3.3) commits every token
-at least that confident; dual (Fast-dLLM's DualCache) feeds the block alone after its first step. The weights: every
-row above runs float32; bf16 is `--dtype bfloat16`, int8 `--quantize int8` (weight-only int8 through torchao, the
+at least that confident; dual (Fast-dLLM's DualCache) feeds the block alone after its first step. The weights: rows
+1-15 run float32; bf16 is `--dtype bfloat16`, int8 `--quantize int8` (weight-only int8 through torchao, the
 activations in the model's dtype; quant.py).
 """
 
