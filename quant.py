@@ -39,10 +39,15 @@ def int8_quantizer(quantize):
     for log in loggers:
         log.setLevel(logging.ERROR)
     try:
+        import torchao
         from torchao.quantization import Int8Tensor, PerRow
     except ImportError:
-        raise ValueError("int8 weights (quantize='int8', --quantize int8) need torchao, which is not installed "
-                         "here: pip install -r requirements-extras.txt") from None
+        if "torchao" not in locals():
+            raise ValueError("int8 weights (quantize='int8', --quantize int8) need torchao, which is not installed "
+                             "here: pip install -r requirements-extras.txt") from None
+        # a torchao older than the int8 tensor used here (tested: 0.18.0)
+        raise ValueError(f"torchao {getattr(torchao, '__version__', '?')} has no Int8Tensor: pip install -r "
+                         f"requirements-extras.txt (torchao 0.18.0)") from None
     finally:
         for log, level in zip(loggers, levels):
             log.setLevel(level)

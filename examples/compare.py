@@ -209,6 +209,8 @@ def main(argv=None):
         text += f"\n**{table}**\n\n{COLUMNS}" + "\n".join(rows) + "\n"
     text += NOTES + "\n## What each method buys here\n\n" + buys(results)
     if not args.out:
+        print("nothing written: --out FOLDER writes the tables and the figure there (docs: the project's)",
+              file=sys.stderr)
         return print(text)
     with open(os.path.join(args.out, "methods.md"), "w") as f:
         f.write(text)

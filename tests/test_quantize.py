@@ -171,6 +171,16 @@ def test_int8_without_torchao_is_one_line_before_any_file_is_read(without_torcha
         cli.main(["--model", DEMO, "--prompt", "x", "--quantize", "int8"])
 
 
+def test_a_torchao_without_its_int8_tensor_is_one_line_naming_the_version(torchao, monkeypatch):
+    import logging
+    import types
+    monkeypatch.setitem(sys.modules, "torchao.quantization", types.ModuleType("torchao.quantization"))
+    with pytest.raises(ValueError, match=rf"^torchao {re.escape(torchao.__version__)} has no Int8Tensor: pip install "
+                                         r"-r requirements-extras\.txt \(torchao 0\.18\.0\)$"):
+        load(DEMO, quantize="int8")
+    assert logging.getLogger("torchao").level == logging.NOTSET     # its logger as it was
+
+
 def test_the_cli_refuses_int4_and_int8_without_torchao_in_one_line():
     """Exit status 2 and one line: --quantize int4 (argparse's choices, naming int8), and --quantize int8 where
     torchao cannot be imported (a process whose sys.modules blocks it)."""
