@@ -21,6 +21,7 @@ from checks import CACHE_MODES
 from fastdllm import Settings, decided, generate, pad_prompts
 from guided import ACCEPT_RULES, check_accept, check_guide, check_guided_settings
 from model import Compiled, check_readable, load_model, read_config, resolve_model_dir
+from quant import QUANTIZE, int8_quantizer
 
 
 # The command line's defaults where they differ from generate()'s: the methods' headline setting (Fast-dLLM's
@@ -114,7 +115,7 @@ def fit_gen_length(args, n_prompt: int, max_seq_len: int, note: bool = True) -> 
     return fit
 
 
-def load(what: str, model_dir: str, device, dtype):
+def load(what: str, model_dir: str, device, dtype, quantize=None):
     """load_model, said on stderr (stdout holds only answers): on a terminal a live line (shard i of n, GB
     read), then one summary line, the only one when stderr is a file or a pipe."""
     start, tty, seen = time.perf_counter(), sys.stderr.isatty(), {"shown": 0.0, "total": 0}
@@ -126,7 +127,7 @@ def load(what: str, model_dir: str, device, dtype):
             print(f"\rloading {what}: shard {shard} of {n}, {done / 1e9:.1f} of {total / 1e9:.1f} GB", end="",
                   file=sys.stderr, flush=True)
     try:
-        model = load_model(model_dir, device=device, dtype=dtype, progress=progress)
+        model = load_model(model_dir, device=device, dtype=dtype, progress=progress, quantize=quantize)
     finally:
         if seen["shown"]:
             print("\r\x1b[K", end="", file=sys.stderr)    # clear the live line
@@ -145,7 +146,7 @@ def load_guide(guide_dir, args, cfg, chat, device, dtype):
         guide_tok = None
     check_guide(cfg, read_config(guide_dir), chat.tok, guide_tok)
     try:
-        return load(f"the guide {args.guide}", resolve_model_dir(args.guide, role="guide"), device, dtype)
+        return load(f"the guide {args.guide}", resolve_model_dir(args.guide, role="guide"), device, dtype, args.quantize)
     except ValueError as e:     # a truncated or corrupt file: say it is the guide's
         raise ValueError(f"the guide {args.guide}: {e}") from None
 
@@ -197,6 +198,7 @@ def load_all(args):
     then the guide and the model. Sets args.stop_ids, args.guide_model and args.compiled (one Compiled for the
     process). -> (model, chat, cfg, device)."""
     device, dtype = pick_device_dtype(args.device, args.dtype)
+    int8_quantizer(args.quantize)      # --quantize int8 without torchao: said before anything is read
     # The guide first: a typo in its path must not wait for the model's download.
     guide_dir = resolve_model_dir(args.guide, role="guide", weights=False) if args.guide else None
     model_dir = resolve_model_dir(args.model, weights=False)
@@ -221,7 +223,7 @@ def load_all(args):
     args.stop_ids = sorted(chat.stop_ids)     # the checkpoint's own end tokens (chat.Chat: which files say so)
     check_config(args, cfg, chat)
     args.guide_model = load_guide(guide_dir, args, cfg, chat, device, dtype)
-    model = load(args.model, resolve_model_dir(args.model), device, dtype)
+    model = load(args.model, resolve_model_dir(args.model), device, dtype, args.quantize)
     args.compiled = Compiled() if args.compile else None
     return model, chat, cfg, device
 
@@ -282,6 +284,7 @@ def add_flags(p, omit=()):
     add("--seed", type=int, default=0, help="seed of the sampling generator; a negative one is taken modulo 2**64, "
         "as torch does (default: %(default)s)")
     add("--compile", action="store_true", help="torch.compile the model's layers, one graph per shape fed")
+    add("--quantize", choices=QUANTIZE, help="int8: weight-only int8 layers, model and guide (torchao)")
     add("--no-chat", action="store_true", help="raw prompt, no chat template (base models)")
     add("--interactive", action="store_true", help="multi-turn chat on stdin, until exit, quit or its end (a model "
         "without a chat template, like the demo, answers each question alone)")

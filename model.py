@@ -202,6 +202,7 @@ class MoE(nn.Module):
     shared expert's output if the config has one. The experts are stacked, (experts, ffn, dim) each, so the block
     is a few fixed-shape matmuls: no loop over experts, no shape that depends on the routing, no host sync.
     """
+    stacks = ("w_gate", "w_up", "w_down")
     transposed = ("w_down",)   # (experts, ffn, dim): each expert's down_proj (dim, ffn) is loaded transposed
 
     def __init__(self, cfg: ModelConfig):
@@ -227,7 +228,7 @@ class MoE(nn.Module):
         if ids.numel() < E:
             # Fewer (token, expert) pairs than experts (a step of a few tokens): gather the chosen experts' weights
             # by index, as gpt-fast's mixtral-moe does, and read only those.
-            w_gate, w_up, w_down = self.w_gate[ids], self.w_up[ids], self.w_down[ids]   # (N, k, ffn, D)
+            w_gate, w_up, w_down = (self.stack(name, ids) for name in MoE.stacks)      # (N, k, ffn, D)
             h = F.silu(torch.einsum("nd,nkfd->nkf", x, w_gate)) * torch.einsum("nd,nkfd->nkf", x, w_up)
             y = torch.einsum("nkf,nkfd->nd", h * weights[..., None], w_down)
         else:
@@ -235,11 +236,20 @@ class MoE(nn.Module):
             # expert on every token as one SwiGLU of width E * ffn, weight 0 where a token did not choose it. It
             # reads each expert once; the union of a step's routed experts may be fewer (docs/benchmarks.md).
             combine = torch.zeros_like(probs, dtype=x.dtype).scatter(1, ids, weights)   # (N, E)
-            h = F.silu(F.linear(x, self.w_gate.flatten(0, 1))) * F.linear(x, self.w_up.flatten(0, 1))  # (N, E*ffn)
-            y = (h.view(-1, E, Fe) * combine[..., None]).flatten(1) @ self.w_down.flatten(0, 1)
+            w_gate, w_up, w_down = (self.stack(name).flatten(0, 1) for name in MoE.stacks)   # (E * ffn, D)
+            h = F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)                                # (N, E * ffn)
+            y = (h.view(-1, E, Fe) * combine[..., None]).flatten(1) @ w_down
         if self.shared is not None:
             y = y + self.shared(x)
         return y.view(B, T, D)
+
+    def stack(self, name: str, ids=None):
+        """The stacked weight `name`, the experts `ids` gathered if given. An int8 stack (quantize="int8") is
+        dequantized here, after the gather, by its scale per output channel (`name`_scale, (experts, outputs))."""
+        w, scale = getattr(self, name), getattr(self, name + "_scale", None)
+        if ids is not None:
+            w, scale = w[ids], None if scale is None else scale[ids]
+        return w if scale is None else w.to(scale.dtype) * scale.unsqueeze(-2 if name in MoE.transposed else -1)
 
 
 class Block(nn.Module):
@@ -538,7 +548,7 @@ def stored_shape(params: dict, ours: str) -> tuple[str | None, tuple, bool]:
     return stack, tuple(params[stack].shape[1:])[::-1 if flip else 1], flip
 
 
-def load_model(name_or_path: str, device=None, dtype=None, progress=None) -> Transformer:
+def load_model(name_or_path: str, device=None, dtype=None, progress=None, quantize=None) -> Transformer:
     """
     Build the model on the meta device (no memory), then read the safetensors shard by shard, tensor by
     tensor, converting each one straight to `dtype` on `device`: an 8B bf16 checkpoint never exists twice,
@@ -549,6 +559,8 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None) -> Tra
     Strict: a missing, unexpected or misshapen tensor is an error naming it.
     Default: bfloat16 on CUDA, float32 on CPU. progress(shard, n_shards, bytes_done, bytes_total), if given, is
     called after each tensor (bytes of the checkpoint's files; the CLI shows it on stderr).
+    quantize="int8": weight-only int8 (quant.py), each weight quantized as it is read and its pages of the file
+    let go: the whole model never exists in `dtype`.
     """
     from safetensors import safe_open
     from safetensors import SafetensorError
@@ -562,12 +574,15 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None) -> Tra
         raise ValueError(f"dtype {dtype!r} is not a torch float dtype: pass torch.float32, torch.bfloat16 or "
                          f"torch.float16")
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    from quant import int8_layout, int8_quantizer, int8_store, int8_targets, read_once
+    int8 = int8_quantizer(quantize)      # before any file is read: an unknown quantize or no torchao is one line
     model_dir = resolve_model_dir(name_or_path)
     cfg = read_config(model_dir)
     with torch.device("meta"):
         model = Transformer(cfg)
     params = dict(model.named_parameters())
     names = checkpoint_names(cfg, model)
+    targets = int8_targets(model) if int8 else {}
     state, loaded, files, done = {}, set(), shard_files(model_dir), 0
     total = sum(os.path.getsize(p) for p in files)
     for shard, path in enumerate(files, 1):
@@ -584,7 +599,7 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None) -> Tra
                     if ours in loaded:
                         raise ValueError(f"tensor {key!r} is stored twice (again in {os.path.basename(path)}): "
                                          f"the checkpoint is inconsistent, re-download it")
-                    t = f.get_tensor(key)
+                    t = f.get_tensor(key) if int8 is None else read_once(path, key)
                     stack, shape, flip = stored_shape(params, ours)
                     if tuple(t.shape) != shape:
                         raise ValueError(f"tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
@@ -592,7 +607,9 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None) -> Tra
                     if not t.is_floating_point():
                         raise ValueError(f"tensor {key!r} has dtype {t.dtype}, not a float: this checkpoint is "
                                          f"quantized or corrupt; fastdllm loads float16/bfloat16/float32 weights")
-                    if stack is None:
+                    if (stack or ours) in targets:
+                        int8_store(state, params, ours, t.to(device=device, dtype=dtype), int8)
+                    elif stack is None:
                         state[ours] = t.to(device=device, dtype=dtype)
                     else:   # expert e of a stack: fill its row of the one preallocated tensor
                         if stack not in state:
@@ -617,7 +634,9 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None) -> Tra
         # The head is the embedding: the same tensor under both names, then the same Parameter again
         # (assign=True wraps each name in its own Parameter, which would untie them for training).
         state["lm_head.weight"] = state["embed.weight"]
+    int8_layout(model, targets)
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.eval()
+

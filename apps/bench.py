@@ -40,6 +40,7 @@ from checks import GUIDED_ONLY, check_settings
 from fastdllm import generate
 from guided import check_guide
 from model import ModelConfig, load_model, read_config, resolve_model_dir
+from quant import int8_quantizer
 from tools.checkpoint import check_fits, load_random, random_prompts, reusable, shape_config
 from tools.flags import REFUSED, Parser, integer, listing, nonempty, random_arguments, rows_arguments, run_arguments
 
@@ -354,9 +355,9 @@ def run(args, parser):
                         a.seed)
     env = environment(device, dtype)
     print(f"batch {args.batch}, prompt {prompt.shape[1]} tokens, gen {kw['gen_length']}, block "
-          f"{kw['block_length']}, {env['dtype']} on {env['gpu'] or env['cpu']}, {env['threads']} threads; "
-          f"{PeakMemory(device).what}\n\n" + table(rows, MODE_COLUMNS))
-    return dict(kw, batch=args.batch, prompt_length=prompt.shape[1]), env, rows
+          f"{kw['block_length']}, {env['dtype']}{' int8 weights' * bool(a.quantize)} on {env['gpu'] or env['cpu']}, "
+          f"{env['threads']} threads; {PeakMemory(device).what}\n\n" + table(rows, MODE_COLUMNS))
+    return dict(kw, batch=args.batch, prompt_length=prompt.shape[1], quantize=a.quantize), env, rows
 
 
 def random_table(args):
@@ -376,6 +377,7 @@ def random_table(args):
     if sweeping and len(args.thresholds) > 1:
         raise ValueError("--thresholds: a sweep measures one rule, so pass at most one value")
     device, dtype = cli.pick_device_dtype(args.device, args.dtype)
+    int8_quantizer(args.quantize)   # --quantize int8 without torchao: said before the checkpoint is written
     if not reusable(args, hf):      # --dir: refused now if it holds anything but this tool's checkpoint
         check_fits(hf, args.dir or tempfile.gettempdir(), device, dtype)
     guide = None
@@ -385,13 +387,13 @@ def random_table(args):
             check_guide(ModelConfig.from_hf(hf), read_config(guide_dir))
         except ValueError as e:
             raise ValueError(f"--guide {args.guide}: {e}") from None
-        guide = load_model(guide_dir, device=device, dtype=dtype)
+        guide = load_model(guide_dir, device=device, dtype=dtype, quantize=args.quantize)
     model = load_random(args, hf, device, dtype)
     prompt = random_prompts(model.config, args.batch, args.prompt_length).to(device)
     env = environment(device, dtype)
     about = (f"random {args.family} checkpoint d_model {args.d_model}, {args.layers} layers, vocab {args.vocab}; "
-             f"batch {args.batch}, prompt {args.prompt_length}, block {args.block_length}, {env['dtype']} on "
-             f"{env['gpu'] or env['cpu']}, {env['threads']} threads")
+             f"batch {args.batch}, prompt {args.prompt_length}, block {args.block_length}, {env['dtype']}"
+             f"{' int8 weights' * bool(args.quantize)} on {env['gpu'] or env['cpu']}, {env['threads']} threads")
     if sweeping:
         rows = sweep(model, prompt, args.lengths, args.caches, args.block_length, (args.thresholds or [None])[0],
                      args.repeat)

@@ -10,7 +10,7 @@ on lm-eval's tasks (GSM8K, HumanEval, MATH...) the way the Fast-dLLM and FlashDL
 
 `python apps/harness.py ARGS` is lm-eval's own command line (`lm-eval run ARGS`) with the model "fastdllm"
 registered, as lm-eval's docs do it for a model outside its tree (`@register_model`, then `cli_evaluate()`).
-Its --model_args are model (folder or Hugging Face id), guide, dtype, device, batch_size, seed, and every
+Its --model_args are model (folder or Hugging Face id), guide, dtype, device, quantize, batch_size, seed, and every
 setting of fastdllm.generate() (gen_length, block_length, steps, cache, threshold, factor, ...: read from
 fastdllm.Settings, so a setting added there works here unchanged); the defaults are the CLI's, the method's
 headline setting (dual cache, threshold 0.9, block 32). docs/eval.md has the details; in short:
@@ -60,6 +60,7 @@ from fastdllm import Compiled, Settings, generate, pad_prompts
 from guided import check_guide
 from checks import check_family, check_prompt
 from model import load_model, read_config, resolve_model_dir
+from quant import int8_quantizer
 
 log = logging.getLogger("lm_eval.fastdllm")   # under lm-eval's logger, so it prints with lm-eval's lines
 
@@ -67,7 +68,7 @@ log = logging.getLogger("lm_eval.fastdllm")   # under lm-eval's logger, so it pr
 # fork's own rule (select, propose, stop: objects) cannot come from the command line.
 SUPPLIED = {"guide", "eos_ids", "select", "propose", "stop"}
 SETTINGS = {f.name: f.default for f in dataclasses.fields(Settings) if f.name not in SUPPLIED}
-OWN = ("model", "guide", "dtype", "device", "batch_size", "seed")      # FastDLLM's own --model_args
+OWN = ("model", "guide", "dtype", "device", "quantize", "batch_size", "seed")      # FastDLLM's own --model_args
 DEFAULTS = SETTINGS | CLI_DEFAULTS     # the CLI's (block_length 32 is generate()'s own)
 REFUSAL = ("the fastdllm model only generates (generate_until tasks such as gsm8k or humaneval): a masked-"
            "diffusion model's likelihood needs a Monte Carlo estimate, which this harness does not do")
@@ -81,7 +82,8 @@ DEFAULTED = set()
 @register_model("fastdllm")
 class FastDLLM(LM):
     def __init__(self, model: str = "GSAI-ML/LLaDA-8B-Instruct", guide: str | None = None, dtype: str | None = None,
-                 device: str | None = None, batch_size=1, max_batch_size=None, seed: int = 0, **settings):
+                 device: str | None = None, quantize: str | None = None, batch_size=1, max_batch_size=None,
+                 seed: int = 0, **settings):
         super().__init__()
         unknown = sorted(set(settings) - set(SETTINGS))
         if unknown:      # a typo (treshold) gets the nearest name, as the server's unknown fields do
@@ -127,6 +129,8 @@ class FastDLLM(LM):
             raise ValueError(str(e)) from None
         self._rank, self._world_size, device = distributed(device)
         self._device, self.dtype = pick_device_dtype(device, dtype)
+        self.quantize = None if quantize in (None, "none", "") else quantize
+        int8_quantizer(self.quantize)     # quantize=int4, or int8 without torchao: one line before any weight
         guide_local = check_local(guide, "guide") if guide is not None else False   # the guide first, as the CLI
         model_local = check_local(model, "model")
         self.model_name, self.guide_name, self.batch_size, self.seed = model, guide, int(batch_size), seed
@@ -189,9 +193,10 @@ class FastDLLM(LM):
             if self.guide_name:
                 self._guide_dir = self._guide_dir or self.checked_guide()
                 self._guide = load_model(resolve_model_dir(self.guide_name, role="guide"), device=self._device,
-                                         dtype=self.dtype)
+                                         dtype=self.dtype, quantize=self.quantize)
             self.chat           # the small files' checks first
-            self._net = load_model(resolve_model_dir(self.model_name), device=self._device, dtype=self.dtype)
+            self._net = load_model(resolve_model_dir(self.model_name), device=self._device, dtype=self.dtype,
+                                   quantize=self.quantize)
         return self._net
 
     # --- lm-eval's interface ----------------------------------------------------------------------------
@@ -221,7 +226,7 @@ class FastDLLM(LM):
 
     def get_model_info(self) -> dict:
         return {"fastdllm": dict(model=self.model_name, guide=self.guide_name, batch_size=self.batch_size,
-                                 dtype=str(self.dtype), **self.settings)}
+                                 dtype=str(self.dtype), quantize=self.quantize, **self.settings)}
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         from tqdm import tqdm

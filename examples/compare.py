@@ -1,22 +1,27 @@
 """
 examples/compare.py: every method of examples/ and the built-in modes on the demo task, each as its command line
-runs it -> docs/methods.md (the tables, and what each method buys against the built-in row it changes) and
-docs/methods.png (valid answers against model calls per answer, each point numbered as its row).
+runs it, and the demo model's weights in bf16 and int8: the tables (on stdout, or docs/methods.md with what each
+method buys against the built-in row it changes) and a figure (valid answers against model calls per answer, each
+point numbered as its row, with its 95% interval).
 
-    python examples/compare.py                  # 200 held-out demo problems (minutes on a CPU)
-    python examples/compare.py -n 20 --out /tmp  # a quick look, written elsewhere
+    python examples/compare.py -n 20            # a quick look: the tables on stdout, nothing written
+    python examples/compare.py --out docs       # 200 held-out problems -> docs/methods.md, docs/methods.png
+    python examples/compare.py --out docs --pdf # and docs/methods.pdf, the figure as vector graphics
 
 Each row is a command line on the demo model (--model demo/llada-arith --gen-length 32 --block-length 8):
 `python fastdllm.py FLAGS` for a built-in mode, `python examples/<method>.py FLAGS` for a fork. This script makes
 the generate() call that command line makes (cli.parse_args and cli.settings; a fork's hooks from the
-`cli.run(fork, **flags)` its file calls as a program, caught here) and decodes every held-out problem alone
-(batch 1). valid: demo/eval.py's check of the whole worked solution; final number: "The answer is N." with the
-right N; calls, tokens fed per call and time are generate()'s own stats. A fork file not in this checkout is
-skipped, and the table says so.
+`cli.run(fork, **flags)` its file calls as a program, caught here; --dtype and --quantize load the model so) and
+decodes every held-out problem alone (batch 1), saying on stderr how far each row has got. valid: demo/eval.py's
+check of the whole worked solution; final number: "The answer is N." with the right N; calls, tokens fed per call
+and time are generate()'s own stats. A fork file not in this checkout, or an int8 row without torchao, is
+skipped, and the table says so. The figure needs matplotlib (requirements-extras.txt); without it the tables are
+still written, and one line says how to get the figure.
 """
 import argparse
 import datetime
 import inspect
+import math
 import os
 import platform
 import re
@@ -37,10 +42,10 @@ from chat import load_tokenizer  # noqa: E402
 from eval import TEMPLATES, answer_text, heldout, is_valid  # noqa: E402
 from fastdllm import generate  # noqa: E402
 from model import load_model, read_config  # noqa: E402
-from tools.png import scatter  # noqa: E402
 
 DEMO = ["--gen-length", "32", "--block-length", "8"]
 BUILT_IN, HEADLINE, OTHER = "Built-in modes", "The five methods, each at its headline setting", "Other settings"
+WEIGHTS = "The weights in bf16 and int8 (float32 above)"
 # (table, name, the fork's file in examples/ or None for fastdllm.py, its flags, the number of the built-in row that
 # decodes as it does but for the method: same cache, stop and steps)
 ROWS = [
@@ -60,9 +65,13 @@ ROWS = [
     (OTHER, "Prophet, gaps x3", "prophet.py", "--early 22.5 --mid 15 --late 7.5", 1),
     (OTHER, "Prophet, gaps x3, no suffix", "prophet.py", "--early 22.5 --mid 15 --late 7.5 --suffix '' --suffix-at -21",
      1),
+    (WEIGHTS, "threshold 0.9, dual, early stop, bf16", None, "--dtype bfloat16", 5),
+    (WEIGHTS, "threshold 0.9, dual, early stop, int8", None, "--quantize int8", 5),
+    (WEIGHTS, "threshold 0.9, dual, early stop, int8 + bf16", None, "--quantize int8 --dtype bfloat16", 5),
+    (WEIGHTS, "one token a step, int8", None, "--cache none --threshold none --no-early-stop --quantize int8", 1),
 ]
-COLORS = {None: (31, 119, 180), "eb_sampler.py": (44, 160, 44), "klass.py": (214, 39, 40),
-          "dkv_cache.py": (148, 103, 189), "dpad.py": (140, 86, 75), "prophet.py": (230, 110, 0)}
+COLORS = {None: "tab:blue", "eb_sampler.py": "tab:green", "klass.py": "tab:red", "dkv_cache.py": "tab:purple",
+          "dpad.py": "tab:brown", "prophet.py": "tab:orange", WEIGHTS: "tab:gray"}
 # What each method does differently from its built-in row (the numbers come from the run, beside it).
 WHY = {
     "eb_sampler.py": "It commits the most confident masks while their entropies, summed less the largest, stay under "
@@ -84,6 +93,12 @@ WHY = {
                   "the early commit costs no valid answer here.",
 }
 
+WEIGHTS_WHY = ("bf16 rounds every weight and activation to 8 significant bits; int8 stores each linear layer's weight "
+               "as 8-bit integers with one scale per output channel (the embedding and the head stay float), half "
+               "bf16's bytes. On this CPU both are slower than float32: its bf16 matmuls are, and int8 converts "
+               "its weights back at every call, through torchao's tensor subclass (a GPU's compiled kernels fuse "
+               "the conversion).")
+
 
 def fork_of(path: str):
     """Run a fork's file as a program with cli.run caught -> (its fork(**flags) -> hooks, its flags' defaults)."""
@@ -96,8 +111,9 @@ def fork_of(path: str):
     return caught.get("fork"), caught.get("own", {})
 
 
-def settings(model_dir: str, example: str | None, flags: str) -> tuple[dict, bool]:
-    """The generate() keywords of the row's command line -> (keywords, whether to pass a seeded generator)."""
+def settings(model_dir: str, example: str | None, flags: str) -> tuple[dict, bool, tuple]:
+    """The generate() keywords of the row's command line -> (keywords, whether to pass a seeded generator, the
+    weights it loads: (dtype, quantize))."""
     argv, hooks = ["--model", model_dir, *DEMO, "--prompt", "-", *shlex.split(flags)], {}
     if example:
         fork, own = fork_of(os.path.join(HERE, example))
@@ -108,12 +124,15 @@ def settings(model_dir: str, example: str | None, flags: str) -> tuple[dict, boo
         hooks = fork(**values)
     args = cli.parse_args(argv, hooks)
     args.hooks = hooks
-    return cli.settings(args) | dict(stop_at_eos=not args.no_early_stop and "stop" not in hooks), "propose" not in hooks
+    weights = (cli.pick_device_dtype("cpu", args.dtype)[1], args.quantize)
+    return (cli.settings(args) | dict(stop_at_eos=not args.no_early_stop and "stop" not in hooks),
+            "propose" not in hooks, weights)
 
 
-def measure(model, tok, problems, kw: dict, seeded: bool) -> dict:
+def measure(model, tok, problems, kw: dict, seeded: bool, progress=lambda done: None) -> dict:
     """Every problem alone (batch 1): the shares valid and with the right final number, the mean calls per
-    answer and tokens fed per call, and the median milliseconds per answer (a shared machine's pauses skew a mean)."""
+    answer and tokens fed per call, and the median milliseconds per answer (a shared machine's pauses skew a mean).
+    progress(problems done) after each one."""
     generate(model, torch.tensor([tok.encode(problems[0][0], add_special_tokens=False).ids]), **kw)   # warm-up
     valid = right = calls = fed = 0
     seconds = []
@@ -127,6 +146,7 @@ def measure(model, tok, problems, kw: dict, seeded: bool) -> dict:
         valid += is_valid(answer, key)
         right += final is not None and int(final[1]) == (a + b if TEMPLATES[t][0] == "+" else a - b)
         calls, fed, seconds = calls + st["nfe"], fed + sum(st["fed"]), seconds + [st["seconds"]]
+        progress(len(seconds))
     n = len(problems)
     return dict(valid=valid / n, right=right / n, calls=calls / n, fed=fed / calls, ms=1000 * sorted(seconds)[n // 2])
 
@@ -144,40 +164,136 @@ def machine() -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description="Every method of examples/ and the built-in modes on the demo task.")
     p.add_argument("-n", type=int, default=200, help="held-out problems (default: %(default)s)")
-    p.add_argument("--out", default=os.path.join(ROOT, "docs"), help="folder for methods.md and methods.png")
+    p.add_argument("--out", help="write methods.md and methods.png in this folder (docs: the project's own); "
+                   "default: the tables on stdout, nothing written")
+    p.add_argument("--pdf", action="store_true", help="with --out: the figure as methods.pdf too (vector)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: %(default)s)")
     args = p.parse_args(argv)
+    if args.pdf and not args.out:
+        p.error("--pdf writes beside methods.md: add --out FOLDER")
     torch.set_num_threads(args.threads)
     model_dir = os.path.join(ROOT, "demo", "llada-arith")
-    model = load_model(model_dir, device="cpu", dtype=torch.float32)
+    models = {}      # (dtype, quantize) -> the model, loaded once
     tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-    problems, results, tables, points, key = heldout(args.n), {}, {}, [], []
+    problems, results, tables, points = heldout(args.n), {}, {}, []
     for number, (table, name, example, flags, _) in enumerate(ROWS, 1):
         command = f"{'examples/' + example if example else 'fastdllm.py'} {flags}".strip()
         row = f"| {number} | {name} | `{command}` |"
         if example and not os.path.isfile(os.path.join(HERE, example)):
-            tables.setdefault(table, []).append(f"{row} not run: examples/{example} is not in this checkout | | | | |")
-            print(f"skipped {name}: examples/{example} is not in this checkout", file=sys.stderr)
+            skipped = f"examples/{example} is not in this checkout"
+        else:
+            kw, seeded, weights = settings(model_dir, example, flags)
+            try:
+                if weights not in models:
+                    models[weights] = load_model(model_dir, device="cpu", dtype=weights[0], quantize=weights[1])
+                skipped = None
+            except ValueError as e:      # --quantize int8 without torchao
+                skipped = str(e)
+        if skipped:
+            tables.setdefault(table, []).append(f"{row} not run: {skipped} | | | | |")
+            print(f"skipped {name}: {skipped}", file=sys.stderr)
             continue
         t0 = time.perf_counter()
-        r = results[number] = measure(model, tok, problems, *settings(model_dir, example, flags))
+        r = results[number] = measure(models[weights], tok, problems, kw, seeded,
+                                      progress(f"[{number}/{len(ROWS)}] {name}", args.n))
         print(f"{name}: {r} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
         tables.setdefault(table, []).append(f"{row} {r['valid']:.1%} | {r['right']:.1%} | {r['calls']:.1f} | "
                                             f"{r['fed']:.1f} | {r['ms']:.1f} |")
-        points.append((r["calls"], r["valid"], str(number), COLORS[example]))
-        key.append((f"{number:>2} {name}", COLORS[example]))
-    key += [("", (0, 0, 0)), ("   (the rows of docs/methods.md)", (0, 0, 0))]
-    scatter(points, os.path.join(args.out, "methods.png"), f"demo/llada-arith: {args.n} held-out problems",
-            "model calls per answer (log scale)", "valid answers", key, log_x=True)
+        points.append((number, f"{number} {name}", r["calls"], r["valid"], COLORS[WEIGHTS if table == WEIGHTS
+                                                                                  else example]))
     intro = INTRO.format(n=args.n, threads=args.threads, argv="".join(" " + a for a in argv or sys.argv[1:]),
                          machine=machine(), date=datetime.date.today().isoformat())
     text = ("# The methods on the demo task\n\n" + wrap(" ".join(intro.split())) +
             "\n\n![valid answers against model calls per answer](methods.png)\n")
     for table, rows in tables.items():
         text += f"\n**{table}**\n\n{COLUMNS}" + "\n".join(rows) + "\n"
+    text += NOTES + "\n## What each method buys here\n\n" + buys(results)
+    if not args.out:
+        print("nothing written: --out FOLDER writes the tables and the figure there (docs: the project's)",
+              file=sys.stderr)
+        return print(text)
     with open(os.path.join(args.out, "methods.md"), "w") as f:
-        f.write(text + NOTES + "\n## What each method buys here\n\n" + buys(results))
-    print(f"wrote {args.out}/methods.md and methods.png", file=sys.stderr)
+        f.write(text)
+    written = ["methods.md"]
+    try:
+        written += figure(points, os.path.join(args.out, "methods"), f"demo/llada-arith: {args.n} held-out problems",
+                          args.n, args.pdf)
+    except ImportError:
+        print("no figure: matplotlib is not installed (pip install -r requirements-extras.txt)", file=sys.stderr)
+    print(f"wrote {', '.join(os.path.join(args.out, w) for w in written)}", file=sys.stderr)
+
+
+def progress(label: str, n: int, stream=None):
+    """A row's progress on stderr, from its start: one live line on a terminal, else a line at each tenth of its
+    problems (a 200-problem row can take a minute)."""
+    stream = stream or sys.stderr
+    tty, every = stream.isatty(), max(1, n // 10)
+
+    def show(done: int):
+        if tty or done % every == 0 or done == n:
+            print("\r" * tty + f"{label}: {done}/{n} problems", end="" if tty and done < n else "\n", file=stream,
+                  flush=True)
+    show(0)
+    return show
+
+
+def interval(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval of a share p of n (95% at z = 1.96): (low, high)."""
+    centre, half = p + z * z / (2 * n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
+
+
+def figure(points, stem: str, title: str, n: int, pdf: bool = False) -> list[str]:
+    """Valid answers against calls per answer (log 2 scale), each point its row's number with its 95% interval,
+    the rows' names in a key -> stem.png (and stem.pdf) with matplotlib. Rows at the same point share one label."""
+    import matplotlib
+    matplotlib.use("Agg")                # files only, no window
+    from matplotlib import pyplot as plt, ticker, transforms
+    plt.rcParams.update({"font.size": 11})     # read at a README's width, about half the figure's 1500 pixels
+    fig, ax = plt.subplots(figsize=(10, 5), dpi=150, layout="constrained")
+    for number, name, calls, valid, color in points:
+        low, high = interval(valid, n)
+        ax.errorbar(calls, valid, yerr=[[valid - low], [high - valid]], fmt="o", color=color, ms=6, capsize=3,
+                    label=name)
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_major_formatter(ticker.PercentFormatter(1.0))
+    ax.set(title=title, xlabel="model calls per answer (log scale)", ylabel="valid answers (95% interval)",
+           xlim=(0.8, 48), ylim=(-0.03, 1.2), yticks=[i / 5 for i in range(6)])
+    ax.grid(alpha=0.3)
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=10, frameon=False,
+              title="the rows of docs/methods.md", title_fontsize=10, handletextpad=0.3, labelspacing=0.35)
+    labels = {}       # one label per place: the rows whose points coincide (within 3% of calls, 0.5% of valid)
+    for number, _, calls, valid, color in points:
+        key = next((k for k in labels if abs(math.log(k[0] / calls)) < 0.03 and abs(k[1] - valid) < 0.005),
+                   (calls, valid))
+        labels.setdefault(key, []).append((str(number), color))
+    # Each label beside its point, else above it (one level higher at a time), else below: the first place
+    # that covers no dot and no other label, inside the axes (laid out first, then kept as laid out).
+    fig.draw_without_rendering()
+    fig.set_layout_engine("none")
+    renderer, frame = fig.canvas.get_renderer(), ax.get_window_extent()
+    taken = [transforms.Bbox.from_bounds(*(ax.transData.transform((c, v)) - 5), 10, 10)
+             for _, _, c, v, _ in points]
+    places = [(7, 0, "left", "center"), (-7, 0, "right", "center"), *[(0, 7 + 12 * k, "center", "bottom")
+                                                                     for k in range(5)], (0, -8, "center", "top")]
+    for (calls, valid), numbers in sorted(labels.items()):
+        for dx, dy, ha, va in places:
+            t = ax.annotate(", ".join(n for n, _ in numbers), (calls, valid), xytext=(dx, dy), ha=ha, va=va,
+                            textcoords="offset points", color=numbers[0][1])
+            box = t.get_window_extent(renderer)
+            if frame.contains(box.x0, box.y0) and frame.contains(box.x1, box.y1) and \
+                    not any(box.overlaps(b) for b in taken):
+                break
+            if (dx, dy) != places[-1][:2]:
+                t.remove()           # the last place stays even if crowded: every point keeps its number
+        taken.append(box)
+    written = []
+    for ext in ("png", "pdf") if pdf else ("png",):
+        fig.savefig(f"{stem}.{ext}", metadata={"Software": None} if ext == "png" else {"Creator": None})
+        written.append(os.path.basename(f"{stem}.{ext}"))
+    plt.close(fig)
+    return written
 
 
 def buys(results: dict) -> str:
@@ -195,6 +311,10 @@ def buys(results: dict) -> str:
             out.append(wrap(f"- **{name}** {line(number, ref)} {WHY[example]}", "  "))
             out += [wrap(f"  - {other[1]} {line(n, other[4])}", "    ") for n, other in enumerate(ROWS, 1)
                     if other[0] == OTHER and other[2] == example and n in results]
+    weights = [wrap(f"  - {name} {line(n, ref)}", "    ") for n, (table, name, _, _, ref) in enumerate(ROWS, 1)
+               if table == WEIGHTS and n in results and ref in results]
+    if weights:
+        out += [wrap(f"- **The weights** against float32's: {WEIGHTS_WHY}", "  "), *weights]
     return "\n".join(out) + "\n"
 
 
@@ -211,14 +331,16 @@ right N; **calls**: model calls per answer; **fed**: tokens fed per call (the ca
 question and 32 answer positions); **ms**: the median time per answer, generate()'s own clock (a shared machine:
 compare times within one run only). Each method is set against the built-in row that decodes as it does but for
 the method (the same cache, stop and steps). Each fork's docstring names its paper, its official code and its
-defaults."""
+defaults. The plot's bars are the 95% (Wilson) interval of valid over the {n} problems."""
 COLUMNS = """| # | method | command | valid | final number | calls | fed | ms |
 |---|---|---|---|---|---|---|---|
 """
 NOTES = """
 The built-in modes: one token a step is the exact baseline; early stop ends an answer once a finished block holds
 the end token; 4 tokens a step is a fixed parallel schedule; threshold decoding (Fast-dLLM 3.3) commits every token
-at least that confident; dual (Fast-dLLM's DualCache) feeds the block alone after its first step.
+at least that confident; dual (Fast-dLLM's DualCache) feeds the block alone after its first step. The weights: rows
+1-15 run float32; bf16 is `--dtype bfloat16`, int8 `--quantize int8` (weight-only int8 through torchao, the
+activations in the model's dtype; quant.py).
 """
 
 

@@ -109,3 +109,11 @@ def write_tokenizer(model_dir: str, specials: dict[int, str]):
     tok.decoder = decoders.WordPiece()   # joins words with spaces
     tok.add_special_tokens(list(specials.values()))
     tok.save(os.path.join(model_dir, "tokenizer.json"))
+
+
+@pytest.fixture
+def without_torchao(monkeypatch):
+    """torchao made unimportable, as where it is not installed: None in sys.modules for it and every submodule
+    already imported (`import` then raises ImportError)."""
+    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")] + ["torchao"]:
+        monkeypatch.setitem(sys.modules, name, None)

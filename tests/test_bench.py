@@ -2,6 +2,7 @@
 (tools/checkpoint.py) are in the real format, that the GPU check's small CPU shape (tools/gpu_check.py) still
 runs end to end, that computing the LM head only at open positions (generate's `cols`) changes no decision, and
 that bad input to bench.py and tools/ is one line that loses nothing."""
+import importlib.util
 import json
 import os
 import re
@@ -221,8 +222,8 @@ def test_sweep_feeds_what_each_cache_feeds(tmp_path):
 
 def test_gpu_check_small_shape_on_cpu(tmp_path):
     """The GPU check's whole path at a tiny shape on the CPU, so it cannot rot between GPU runs: the model made
-    in place, the speed rows with their step types and bytes, 16 rows against their solo runs, the golden runs
-    in float32 (exact) and bf16. It checks the script, not the machine: no time box (--budget 0) and eager only
+    in place, the speed rows with their step types and bytes, 16 rows against their solo runs, the int8 phase, the
+    golden runs in float32 (exact) and bf16. It checks the script, not the machine: no time box (--budget 0) and eager only
     (compiling is the GPU run's), so what runs never depends on the machine's speed. Then the time box itself,
     with a budget no phase fits (1 s): every picked phase is skipped and says so, the others do not run."""
     cmd = [sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--shape", "tiny", "--device", "cpu",
@@ -238,6 +239,12 @@ def test_gpu_check_small_shape_on_cpu(tmp_path):
     assert res["batch"] == {"eager": dict(rows=16, equal=16)} and len(res["speed"]) == 2     # no compiled rows
     assert res["golden"]["float32"]["exact"] == res["golden"]["float32"]["total"] > 20
     assert 0 < res["golden"]["bfloat16"]["agreement"] <= 1
+    if importlib.util.find_spec("torchao") is None:      # the int8 phase without torchao: said, the rest ran
+        assert "pip install -r requirements-extras.txt" in res["int8"]["error"] and "int8_speed" not in res
+    else:      # the model of the speed rows, quantized: fewer bytes, the same modes again, the logits near
+        int8 = res["int8"]
+        assert int8["bytes_int8"] < 0.8 * int8["bytes_before"] and int8["max_logit_diff"] < 0.1 * int8["max_logit"]
+        assert {x["mode"]: x["nfe"] for x in res["int8_speed"]}["baseline"] == 16 and 0 < int8["ids_agreement"] <= 1
     boxed = tmp_path / "boxed.json"
     r = bounded.run([*cmd, "--budget", "1", "--phases", "speed,golden", "--out", str(boxed)], timeout=300)
     assert r.returncode == 0, r.stderr

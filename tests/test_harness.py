@@ -247,6 +247,7 @@ DEMO_MODEL = os.path.join(ROOT, "demo", "llada-arith")
     (dict(dtype=[1]), "dtype must be a name"),
     (dict(device="tpu"), "unknown --device 'tpu'"),
     (dict(dtype="int8"), "unknown --dtype 'int8'"),
+    (dict(quantize="int4"), "quantize='int4' is not supported: fastdllm quantizes weights to 'int8'"),
     (dict(stop_at_eos="yes"), "stop_at_eos must be False, True"),
     (dict(remasking="lowest"), "unknown remasking 'lowest'"),
     (dict(accept="topk"), "accept only apply to guided diffusion"),
@@ -497,6 +498,17 @@ def test_a_block_length_that_does_not_divide_the_default_gen_length():
                                                    "the request's max_gen_toks 32: set another with --gen_kwargs "
                                                    "max_gen_toks=N")):
         lm.generate_until([request(q, max_gen_toks=32)])
+
+
+def test_quantize_int8_loads_int8_weights_and_answers():
+    """quantize=int8 in --model_args: the model's linear layers as torchao's int8 (quant.py), the demo answered."""
+    pytest.importorskip("torchao", reason="torchao is not installed: pip install -r requirements-extras.txt")
+    from torchao.quantization import Int8Tensor
+    lm = harness.FastDLLM(model=DEMO_MODEL, block_length=8, device="cpu", quantize="int8")
+    assert isinstance(lm.net().layers[0].mlp.w_up.weight, Int8Tensor) and lm.get_model_info()["fastdllm"]["quantize"]
+    [answer] = lm.generate_until([request("Tom has 23 apples and buys 45 more. How many apples does he have?",
+                                          max_gen_toks=32)])
+    assert answer.endswith("The answer is 68."), answer
 
 
 @pytest.mark.parametrize("key,near", [("treshold", "threshold"), ("blocklength", "block_length"), ("modle", "model"),

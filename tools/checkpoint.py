@@ -601,11 +601,11 @@ def load_random(args, hf, device, dtype):
     if args.dir:
         if not reusable(args, hf):
             write(args.dir, args)
-        return load_model(args.dir, device=device, dtype=dtype)
+        return load_model(args.dir, device=device, dtype=dtype, quantize=args.quantize)
     folder = tempfile.mkdtemp(prefix="fastdllm_bench_")
     try:
         write(folder, args)
-        return load_model(folder, device=device, dtype=dtype)
+        return load_model(folder, device=device, dtype=dtype, quantize=args.quantize)
     finally:   # the loaded model holds its own copy (float32) or the mapped pages (bf16)
         shutil.rmtree(folder, ignore_errors=True)
 

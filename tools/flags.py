@@ -150,6 +150,7 @@ def random_arguments(p):
     p.add_argument("--batch", type=integer(1), default=1, help="default: %(default)s")
     p.add_argument("--device", default=None, help="cpu | cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--quantize", choices=("int8",), default=None, help="int8: weight-only int8 layers (quant.py)")
     p.add_argument("--json", type=out_file, default=None, help="write every row, the settings and the environment")
 
 

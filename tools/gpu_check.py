@@ -22,6 +22,9 @@ what runs must not depend on the machine's speed).
 5. moe: the speed rows again on LLaDA-MoE-7B-A1B's shape (16 layers, 64 experts of width 1024, top-8;
    random weights made on the device), in "moe_speed": its bytes per step are every weight but the embedding, as
    our MoE block reads every expert once when a step routes more (token, expert) pairs than there are experts.
+6. int8: the model of 1. to weight-only int8 in place (quant.py, torchao), then its weight bytes against bf16's,
+   the logits' largest difference from bf16 on one canvas, the DualCache + threshold ids' agreement with bf16's,
+   the peak memory, and the speed rows again ("int8_speed"); skipped, and said so, without torchao.
 """
 import argparse
 import ctypes
@@ -40,11 +43,12 @@ import torch  # noqa: E402
 from cli import pick_device_dtype  # noqa: E402
 from fastdllm import Compiled, generate  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
+from quant import nbytes, quantize_int8, weight_bytes  # noqa: E402
 from tools.checkpoint import SHAPES, hf_config, lladamoe_config, random_prompts  # noqa: E402
 from tools.flags import Parser, integer, listing, out_file  # noqa: E402
 
 MODES = {"baseline": dict(cache="none"), "dual 0.9": dict(cache="dual", threshold=0.9)}
-PHASES, VARIANTS = ("speed", "batch", "golden", "moe"), ("eager", "compiled")
+PHASES, VARIANTS = ("speed", "batch", "golden", "moe", "int8"), ("eager", "compiled")
 
 
 def budget(text: str) -> float:
@@ -106,7 +110,7 @@ def step_bytes(model, B: int, fed: int, L: int, cols: int) -> int:
     """Bytes one model call moves: every weight but the embedding (a step reads only its rows), the whole KV
     cache read and the fed span written, and the activations in and out of every matmul (2 bytes each in bf16)."""
     c, e = model.config, model.lm_head.weight.element_size()
-    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not n.startswith("embed"))
+    weights = sum(nbytes(p) for n, p in [*model.named_parameters(), *model.named_buffers()] if n[:5] != "embed")
     kv = 2 * c.n_layers * B * c.n_kv_heads * c.head_dim * (L + fed) * e
     width = c.moe.n_experts * c.moe.ffn_dim if c.moe else c.ffn_dim     # the MoE block: one SwiGLU over every expert
     per_layer = fed * (2 * c.dim + 2 * c.n_kv_heads * c.head_dim + 2 * c.dim + 3 * width) * e
@@ -236,6 +240,30 @@ def golden(device, dtype: str, timeout: float) -> dict:
                 agreement=sum(x["agreement"] for x in runs) / len(runs))
 
 
+def int8(model, prompt, args, bandwidth, out, left):
+    """The int8 phase (the docstring's 6.) on the model of 1., which it quantizes in place."""
+    kw = dict(gen_length=args.gen_length, block_length=args.block_length, **MODES["dual 0.9"])
+    x = torch.nn.functional.pad(prompt, (0, args.gen_length), value=model.config.mask_id)
+    sync = (lambda: torch.cuda.synchronize(prompt.device)) if prompt.is_cuda else (lambda: None)
+    before, ref, (ids, _) = weight_bytes(model), model(x).float(), generate(model, prompt, **kw)
+    t0 = time.perf_counter()
+    try:
+        quantize_int8(model)
+    except ValueError as e:      # no torchao here: said, and the other phases still run
+        out["int8"] = dict(error=str(e))
+        return print(f"int8: skipped, {e}", flush=True)
+    sync()
+    res = dict(quantize_s=time.perf_counter() - t0, bytes_before=before, bytes_int8=weight_bytes(model),
+               max_logit=ref.abs().max().item(), max_logit_diff=(model(x).float() - ref).abs().max().item(),
+               ids_agreement=(generate(model, prompt, **kw)[0] == ids).float().mean().item())
+    if prompt.is_cuda:
+        res["peak_gib"] = torch.cuda.max_memory_allocated(prompt.device) / 2 ** 30
+    out["int8"] = res
+    write(args.out, out)
+    print(f"int8 {json.dumps(res)}", flush=True)
+    speed(model, prompt, args, bandwidth, Compiled(), out, left, key="int8_speed")
+
+
 def write(path, out):
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
@@ -280,6 +308,10 @@ def main(argv=None):
             speed(model, prompts[:1], args, bandwidth, compiled, out, left)
         if "batch" in args.phases:
             batch(model, prompts, args, compiled, out, left)
+        if "int8" in args.phases and left() < 60:
+            print(f"int8: skipped, {left():.0f} s left", flush=True)
+        elif "int8" in args.phases:      # the model's last use: it ends quantized
+            int8(model, prompts[:1], args, bandwidth, out, left)
     del model
     for dt in ("float32", "bfloat16") if "golden" in args.phases else ():
         if left() < 30:

@@ -1,0 +1,135 @@
+"""
+quant.py: weight-only int8 (load_model(..., quantize="int8"), --quantize int8): half the bytes of bf16 weights, so
+that an 8B model (16 GB in bf16) fits a 12-16 GB GPU.
+
+Each linear layer's weight becomes int8 with one scale per output channel (symmetric), made by torchao
+(github.com/pytorch/ao, an optional dependency: requirements-extras.txt) as quantize_(model, Int8WeightOnlyConfig())
+makes it: a tensor subclass whose F.linear is mm(x, q.t().to(x.dtype)) * scale, which inductor fuses under
+compile=True. LLaDA-MoE's expert stacks take torchao's int8 rows and scales as plain tensors, dequantized where
+model.MoE.stack gathers them: torchao's int8 tensor has no view or gather of a 3-D stack (gpt-fast's mixtral-moe
+int8 dequantizes after the gather too). The embedding, the LM head, the norms and the MoE router keep the model's
+dtype: the head and the router decide tokens and experts, and the embedding is read one row per token.
+load_model quantizes each weight as it is read (the whole model never exists in its float dtype);
+docs/benchmarks.md has the bytes, the memory while loading, the speed and the logits' error.
+"""
+import logging
+import warnings
+
+import torch
+import torch.nn as nn
+
+from model import MoE, Transformer, stored_shape
+
+QUANTIZE = ("int8",)
+
+
+def int8_quantizer(quantize):
+    """None -> None; "int8" -> w -> torchao's int8 tensor of w (per output channel); any other value, or no
+    torchao, is one line."""
+    if quantize is None:
+        return None
+    if quantize not in QUANTIZE:
+        raise ValueError(f"quantize={quantize!r} is not supported: fastdllm quantizes weights to 'int8' (weight-only, "
+                         f"one scale per output channel), or not at all (None)")
+    # torchao's import logs that its CUDA-only kernels (mxfp8, cutlass) do not load on a CPU build, and torch that
+    # torchao registers an enum the old way; weight-only int8 needs neither. Its tensor has no cache key for
+    # compiled graphs, which torch warns about at each compile.
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        import torchao
+        from torchao.quantization import Int8Tensor, PerRow
+    except ImportError:
+        if "torchao" not in locals():
+            raise ValueError("int8 weights (quantize='int8', --quantize int8) need torchao, which is not installed "
+                             "here: pip install -r requirements-extras.txt") from None
+        # a torchao older than the int8 tensor used here (tested: 0.18.0)
+        raise ValueError(f"torchao {getattr(torchao, '__version__', '?')} has no Int8Tensor: pip install -r "
+                         f"requirements-extras.txt (torchao 0.18.0)") from None
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
+    warnings.filterwarnings("ignore", message="Int8Tensor does not implement _stable_hash_for_caching")
+    return lambda w: Int8Tensor.from_hp(w, PerRow())
+
+
+def int8_targets(model) -> set[str]:
+    """The weights quantize="int8" stores as int8: every linear layer's but the LM head's and the MoE router's, and
+    the MoE expert stacks. Any family built of nn.Linear layers and MoE stacks is covered as it is."""
+    out = set()
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) and name != "lm_head" and not name.endswith(".router"):
+            out.add(name + ".weight")
+        elif isinstance(m, MoE):
+            out.update(f"{name}.{stack}" for stack in MoE.stacks)
+    return out
+
+
+def int8_store(state: dict, params: dict, ours: str, w: torch.Tensor, int8) -> None:
+    """Our weight `ours` (checkpoint_names), read as w in the model's dtype, into `state` as int8: a linear layer's
+    as torchao's int8 tensor, an expert's as its row of the stack's int8 values and of the stack's scales."""
+    q = int8(w)
+    stack, _, flip = stored_shape(params, ours)
+    if stack is None:
+        state[ours] = q
+        return
+    if stack not in state:      # allocated at the stack's first expert, as load_model's float stacks
+        state[stack] = torch.empty(params[stack].shape, dtype=torch.int8, device=w.device)
+        state[stack + "_scale"] = torch.empty(params[stack].shape[0], w.shape[0], dtype=w.dtype, device=w.device)
+    e = int(ours.rpartition(".")[2])
+    state[stack][e].copy_(q.qdata.t() if flip else q.qdata)
+    state[stack + "_scale"][e].copy_(q.scale.flatten())
+
+
+def int8_layout(model, targets: set[str]) -> None:
+    """The model made ready for its int8 weights: they take no gradient (an int8 tensor cannot), and each MoE stack
+    gets its scale buffer (experts, outputs), which load_model's strict load_state_dict then expects."""
+    for name in targets:
+        module, _, attr = name.rpartition(".")
+        m = model.get_submodule(module)
+        w = getattr(m, attr).requires_grad_(False)
+        if isinstance(m, MoE):
+            outputs = w.shape[2 if attr in MoE.transposed else 1]
+            m.register_buffer(attr + "_scale", torch.empty(w.shape[0], outputs, dtype=w.dtype, device=w.device))
+
+
+def read_once(path: str, key: str) -> torch.Tensor:
+    """One tensor of a safetensors file through its own handle: once the tensor is dropped, its pages of the file
+    leave the process (a handle open for the whole shard keeps every page it has read resident: up to a shard)."""
+    from safetensors import safe_open
+    with safe_open(path, framework="pt", device="cpu") as f:
+        return f.get_tensor(key)
+
+
+def quantize_int8(model: Transformer) -> Transformer:
+    """A model already in memory (tools/gpu_check.py's random ones) to quantize="int8", in place, a weight at a
+    time: torchao's own quantize_ for the linear layers, the expert stacks row by row as load_model stores them."""
+    int8 = int8_quantizer("int8")
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    targets = int8_targets(model)
+    with torch.no_grad():
+        # set_inductor_config=False: torchao would otherwise change inductor's settings for the whole process
+        quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False),
+                  filter_fn=lambda m, name: name + ".weight" in targets)
+        for name in sorted(targets):
+            module, _, attr = name.rpartition(".")
+            m = model.get_submodule(module)
+            if isinstance(m, MoE):
+                w, state = getattr(m, attr).detach(), {}
+                for e in range(w.shape[0]):
+                    int8_store(state, {name: w}, f"{name}.{e}", w[e].t() if attr in MoE.transposed else w[e], int8)
+                setattr(m, attr, nn.Parameter(state[name], requires_grad=False))
+                m.register_buffer(attr + "_scale", state[name + "_scale"])
+    return model
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """The bytes a weight takes: an int8 tensor's values and scales, not its nominal dtype's."""
+    return t.qdata.nbytes + t.scale.nbytes if hasattr(t, "qdata") else t.nbytes
+
+
+def weight_bytes(model) -> int:
+    """Every parameter (a tied head once) and buffer of the model, in bytes as stored."""
+    return sum(nbytes(t) for t in [*model.parameters(), *model.buffers()])
