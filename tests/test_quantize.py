@@ -2,6 +2,7 @@
 logits' error against float32 within a stated bound, every family decoding, compile=True, and the one-line
 errors, torchao missing included (simulated: the tests without torchao run everywhere, those with it where it is
 installed: requirements-extras.txt, which CI installs)."""
+import json
 import os
 import re
 import sys
@@ -13,12 +14,12 @@ import torch
 import bounded
 import cli
 import quant
-from conftest import GOLDEN, ROOT
+from conftest import GOLDEN, ROOT, copy_checkpoint, write_tokenizer
 from fastdllm import generate, pad_prompts
 from model import MoE, checkpoint_names, load_model
 
 DEMO = os.path.join(ROOT, "demo", "llada-arith")
-FAMILIES = ["llada-tiny", "dream-tiny", "lladamoe-tiny", "qwen2-tiny"]
+FAMILIES = ["llada-tiny", "dream-tiny", "lladamoe-tiny", "qwen2-tiny", "fastdllm-v2-tiny", "sdar-tiny"]
 ROWS = [[815, 723, 294, 53, 204, 372, 664, 1017, 655, 689, 279, 233], [44, 12, 907, 31, 5]]   # llada-golden's b1 ...
 
 
@@ -27,8 +28,21 @@ def torchao():
     return pytest.importorskip("torchao", reason="torchao is not installed: pip install -r requirements-extras.txt")
 
 
+FOLDERS = {}      # name -> a folder made for this module (Fast-dLLM v2's mask id lives in its tokenizer)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def v2_folder(tmp_path_factory):
+    with open(os.path.join(GOLDEN, "fastdllm-v2-golden.json")) as f:
+        ids = json.load(f)["ids"]
+    d = copy_checkpoint("fastdllm-v2-tiny", tmp_path_factory.mktemp("v2"))
+    write_tokenizer(d, {ids["mask_id"]: "|<MASK>|", ids["stop_token"]: "<|im_end|>", ids["pad_token_id"]: "<|endoftext|>"})
+    FOLDERS["fastdllm-v2-tiny"] = d
+
+
 def load(name, dtype=torch.float32, **kw):
-    return load_model(name if os.path.isdir(name) else os.path.join(GOLDEN, name), device="cpu", dtype=dtype, **kw)
+    folder = FOLDERS.get(name, name if os.path.isdir(name) else os.path.join(GOLDEN, name))
+    return load_model(folder, device="cpu", dtype=dtype, **kw)
 
 
 def canvas(model):
@@ -126,6 +140,24 @@ def test_every_family_decodes_with_int8_weights(torchao, name, dtype):
             solo, _ = generate(model, ids[1:, -len(ROWS[1]):], gen_length=16, block_length=8, cache=cache,
                                threshold=0.9)
             assert torch.equal(out[1, -16:], solo[0, -16:]), cache
+
+
+@pytest.mark.parametrize("name", ["fastdllm-v2-tiny", "sdar-tiny"])
+def test_block_diffusion_decodes_with_int8_weights(torchao, name):
+    """A block-causal model's caches are exact with int8 weights as without: each cache mode equals the uncached
+    decode, and a padded batch's rows their solo runs (each solo answer a prefix of its row: a batch runs to the grid
+    block of its longest prompt)."""
+    model = load(name, quantize="int8")
+    rows = [[t % 1000 for t in r] for r in ROWS]
+    ids, am = pad_prompts(rows, model.config.pad_id or 0)
+    kw = dict(gen_length=16, block_length=4, threshold=0.9)
+    none, _ = generate(model, ids, attention_mask=am, cache="none", **kw)
+    assert not (none == model.config.mask_id).any()
+    out, _ = generate(model, ids, attention_mask=am, cache="prefix", **kw)
+    assert torch.equal(out, none)
+    for r, prompt in enumerate(rows):
+        solo, _ = generate(model, torch.tensor([prompt]), cache="prefix", **kw)
+        assert out[r, ids.shape[1] - len(prompt):][:solo.shape[1]].tolist() == solo[0].tolist()
 
 
 @pytest.mark.parametrize("name", ["llada-tiny", "lladamoe-tiny"])
