@@ -81,6 +81,11 @@ class ModelConfig:
         return ARCHS[self.arch].rope_fp32
 
     @property
+    def fused_qkv(self) -> bool:
+        # LLaDA2 stores q, k and v as one projection (attention.query_key_value): one matmul, split by heads.
+        return ARCHS[self.arch].fused_qkv
+
+    @property
     def causal(self) -> bool:
         # The guide is an autoregressive LM: row i sees tokens 0..i only and predicts token i+1 (no shift needed
         # because nothing is masked: its logits row i is "the next token after i", as the verifier wants them).
@@ -146,9 +151,12 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         hd = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        if cfg.fused_qkv:
+            self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, bias=cfg.qkv_bias)
+        else:
+            self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=cfg.qkv_bias)
+            self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+            self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
         if cfg.qk_norm:    # LLaDA-MoE: one head_dim-wide RMSNorm weight, shared by every head
             self.q_norm, self.k_norm = RMSNorm(hd, cfg.norm_eps), RMSNorm(hd, cfg.norm_eps)
@@ -156,9 +164,13 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv=None, start=0, mask=None):
         B, T, _ = x.shape
         cfg, hd = self.cfg, self.cfg.head_dim
-        q = self.wq(x).view(B, T, -1, hd)                             # (B, T, nh, hd)
-        k = self.wk(x).view(B, T, -1, hd)                             # (B, T, nkv, hd)
-        v = self.wv(x).view(B, T, -1, hd)
+        if cfg.fused_qkv:   # the q heads, then the k heads, then the v heads
+            q, k, v = self.wqkv(x).split([cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.view(B, T, -1, hd)                                      # (B, T, nh, hd)
+        k = k.view(B, T, -1, hd)                                      # (B, T, nkv, hd)
+        v = v.view(B, T, -1, hd)
         if cfg.qk_norm:    # per head, before RoPE (spec/lladamoe.md 2)
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.clip_qkv is not None:   # after the q/k norm, as the official attention clamps
@@ -222,14 +234,18 @@ class MoE(nn.Module):
         self.expert_bias = nn.Parameter(torch.zeros(m.n_experts)) if m.expert_bias else None
         self.shared = MLP(cfg.dim, m.shared_ffn_dim) if m.shared_ffn_dim else None
 
+    def route(self, x):
+        """(N, D) tokens -> their experts' weights (N, k) in float32 and ids (N, k)."""
+        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)   # (N, E)
+        if self.expert_bias is not None:
+            probs = probs + self.expert_bias.float()
+        return probs.topk(self.top_k, dim=-1)
+
     def forward(self, x):
         B, T, D = x.shape
         E, Fe, _ = self.w_gate.shape
         x = x.reshape(B * T, D)                                           # (N, D): routing is per token
-        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)   # (N, E)
-        if self.expert_bias is not None:
-            probs = probs + self.expert_bias.float()
-        weights, ids = probs.topk(self.top_k, dim=-1)                     # (N, k)
+        weights, ids = self.route(x)                                      # (N, k) each
         weights = weights.to(x.dtype)
         if ids.numel() < E:
             # Fewer (token, expert) pairs than experts (a step of a few tokens): gather the chosen experts' weights
@@ -241,12 +257,44 @@ class MoE(nn.Module):
             # Otherwise gathered copies (N, k, ffn, D) would move more bytes than the experts themselves: run every
             # expert on every token as one SwiGLU of width E * ffn, weight 0 where a token did not choose it. It
             # reads each expert once; the union of a step's routed experts may be fewer (docs/benchmarks.md).
-            combine = torch.zeros_like(probs, dtype=x.dtype).scatter(1, ids, weights)   # (N, E)
+            combine = x.new_zeros(x.shape[0], E).scatter(1, ids, weights)   # (N, E)
             h = F.silu(F.linear(x, self.w_gate.flatten(0, 1))) * F.linear(x, self.w_up.flatten(0, 1))  # (N, E*ffn)
             y = (h.view(-1, E, Fe) * combine[..., None]).flatten(1) @ self.w_down.flatten(0, 1)
         if self.shared is not None:
             y = y + self.shared(x)
         return y.view(B, T, D)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# LLaDA2 (BailingMoeV2): its router. The experts, their two fixed-shape paths and the shared expert are MoE's.
+
+class GroupedMoE(MoE):
+    """
+    LLaDA2's sparse block (modeling_llada2_moe.py, LLaDA2MoeGate; tests/golden/llada2-README.md): the router's
+    logits in float32, sigmoid scores; the expert bias is added for the *choice* only: the experts split into n_group
+    groups, a group scores the sum of its two best biased scores, the topk_group best groups stay, and the top-k
+    biased scores among their experts are the choice. The weights are the chosen experts' unbiased scores, divided
+    by their sum (+1e-20; when more than one is chosen, whatever norm_topk_prob says), times routed_scaling_factor.
+    Every step is a fixed-shape tensor op (topk, scatter, masked_fill): no shape depends on the routing, no host sync.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        m = cfg.moe
+        self.n_group, self.topk_group, self.scale = m.n_group, m.topk_group, m.scale
+
+    def route(self, x):
+        scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))      # (N, E), float32
+        biased = scores + self.expert_bias.float()
+        groups = biased.view(x.shape[0], self.n_group, -1)                            # (N, G, E/G)
+        best = groups.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices   # (N, topk_group)
+        keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(1, best, True)     # (N, G)
+        ids = biased.masked_fill(~keep.repeat_interleave(groups.shape[-1], dim=1), float("-inf")).topk(
+            self.top_k, dim=-1).indices                                                # (N, k)
+        weights = scores.gather(1, ids)
+        if self.top_k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scale, ids
 
 
 class Block(nn.Module):
@@ -255,7 +303,8 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MoE(cfg) if cfg.moe and cfg.moe.sparse[i] else MLP(cfg.dim, cfg.ffn_dim)
+        sparse = cfg.moe is not None and cfg.moe.sparse[i]
+        self.mlp = (GroupedMoE if cfg.moe.router == "sigmoid" else MoE)(cfg) if sparse else MLP(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x, cos, sin, kv=None, start=0, mask=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, kv, start, mask)
