@@ -41,11 +41,18 @@ SHAPES = {
     # dense_intermediate_size, which no layer of the release uses).
     "lladamoe-7b": dict(family="lladamoe", d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, ffn=8192,
                         vocab=157184, experts=64, top_k=8, expert_ffn=1024),
+    # LLaDA2.x-mini and -flash (their config.json: 256 experts of 512 / 1024, top-8 within 4 of 8 groups, one shared
+    # expert, layer 0 dense of `ffn`, head_dim 128; docs/models.md).
+    "llada2-mini": dict(family="llada2", d_model=2048, n_layers=20, n_heads=16, n_kv_heads=4, ffn=5120, vocab=157184,
+                        experts=256, top_k=8, expert_ffn=512),
+    "llada2-flash": dict(family="llada2", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=4, ffn=9216,
+                         vocab=157184, experts=256, top_k=8, expert_ffn=1024),
 }
 # Special ids keep their distance from the end of the vocabulary, so the real vocabulary gets the real ids
 # (LLaDA: mask 126336, eos = pad 126081; Dream: mask 151666, bos = eos = pad 151643).
 SPECIALS_FROM_END = {"llada": dict(mask=128, eos=383), "dream": dict(mask=398, eos=421),
-                     "lladamoe": dict(mask=289, eos=292)}    # LLaDA-MoE: mask 156895, eos = pad 156892 of 157184
+                     "lladamoe": dict(mask=289, eos=292),    # LLaDA-MoE: mask 156895, eos = pad 156892 of 157184
+                     "llada2": dict(mask=289, eos=292)}      # LLaDA2: the same tokenizer and ids
 
 
 def hf_config(family: str, d_model: int, n_layers: int, vocab: int, n_heads: int, n_kv_heads: int,
@@ -54,6 +61,8 @@ def hf_config(family: str, d_model: int, n_layers: int, vocab: int, n_heads: int
     file at small sizes), resized."""
     if family == "lladamoe":
         return lladamoe_config(d_model, n_layers, vocab, n_heads, n_kv_heads, ffn)
+    if family == "llada2":
+        return llada2_config(d_model, n_layers, vocab, n_heads, n_kv_heads, ffn)
     with open(os.path.join(GOLDEN, f"{family}-tiny", "config.json")) as f:
         cfg = json.load(f)
     mask, eos = vocab - SPECIALS_FROM_END[family]["mask"], vocab - SPECIALS_FROM_END[family]["eos"]
@@ -84,6 +93,28 @@ def lladamoe_config(d_model: int, n_layers: int, vocab: int, n_heads: int, n_kv_
     return dict(cfg, **switches)
 
 
+def llada2_config(d_model: int, n_layers: int, vocab: int, n_heads: int, n_kv_heads: int, ffn: int,
+                  experts: int = 256, top_k: int = 8, expert_ffn: int | None = None, **switches) -> dict:
+    """LLaDA2's config.json: the golden tiny one's keys and values (the release's file at small sizes: every key of
+    it, written for the official classes), resized; `switches` set any other key (n_group, topk_group,
+    num_shared_experts, first_k_dense_replace, use_qk_norm, use_qkv_bias, partial_rotary_factor, ...). The release
+    names no mask id (the tokenizer's <|mask|> is 156895): below the real vocabulary mask_token_id says where it is.
+    Defaults: the release's 256 experts, top-8, each expert a quarter as wide as the model (512 of 2048)."""
+    with open(os.path.join(GOLDEN, "llada2-tiny", "config.json")) as f:
+        cfg = json.load(f)
+    head_dim = d_model // n_heads
+    eos = vocab - SPECIALS_FROM_END["llada2"]["eos"]
+    cfg.update(hidden_size=d_model, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+               num_key_value_heads=n_kv_heads, head_dim=head_dim, intermediate_size=ffn, vocab_size=vocab,
+               num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_ffn or d_model // 4,
+               n_group=8, topk_group=4, pad_token_id=eos)
+    if vocab != REAL_VOCAB["llada2"]:
+        cfg["mask_token_id"] = vocab - SPECIALS_FROM_END["llada2"]["mask"]
+    cfg = dict(cfg, **switches)
+    cfg["rotary_dim"] = int(head_dim * cfg["partial_rotary_factor"])   # the release's: head_dim x the factor
+    return cfg
+
+
 def make_checkpoint(folder: str, family: str, d_model: int, n_layers: int, vocab: int, n_heads: int | None = None,
                     n_kv_heads: int | None = None, ffn: int | None = None, shards: int = 1, gain: float = 1.13,
                     logit_std: float = 13.0, seed: int = 0, device="cpu", **moe) -> int:
@@ -106,7 +137,8 @@ def make_checkpoint(folder: str, family: str, d_model: int, n_layers: int, vocab
     """
     n_heads = n_heads or max(1, d_model // 128)
     shape = (d_model, n_layers, vocab, n_heads, n_kv_heads or n_heads, ffn or 3 * d_model)
-    hf = lladamoe_config(*shape, **moe) if family == "lladamoe" else hf_config(family, *shape)
+    hf = (lladamoe_config(*shape, **moe) if family == "lladamoe" else llada2_config(*shape, **moe)
+          if family == "llada2" else hf_config(family, *shape))
     if held_checkpoint(folder, folder) is not None:
         raise ValueError(f"{folder} already holds a checkpoint: pass a new or empty folder")
     total = write_weights(folder, hf, shards, gain, logit_std, seed, device)
@@ -254,7 +286,7 @@ QWEN_TOKENS = dict(enumerate(
 QWEN_NOT_SPECIAL = set(range(151657, 151665))
 DREAM_TOKENS = {**QWEN_TOKENS, 151665: "<|beginoftext|>", 151666: "<|mask|>"}
 DIFFUCODER_TOKENS = {**DREAM_TOKENS, 151667: "<|dlm_pad|>"}
-REAL_VOCAB = {"llada": 126464, "dream": 152064, "lladamoe": 157184}   # embedding rows (LLaDA: embedding_size)
+REAL_VOCAB = {"llada": 126464, "dream": 152064, "lladamoe": 157184, "llada2": 157184}   # embedding rows (LLaDA: embedding_size)
 # LLaDA-MoE: the Ling 2.0 tokenizer's end of text and mask at the reported ids (dInfer's eos 156892 and mask 156895;
 # the mask's name is dllm's, the end's is not confirmed). The role tags its template writes are tokens of it (dllm makes
 # <|role_end|> LLaDA-MoE's end of turn) at ids no public copy showed: nothing reads them by id, so the tiny copy
