@@ -7,6 +7,9 @@ guides them, and nothing else.
 - LLaDA-MoE-7B-A1B (`model_type: "lladamoe"`, or `"llada"` with `LLaDAMoEModelLM`): the same diffusion LM with an
   OLMoE-style block: q/k RMSNorm per head, and a sparse mixture of experts (a router's top-k of 64 experts)
   in place of the MLP (`MoE`, spec/lladamoe.md).
+- LLaDA2.0 / LLaDA2.1 (`model_type: "llada2_moe"`): block diffusion on a BailingMoeV2 block: one fused q/k/v
+  projection, q/k RMSNorm, partial RoPE, grouped-query attention, and a sigmoid router limited to the best groups
+  of experts (`GroupedMoE`, tests/golden/llada2-README.md); the caller passes the block-causal mask.
 - Dream-7B (`model_type: "Dream"`): the Qwen2.5-7B layout with grouped-query attention and q/k/v biases,
   and a next-token LM head, hence the one-position logits shift (see `Transformer.logits`).
 - The guide of FlashDLM's guided diffusion (arXiv 2505.21467; spec/flashdlm.md 2; Qwen2.5-1.5B-Instruct for Dream-7B,
@@ -34,7 +37,7 @@ from cache import KVCache
 
 @dataclass
 class ModelConfig:
-    family: str = "llada"      # the decoding family: "llada" | "dream" | "qwen2" (sampler, chat template, checks)
+    family: str = "llada"      # the decoding family: "llada" | "dream" | "qwen2" | "llada2" (sampler, chat, checks)
     vocab_size: int = 1024     # rows of the embedding / LM head (LLaDA: `embedding_size`, larger than the tokenizer)
     dim: int = 32
     n_layers: int = 2
