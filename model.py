@@ -491,7 +491,7 @@ def read_config(model_dir: str) -> ModelConfig:
         raise ValueError(f"{path} is not valid JSON ({e}): re-download the checkpoint") from None
     if not isinstance(hf, dict):
         raise ValueError(f"{path} is not a config object: re-download the checkpoint")
-    if "mask_token_id" not in hf and arch_of(hf) == "lladamoe":   # the release's config.json names no mask id
+    if "mask_token_id" not in hf and arch_of(hf) in ("lladamoe", "llada2_moe"):   # their config.json names no mask
         mask = added_token_id(model_dir, "<|mask|>")
         hf = hf if mask is None else dict(hf, mask_token_id=mask)
     try:

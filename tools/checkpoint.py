@@ -377,6 +377,16 @@ LLADAMOE_ROW = dict(family="lladamoe", shape="lladamoe-7b", shards=3, tokens=LLA
                         "AutoConfig": "configuration_lladamoe.LLaDAConfig",
                         "AutoModel": "modeling_lladamoe.LLaDAMoEModelLM",
                         "AutoModelForCausalLM": "modeling_lladamoe.LLaDAMoEModelLM"}), drop=("mask_token_id",))
+# LLaDA2.x: the golden tiny config.json's keys (the release's), the Ling 2.0 tokenizer as LLaDA-MoE's plus its bos
+# <|startoftext|> (tokenizer_config.json names it; its id was not seen: the tiny copy puts it below the end token),
+# the template inside tokenizer_config.json, 32768 positions; generation_config.json: eos = pad = 156892. The shard
+# counts were not seen: the mini's is LLaDA2.0-mini-preview's first commit's (7), the flash's the same guess.
+LLADA2_TOKENS = {156891: "<|startoftext|>", **LLADAMOE_TOKENS}
+LLADA2_ROW = dict(family="llada2", shape="llada2-mini", shards=7, tokens=LLADA2_TOKENS, tokenizer="tokenizer.json",
+                  tokenizer_class="PreTrainedTokenizerFast", model_max_length=32768, bos="<|startoftext|>",
+                  eos="<|endoftext|>", pad="<|endoftext|>", mask="<|mask|>", template=LING_TEMPLATE,
+                  template_file=None, ids={}, drop=("mask_token_id",),
+                  generation=dict(eos_token_id=156892, pad_token_id=156892, do_sample=False))
 # One row per released checkpoint (issue 30); `ids` are config.json's special ids (real values), `eos`/`pad`/`bos`/
 # `mask` the tokenizer files' tokens, `tokenizer` "tokenizer.json" or Qwen2's "slow" files. The weights' shape at
 # real size is SHAPES[shape]; REAL_VOCAB[family] is its vocabulary.
@@ -386,6 +396,10 @@ RELEASES = {
     "GSAI-ML/LLaDA-1.5": LLADA_ROW,
     "inclusionAI/LLaDA-MoE-7B-A1B-Base": LLADAMOE_ROW,
     "inclusionAI/LLaDA-MoE-7B-A1B-Instruct": LLADAMOE_ROW,
+    "inclusionAI/LLaDA2.0-mini": LLADA2_ROW,
+    "inclusionAI/LLaDA2.0-flash": {**LLADA2_ROW, "shape": "llada2-flash"},
+    "inclusionAI/LLaDA2.1-mini": LLADA2_ROW,
+    "inclusionAI/LLaDA2.1-flash": {**LLADA2_ROW, "shape": "llada2-flash"},
     "Dream-org/Dream-v0-Base-7B": DREAM_ROW,
     "Dream-org/Dream-v0-Instruct-7B": DREAM_ROW,
     # Qwen2.5-Coder's tokenizer: <|im_end|> ends its text; its generation config lists both end tokens.
@@ -478,10 +492,11 @@ def make_release(folder: str, repo: str, d_model: int = 64, n_layers: int = 2, v
     total = write_weights(folder, hf, row["shards"], 1.13, 13.0, seed, "cpu")
     files = {"config.json": hf}
     if row["generation"] is not None:
-        eos = row["generation"].get("eos_token_id", hf["eos_token_id"])
+        eos = row["generation"].get("eos_token_id")      # a real id (or list of them), else config.json's
+        eos = hf["eos_token_id"] if eos is None else [at(i) for i in eos] if isinstance(eos, list) else at(eos)
         files["generation_config.json"] = {**row["generation"],
                                            **{k: hf[k] for k in ("bos_token_id", "pad_token_id") if k in hf},
-                                           "eos_token_id": [at(i) for i in eos] if isinstance(eos, list) else eos}
+                                           "eos_token_id": eos}
     for name, obj in files.items():
         with open(os.path.join(folder, name), "w") as f:
             json.dump(obj, f, indent=2)
