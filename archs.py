@@ -210,9 +210,9 @@ def read_llada2(hf: dict) -> dict:
         raise ValueError(f"config.json gives num_experts = {experts!r}, num_experts_per_tok = {top_k!r}, n_group = "
                          f"{groups!r}, topk_group = {topk_group!r}: each must be a positive integer")
     if experts % groups or experts // groups < 2 or topk_group > groups or top_k > topk_group * (experts // groups):
-        raise ValueError(f"config.json's routing does not fit: {experts} experts in n_group = {groups} groups (at least "
-                         f"2 experts each), topk_group = {topk_group} of them, num_experts_per_tok = {top_k} within "
-                         f"those: fix the config")
+        raise ValueError(f"config.json's routing does not fit: {experts} experts in n_group = {groups} groups (at "
+                         f"least 2 experts each), topk_group = {topk_group} of them, num_experts_per_tok = {top_k} "
+                         f"within those: fix the config")
     dense = hf.get("first_k_dense_replace", 0)
     if not (type(dense) is int and 0 <= dense <= n):
         refuse("first_k_dense_replace", f"it must be a layer count in [0, {n}]")

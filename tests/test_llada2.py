@@ -96,7 +96,8 @@ def reference_logits(folder: str, ids: torch.Tensor) -> torch.Tensor:
         return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
     def mlp(x, p):
-        return (F.silu(x @ sd[p + "gate_proj.weight"].T) * (x @ sd[p + "up_proj.weight"].T)) @ sd[p + "down_proj.weight"].T
+        h = F.silu(x @ sd[p + "gate_proj.weight"].T) * (x @ sd[p + "up_proj.weight"].T)
+        return h @ sd[p + "down_proj.weight"].T
 
     inv = 1.0 / hf["rope_theta"] ** (torch.arange(0, rd, 2).float() / rd)
     ang = torch.arange(T).float()[:, None] * inv
@@ -128,7 +129,8 @@ def reference_logits(folder: str, ids: torch.Tensor) -> torch.Tensor:
             qkv = qkv + sd[a + "attention.query_key_value.bias"]
         q, kk, v = qkv.view(B, T, H + 2 * KV, hd).split([H, KV, KV], dim=2)
         if hf.get("use_qk_norm", True):
-            q, kk = norm(q, sd[a + "attention.query_layernorm.weight"]), norm(kk, sd[a + "attention.key_layernorm.weight"])
+            q = norm(q, sd[a + "attention.query_layernorm.weight"])
+            kk = norm(kk, sd[a + "attention.key_layernorm.weight"])
         q, kk = rope(q.transpose(1, 2)), rope(kk.transpose(1, 2)).repeat_interleave(H // KV, 1)
         v = v.transpose(1, 2).repeat_interleave(H // KV, 1)
         y = torch.softmax(q @ kk.transpose(-1, -2) / math.sqrt(hd), -1) @ v

@@ -286,7 +286,8 @@ QWEN_TOKENS = dict(enumerate(
 QWEN_NOT_SPECIAL = set(range(151657, 151665))
 DREAM_TOKENS = {**QWEN_TOKENS, 151665: "<|beginoftext|>", 151666: "<|mask|>"}
 DIFFUCODER_TOKENS = {**DREAM_TOKENS, 151667: "<|dlm_pad|>"}
-REAL_VOCAB = {"llada": 126464, "dream": 152064, "lladamoe": 157184, "llada2": 157184}   # embedding rows (LLaDA: embedding_size)
+# Embedding rows (LLaDA: embedding_size).
+REAL_VOCAB = {"llada": 126464, "dream": 152064, "lladamoe": 157184, "llada2": 157184}
 # LLaDA-MoE: the Ling 2.0 tokenizer's end of text and mask at the reported ids (dInfer's eos 156892 and mask 156895;
 # the mask's name is dllm's, the end's is not confirmed). The role tags its template writes are tokens of it (dllm makes
 # <|role_end|> LLaDA-MoE's end of turn) at ids no public copy showed: nothing reads them by id, so the tiny copy
