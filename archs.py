@@ -18,6 +18,12 @@ class MoEConfig:
     sparse: tuple              # per layer: True = a sparse MoE block, False = a dense MLP of ModelConfig.ffn_dim
     shared_ffn_dim: int = 0    # a shared expert every token goes through beside its routed ones (0: none)
     expert_bias: bool = False  # a learned per-expert bias added to the router's probabilities
+    # LLaDA2 (BailingMoeV2) routing: sigmoid scores, the bias for the choice only, the top-k limited to the best
+    # `topk_group` of `n_group` groups, the chosen scores renormalised and scaled ("softmax": LLaDA-MoE's router).
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    scale: float = 1.0         # routed_scaling_factor
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,7 @@ class Arch:
     causal: bool = False
     mask_token: str | None = None   # config.json names no mask id: this special token's id in the tokenizer files
     generation_ids: tuple = ()      # ids read from generation_config.json, not config.json (the official decode's)
+    fused_qkv: bool = False    # q, k, v stored as one projection (LLaDA2's attention.query_key_value)
 
 
 def arch_of(hf: dict) -> str | None:
@@ -181,6 +188,101 @@ def read_sdar(hf: dict) -> dict:
                 mask_id=hf.get("mask_token_id", 151669))
 
 
+# ----------------------------------------------------------------------------------------------------------
+# LLaDA2.0 / LLaDA2.1 (inclusionAI/LLaDA2.0-mini, -flash, LLaDA2.1-mini, -flash; config.json model_type "llada2_moe",
+# the remote code's configuration_llada2_moe.py / modeling_llada2_moe.py; docs/models.md, tests/golden/llada2-README.md)
+
+# Keys the release's config.json carries that the official forward never reads: ignoring one is exact only at the
+# value the official code hard-codes, and at any other value what the checkpoint means is unknown, so it is refused.
+LLADA2_UNREAD = {   # key: (values under which ignoring it is exact, what the official code does)
+    "score_function": ((None, "sigmoid"), "always scores the experts with a sigmoid"),
+    "norm_topk_prob": ((None, True), "always renormalises the chosen experts' scores (when it picks more than one)"),
+    "router_dtype": ((None, "fp32"), "always computes the router in float32"),
+    "moe_router_enable_expert_bias": ((None, True), "always adds its stored expert_bias to the scores"),
+    "norm_head": ((None, False), "never normalises the LM head"),
+    "norm_softmax": ((None, False), "never normalises the softmax"),
+    "use_rmsnorm": ((None, True), "always uses RMSNorm"),
+    "using_split_qkv_in_self_attention": ((None, False), "always uses the fused query_key_value projection"),
+    "use_sliding_window": ((None, False), "never applies a sliding window"),
+}
+
+
+def read_llada2(hf: dict) -> dict:
+    """LLaDA2's config.json: every switch the official forward reads is implemented (sigmoid routing with the expert
+    bias for the choice only, group-limited top-k, routed_scaling_factor, shared experts, the first
+    first_k_dense_replace layers dense, q/k RMSNorm, partial rotary, q/k/v bias); any other value is one line."""
+    def refuse(key, why):
+        raise ValueError(f"config.json sets {key} = {hf[key]!r}; {why}")
+    for key, (values, why) in LLADA2_UNREAD.items():
+        if hf.get(key) not in values:
+            refuse(key, f"the official LLaDA2 forward {why}, so what the checkpoint means is unknown: fastdllm runs "
+                        f"{key} = {json.dumps(values[1])} only")
+    n, heads = hf["num_hidden_layers"], hf["num_attention_heads"]
+    head_dim = hf["hidden_size"] // heads if type(hf["hidden_size"]) is int and type(heads) is int and heads else 0
+    if hf.get("head_dim") not in (None, head_dim):
+        refuse("head_dim", f"fastdllm runs LLaDA2 with head_dim = hidden_size / num_attention_heads ({head_dim}) only")
+    rope = hf.get("partial_rotary_factor", 0.5)         # the official configuration's default
+    if not (type(rope) in (int, float) and 0 < rope <= 1):
+        refuse("partial_rotary_factor", "it must be a fraction of the head in (0, 1]")
+    if hf.get("rotary_dim") not in (None, int(head_dim * rope)):
+        refuse("rotary_dim", f"the official code rotates head_dim x partial_rotary_factor = {int(head_dim * rope)} "
+                             f"dims and never reads rotary_dim: set it to that or remove it")
+    experts, top_k, groups, topk_group = (hf.get(k) for k in ("num_experts", "num_experts_per_tok", "n_group",
+                                                               "topk_group"))
+    if not all(type(v) is int and v > 0 for v in (experts, top_k, groups, topk_group)):
+        raise ValueError(f"config.json gives num_experts = {experts!r}, num_experts_per_tok = {top_k!r}, n_group = "
+                         f"{groups!r}, topk_group = {topk_group!r}: each must be a positive integer")
+    if experts % groups or experts // groups < 2 or topk_group > groups or top_k > topk_group * (experts // groups):
+        raise ValueError(f"config.json's routing does not fit: {experts} experts in n_group = {groups} groups (at "
+                         f"least 2 experts each), topk_group = {topk_group} of them, num_experts_per_tok = {top_k} "
+                         f"within those: fix the config")
+    dense = hf.get("first_k_dense_replace", 0)
+    if not (type(dense) is int and 0 <= dense <= n):
+        refuse("first_k_dense_replace", f"it must be a layer count in [0, {n}]")
+    shared, ffn, scale = hf.get("num_shared_experts"), hf.get("moe_intermediate_size"), hf.get("routed_scaling_factor")
+    if shared is not None and not (type(shared) is int and shared > 0):
+        refuse("num_shared_experts", "it must be null (no shared expert) or a positive count (0 makes the official "
+                                     "model a zero-width shared MLP)")
+    if not (type(ffn) is int and ffn > 0):
+        raise ValueError(f"config.json gives moe_intermediate_size = {ffn!r}: a positive width")
+    if not (type(scale) in (int, float) and scale > 0):
+        raise ValueError(f"config.json gives routed_scaling_factor = {scale!r}: a positive number")
+    moe = MoEConfig(n_experts=experts, top_k=top_k, ffn_dim=ffn, sparse=tuple(i >= dense for i in range(n)),
+                    shared_ffn_dim=ffn * (shared or 0), expert_bias=True, router="sigmoid", n_group=groups,
+                    topk_group=topk_group, scale=float(scale))
+    # The release's config.json names no mask: 156895 is the official generate()'s mask_id (the tokenizer's <|mask|>).
+    return dict(hf_sizes(hf, "intermediate_size"), mask_id=hf.get("mask_token_id", 156895),
+                qk_norm=bool(hf.get("use_qk_norm", True)), qkv_bias=bool(hf.get("use_qkv_bias", False)),
+                rope_fraction=rope, moe=moe, tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+# The official module names: word_embeddings, attention.query_key_value (q, k and v heads in that order, one
+# tensor), attention.query_layernorm / key_layernorm (head_dim wide), attention.dense (the output), mlp.gate (the
+# router, with its expert_bias buffer), mlp.experts.<e>, mlp.shared_experts; a dense layer's mlp is one SwiGLU.
+LLADA2_WEIGHTS = {
+    "embed.weight": "model.word_embeddings.weight",
+    "layers.{}.attn_norm.weight": "model.layers.{}.input_layernorm.weight",
+    "layers.{}.attn.wqkv.weight": "model.layers.{}.attention.query_key_value.weight",
+    "layers.{}.attn.wqkv.bias": "model.layers.{}.attention.query_key_value.bias",          # only with use_qkv_bias
+    "layers.{}.attn.q_norm.weight": "model.layers.{}.attention.query_layernorm.weight",
+    "layers.{}.attn.k_norm.weight": "model.layers.{}.attention.key_layernorm.weight",
+    "layers.{}.attn.wo.weight": "model.layers.{}.attention.dense.weight",
+    "layers.{}.mlp_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+    "layers.{}.mlp.w_gate.weight": "model.layers.{}.mlp.gate_proj.weight",                  # the dense layers
+    "layers.{}.mlp.w_up.weight": "model.layers.{}.mlp.up_proj.weight",
+    "layers.{}.mlp.w_down.weight": "model.layers.{}.mlp.down_proj.weight",
+    "layers.{}.mlp.router.weight": "model.layers.{}.mlp.gate.weight",                       # (experts, dim)
+    "layers.{}.mlp.expert_bias": "model.layers.{}.mlp.gate.expert_bias",                    # a buffer there
+    "layers.{}.mlp.w_gate.{}": "model.layers.{}.mlp.experts.{}.gate_proj.weight",           # expert e: row e
+    "layers.{}.mlp.w_up.{}": "model.layers.{}.mlp.experts.{}.up_proj.weight",
+    "layers.{}.mlp.w_down.{}": "model.layers.{}.mlp.experts.{}.down_proj.weight",           # stored transposed
+    "layers.{}.mlp.shared.w_gate.weight": "model.layers.{}.mlp.shared_experts.gate_proj.weight",
+    "layers.{}.mlp.shared.w_up.weight": "model.layers.{}.mlp.shared_experts.up_proj.weight",
+    "layers.{}.mlp.shared.w_down.weight": "model.layers.{}.mlp.shared_experts.down_proj.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+
 ARCHS = {
     "llada": Arch("LLaDA-8B", "llada", ("llada",), read_llada, LLADA_WEIGHTS, rope_fp32=True, fixed=dict(
         block_type="llama", layer_norm_type="rms", activation_type="silu", rope=True, alibi=False,
@@ -211,5 +313,10 @@ ARCHS = {
         "layers.{}.attn.k_norm.weight": "model.layers.{}.self_attn.k_norm.weight"}, mask_token="<|MASK|>",
         generation_ids=("eos_token_id", "pad_token_id"),
         fixed=dict(hidden_act="silu", rope_scaling=None, use_sliding_window=False, attention_bias=False)),
+    # LLaDA2.x: block diffusion (block 32) on a BailingMoeV2 mixture of experts; its decode is the "llada2" family's.
+    # Its config.json names no mask and no end token: the tokenizer's <|mask|>, generation_config.json's eos.
+    "llada2_moe": Arch("LLaDA2", "llada2", ("llada2_moe",), read_llada2, LLADA2_WEIGHTS, fused_qkv=True,
+                       architectures=("LLaDA2MoeModelLM",), mask_token="<|mask|>", generation_ids=("eos_token_id",),
+                       fixed=dict(hidden_act="silu", rope_scaling=None, use_bias=False)),
 }
 WEIGHT_MAP = {name: a.weights for name, a in ARCHS.items()}

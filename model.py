@@ -7,6 +7,9 @@ guides them, and nothing else.
 - LLaDA-MoE-7B-A1B (`model_type: "lladamoe"`, or `"llada"` with `LLaDAMoEModelLM`): the same diffusion LM with an
   OLMoE-style block: q/k RMSNorm per head, and a sparse mixture of experts (a router's top-k of 64 experts)
   in place of the MLP (`MoE`, docs/official.md 8).
+- LLaDA2.0 / LLaDA2.1 (`model_type: "llada2_moe"`): block diffusion on a BailingMoeV2 block: one fused q/k/v
+  projection, q/k RMSNorm, partial RoPE, grouped-query attention, and a sigmoid router limited to the best groups
+  of experts (`GroupedMoE`, tests/golden/llada2-README.md); the caller passes the block-causal mask.
 - Dream-7B (`model_type: "Dream"`): the Qwen2.5-7B layout with grouped-query attention and q/k/v biases,
   and a next-token LM head, hence the one-position logits shift (see `Transformer.logits`).
 - The guide of FlashDLM's guided diffusion (arXiv 2505.21467; docs/official.md 7.2; Qwen2.5-1.5B-Instruct for Dream-7B,
@@ -34,7 +37,7 @@ from cache import KVCache
 
 @dataclass
 class ModelConfig:
-    family: str = "llada"      # the decoding family: "llada" | "dream" | "qwen2" (sampler, chat template, checks)
+    family: str = "llada"      # the decoding family: "llada" | "dream" | "qwen2" | "llada2" (sampler, chat, checks)
     vocab_size: int = 1024     # rows of the embedding / LM head (LLaDA: `embedding_size`, larger than the tokenizer)
     dim: int = 32
     n_layers: int = 2
@@ -63,6 +66,7 @@ class ModelConfig:
     shift: int | None = None
     causal: bool | None = None
     rope_fp32: bool | None = None
+    fused_qkv: bool | None = None  # q, k, v stored as one projection (LLaDA2's attention.query_key_value)
 
     def __post_init__(self):
         if not self.eos_ids and self.eos_id is not None:
@@ -74,6 +78,7 @@ class ModelConfig:
         self.shift = int(a.shift_logits) if self.shift is None else self.shift
         self.causal = a.causal if self.causal is None else self.causal
         self.rope_fp32 = a.rope_fp32 if self.rope_fp32 is None else self.rope_fp32
+        self.fused_qkv = a.fused_qkv if self.fused_qkv is None else self.fused_qkv
 
     @property
     def rotary_dim(self) -> int:
@@ -139,9 +144,12 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         hd = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=cfg.qkv_bias)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        if cfg.fused_qkv:
+            self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, bias=cfg.qkv_bias)
+        else:
+            self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=cfg.qkv_bias)
+            self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+            self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
         if cfg.qk_norm:    # LLaDA-MoE: one head_dim-wide RMSNorm weight, shared by every head
             self.q_norm, self.k_norm = RMSNorm(hd, cfg.norm_eps), RMSNorm(hd, cfg.norm_eps)
@@ -149,9 +157,13 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv=None, start=0, mask=None):
         B, T, _ = x.shape
         cfg, hd = self.cfg, self.cfg.head_dim
-        q = self.wq(x).view(B, T, -1, hd)                             # (B, T, nh, hd)
-        k = self.wk(x).view(B, T, -1, hd)                             # (B, T, nkv, hd)
-        v = self.wv(x).view(B, T, -1, hd)
+        if cfg.fused_qkv:   # the q heads, then the k heads, then the v heads
+            q, k, v = self.wqkv(x).split([cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.view(B, T, -1, hd)                                      # (B, T, nh, hd)
+        k = k.view(B, T, -1, hd)                                      # (B, T, nkv, hd)
+        v = v.view(B, T, -1, hd)
         if cfg.qk_norm:    # per head, before RoPE (docs/official.md 8)
             q, k = self.q_norm(q), self.k_norm(k)
         if cfg.clip_qkv is not None:   # after the q/k norm, as the official attention clamps
@@ -216,14 +228,18 @@ class MoE(nn.Module):
         self.expert_bias = nn.Parameter(torch.zeros(m.n_experts)) if m.expert_bias else None
         self.shared = MLP(cfg.dim, m.shared_ffn_dim) if m.shared_ffn_dim else None
 
+    def route(self, x):
+        """(N, D) tokens -> their experts' weights (N, k) in float32 and ids (N, k)."""
+        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)   # (N, E)
+        if self.expert_bias is not None:
+            probs = probs + self.expert_bias.float()
+        return probs.topk(self.top_k, dim=-1)
+
     def forward(self, x):
         B, T, D = x.shape
         E, Fe, _ = self.w_gate.shape
         x = x.reshape(B * T, D)                                           # (N, D): routing is per token
-        probs = F.softmax(self.router(x), dim=-1, dtype=torch.float32)   # (N, E)
-        if self.expert_bias is not None:
-            probs = probs + self.expert_bias.float()
-        weights, ids = probs.topk(self.top_k, dim=-1)                     # (N, k)
+        weights, ids = self.route(x)                                      # (N, k) each
         weights = weights.to(x.dtype)
         if ids.numel() < E:
             # Fewer (token, expert) pairs than experts (a step of a few tokens): gather the chosen experts' weights
@@ -252,13 +268,46 @@ class MoE(nn.Module):
         return w if scale is None else w.to(scale.dtype) * scale.unsqueeze(-2 if name in MoE.transposed else -1)
 
 
+# ----------------------------------------------------------------------------------------------------------
+# LLaDA2 (BailingMoeV2): its router. The experts, their two fixed-shape paths and the shared expert are MoE's.
+
+class GroupedMoE(MoE):
+    """
+    LLaDA2's sparse block (modeling_llada2_moe.py, LLaDA2MoeGate; tests/golden/llada2-README.md): the router's
+    logits in float32, sigmoid scores; the expert bias is added for the *choice* only: the experts split into n_group
+    groups, a group scores the sum of its two best biased scores, the topk_group best groups stay, and the top-k
+    biased scores among their experts are the choice. The weights are the chosen experts' unbiased scores, divided
+    by their sum (+1e-20; when more than one is chosen, whatever norm_topk_prob says), times routed_scaling_factor.
+    Every step is a fixed-shape tensor op (topk, scatter, masked_fill): no shape depends on the routing, no host sync.
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        m = cfg.moe
+        self.n_group, self.topk_group, self.scale = m.n_group, m.topk_group, m.scale
+
+    def route(self, x):
+        scores = torch.sigmoid(F.linear(x.float(), self.router.weight.float()))      # (N, E), float32
+        biased = scores + self.expert_bias.float()
+        groups = biased.view(x.shape[0], self.n_group, -1)                            # (N, G, E/G)
+        best = groups.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices   # (N, topk_group)
+        keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter(1, best, True)     # (N, G)
+        ids = biased.masked_fill(~keep.repeat_interleave(groups.shape[-1], dim=1), float("-inf")).topk(
+            self.top_k, dim=-1).indices                                                # (N, k)
+        weights = scores.gather(1, ids)
+        if self.top_k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scale, ids
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, i: int):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = MoE(cfg) if cfg.moe and cfg.moe.sparse[i] else MLP(cfg.dim, cfg.ffn_dim)
+        sparse = cfg.moe is not None and cfg.moe.sparse[i]
+        self.mlp = (GroupedMoE if cfg.moe.router == "sigmoid" else MoE)(cfg) if sparse else MLP(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x, cos, sin, kv=None, start=0, mask=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, kv, start, mask)

@@ -49,6 +49,12 @@ SHAPES = {
                     head_dim=128),
     "sdar-8b": dict(family="sdar", d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, ffn=12288, vocab=151936,
                     head_dim=128),
+    # LLaDA2.x-mini and -flash (their config.json: 256 experts of 512 / 1024, top-8 within 4 of 8 groups, one shared
+    # expert, layer 0 dense of `ffn`, head_dim 128; docs/models.md).
+    "llada2-mini": dict(family="llada2", d_model=2048, n_layers=20, n_heads=16, n_kv_heads=4, ffn=5120, vocab=157184,
+                        experts=256, top_k=8, expert_ffn=512),
+    "llada2-flash": dict(family="llada2", d_model=4096, n_layers=32, n_heads=32, n_kv_heads=4, ffn=9216,
+                         vocab=157184, experts=256, top_k=8, expert_ffn=1024),
 }
 # Special ids keep their distance from the end of the vocabulary, so the real vocabulary gets the real ids
 # (LLaDA: mask 126336, eos = pad 126081; Dream: mask 151666, bos = eos = pad 151643).
@@ -57,7 +63,8 @@ SPECIALS_FROM_END = {"llada": dict(mask=128, eos=383), "dream": dict(mask=398, e
                      # Fast-dLLM v2: |<MASK>| 151665 (the tokenizer's), eos <|im_end|> 151645, pad/bos 151643
                      "fastdllm_v2": dict(mask=399, eos=419, pad=421),
                      # SDAR: <|MASK|> 151669, <|endoftext|> 151643 (bos = eos = pad) of 151936
-                     "sdar": dict(mask=267, eos=293)}
+                     "sdar": dict(mask=267, eos=293),
+                     "llada2": dict(mask=289, eos=292)}      # LLaDA2: the same tokenizer and ids as LLaDA-MoE
 GOLDEN_CONFIG = {"llada": "llada-tiny", "dream": "dream-tiny", "lladamoe": "lladamoe-tiny", "fastdllm_v2": "fastdllm-v2-tiny",
                  "sdar": "sdar-tiny"}
 
@@ -68,6 +75,8 @@ def hf_config(family: str, d_model: int, n_layers: int, vocab: int, n_heads: int
     file at small sizes), resized."""
     if family == "lladamoe":
         return lladamoe_config(d_model, n_layers, vocab, n_heads, n_kv_heads, ffn)
+    if family == "llada2":
+        return llada2_config(d_model, n_layers, vocab, n_heads, n_kv_heads, ffn)
     with open(os.path.join(GOLDEN, GOLDEN_CONFIG[family], "config.json")) as f:
         cfg = json.load(f)
     mask, eos = vocab - SPECIALS_FROM_END[family]["mask"], vocab - SPECIALS_FROM_END[family]["eos"]
@@ -109,6 +118,28 @@ def lladamoe_config(d_model: int, n_layers: int, vocab: int, n_heads: int, n_kv_
     return dict(cfg, **switches)
 
 
+def llada2_config(d_model: int, n_layers: int, vocab: int, n_heads: int, n_kv_heads: int, ffn: int,
+                  experts: int = 256, top_k: int = 8, expert_ffn: int | None = None, **switches) -> dict:
+    """LLaDA2's config.json: the golden tiny one's keys and values (the release's file at small sizes: every key of
+    it, written for the official classes), resized; `switches` set any other key (n_group, topk_group,
+    num_shared_experts, first_k_dense_replace, use_qk_norm, use_qkv_bias, partial_rotary_factor, ...). The release
+    names no mask id (the tokenizer's <|mask|> is 156895): below the real vocabulary mask_token_id says where it is.
+    Defaults: the release's 256 experts, top-8, each expert a quarter as wide as the model (512 of 2048)."""
+    with open(os.path.join(GOLDEN, "llada2-tiny", "config.json")) as f:
+        cfg = json.load(f)
+    head_dim = d_model // n_heads
+    eos = vocab - SPECIALS_FROM_END["llada2"]["eos"]
+    cfg.update(hidden_size=d_model, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+               num_key_value_heads=n_kv_heads, head_dim=head_dim, intermediate_size=ffn, vocab_size=vocab,
+               num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=expert_ffn or d_model // 4,
+               n_group=8, topk_group=4, pad_token_id=eos)
+    if vocab != REAL_VOCAB["llada2"]:
+        cfg["mask_token_id"] = vocab - SPECIALS_FROM_END["llada2"]["mask"]
+    cfg = dict(cfg, **switches)
+    cfg["rotary_dim"] = int(head_dim * cfg["partial_rotary_factor"])   # the release's: head_dim x the factor
+    return cfg
+
+
 def make_checkpoint(folder: str, family: str, d_model: int, n_layers: int, vocab: int, n_heads: int | None = None,
                     n_kv_heads: int | None = None, ffn: int | None = None, shards: int = 1, gain: float = 1.13,
                     logit_std: float = 13.0, seed: int = 0, device="cpu", **moe) -> int:
@@ -131,7 +162,8 @@ def make_checkpoint(folder: str, family: str, d_model: int, n_layers: int, vocab
     """
     n_heads = n_heads or max(1, d_model // 128)
     shape = (d_model, n_layers, vocab, n_heads, n_kv_heads or n_heads, ffn or 3 * d_model)
-    hf = lladamoe_config(*shape, **moe) if family == "lladamoe" else hf_config(family, *shape)
+    hf = (lladamoe_config(*shape, **moe) if family == "lladamoe" else llada2_config(*shape, **moe)
+          if family == "llada2" else hf_config(family, *shape))
     if held_checkpoint(folder, folder) is not None:
         raise ValueError(f"{folder} already holds a checkpoint: pass a new or empty folder")
     total = write_weights(folder, hf, shards, gain, logit_std, seed, device)
@@ -296,7 +328,8 @@ QWEN_TOKENS = dict(enumerate(
 QWEN_NOT_SPECIAL = set(range(151657, 151665))
 DREAM_TOKENS = {**QWEN_TOKENS, 151665: "<|beginoftext|>", 151666: "<|mask|>"}
 DIFFUCODER_TOKENS = {**DREAM_TOKENS, 151667: "<|dlm_pad|>"}
-REAL_VOCAB = {"llada": 126464, "dream": 152064, "lladamoe": 157184, "fastdllm_v2": 152064, "sdar": 151936}   # embedding rows (LLaDA: embedding_size)
+REAL_VOCAB = {"llada": 126464, "dream": 152064, "lladamoe": 157184, "fastdllm_v2": 152064, "sdar": 151936,
+              "llada2": 157184}   # embedding rows (LLaDA: embedding_size)
 # LLaDA-MoE: the Ling 2.0 tokenizer's end of text and mask at the reported ids (dInfer's eos 156892 and mask 156895;
 # the mask's name is dllm's, the end's is not confirmed). The role tags its template writes are tokens of it (dllm makes
 # <|role_end|> LLaDA-MoE's end of turn) at ids no public copy showed: nothing reads them by id, so the tiny copy
@@ -417,6 +450,16 @@ SDAR_ROW = dict(family="sdar", shape="sdar-4b", shards=2, tokens=QWEN3_TOKENS, t
                 not_special=set(range(151657, 151665)) | set(range(151665, 151670)),
                 generation=dict(SDAR_GENERATION, bos_token_id=151643, pad_token_id=151643, eos_token_id=[151645, 151643]),
                 drop=("block_size", "mask_token_id"))
+# LLaDA2.x: the golden tiny config.json's keys (the release's), the Ling 2.0 tokenizer as LLaDA-MoE's plus its bos
+# <|startoftext|> (tokenizer_config.json names it; its id was not seen: the tiny copy puts it below the end token),
+# the template inside tokenizer_config.json, 32768 positions; generation_config.json: eos = pad = 156892. The shard
+# counts were not seen: the mini's is LLaDA2.0-mini-preview's first commit's (7), the flash's the same guess.
+LLADA2_TOKENS = {156891: "<|startoftext|>", **LLADAMOE_TOKENS}
+LLADA2_ROW = dict(family="llada2", shape="llada2-mini", shards=7, tokens=LLADA2_TOKENS, tokenizer="tokenizer.json",
+                  tokenizer_class="PreTrainedTokenizerFast", model_max_length=32768, bos="<|startoftext|>",
+                  eos="<|endoftext|>", pad="<|endoftext|>", mask="<|mask|>", template=LING_TEMPLATE,
+                  template_file=None, ids={}, drop=("mask_token_id",),
+                  generation=dict(eos_token_id=156892, pad_token_id=156892, do_sample=False))
 # One row per released checkpoint; `ids` are config.json's special ids (real values), `eos`/`pad`/`bos`/
 # `mask` the tokenizer files' tokens, `tokenizer` "tokenizer.json" or Qwen2's "slow" files. The weights' shape at
 # real size is SHAPES[shape]; REAL_VOCAB[family] is its vocabulary.
@@ -426,6 +469,10 @@ RELEASES = {
     "GSAI-ML/LLaDA-1.5": LLADA_ROW,
     "inclusionAI/LLaDA-MoE-7B-A1B-Base": LLADAMOE_ROW,
     "inclusionAI/LLaDA-MoE-7B-A1B-Instruct": LLADAMOE_ROW,
+    "inclusionAI/LLaDA2.0-mini": LLADA2_ROW,
+    "inclusionAI/LLaDA2.0-flash": {**LLADA2_ROW, "shape": "llada2-flash"},
+    "inclusionAI/LLaDA2.1-mini": LLADA2_ROW,
+    "inclusionAI/LLaDA2.1-flash": {**LLADA2_ROW, "shape": "llada2-flash"},
     "Dream-org/Dream-v0-Base-7B": DREAM_ROW,
     "Dream-org/Dream-v0-Instruct-7B": DREAM_ROW,
     # Qwen2.5-Coder's tokenizer: <|im_end|> ends its text; its generation config lists both end tokens.
@@ -521,11 +568,12 @@ def make_release(folder: str, repo: str, d_model: int = 64, n_layers: int = 2, v
     total = write_weights(folder, hf, row["shards"], 1.13, 13.0, seed, "cpu")
     files = {"config.json": hf}
     if row["generation"] is not None:
-        eos = row["generation"].get("eos_token_id", hf["eos_token_id"])
+        eos = row["generation"].get("eos_token_id")      # a real id (or list of them), else config.json's
+        eos = hf["eos_token_id"] if eos is None else [at(i) for i in eos] if isinstance(eos, list) else at(eos)
         files["generation_config.json"] = {**row["generation"],
                                            **{k: at(row["generation"][k]) if k in row["generation"] else hf[k]
                                               for k in ("bos_token_id", "pad_token_id") if k in hf or k in row["generation"]},
-                                           "eos_token_id": [at(i) for i in eos] if isinstance(eos, list) else eos}
+                                           "eos_token_id": eos}
     for name, obj in files.items():
         with open(os.path.join(folder, name), "w") as f:
             json.dump(obj, f, indent=2)
