@@ -251,7 +251,7 @@ class MoE(nn.Module):
             # Otherwise gathered copies (N, k, ffn, D) would move more bytes than the experts themselves: run every
             # expert on every token as one SwiGLU of width E * ffn, weight 0 where a token did not choose it. It
             # reads each expert once; the union of a step's routed experts may be fewer (docs/benchmarks.md).
-            combine = torch.zeros_like(probs, dtype=x.dtype).scatter(1, ids, weights)   # (N, E)
+            combine = x.new_zeros(x.shape[0], E).scatter(1, ids, weights)   # (N, E)
             w_gate, w_up, w_down = (self.stack(name).flatten(0, 1) for name in MoE.stacks)   # (E * ffn, D)
             h = F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)                                # (N, E * ffn)
             y = (h.view(-1, E, Fe) * combine[..., None]).flatten(1) @ w_down
