@@ -93,10 +93,20 @@ REAL_KEYS = {
         eos_token_id ep_size fuse_cross_entropy head_dim hidden_act hidden_size initializer_range intermediate_size
         max_position_embeddings max_window_layers micro_forward model_type num_attention_heads num_hidden_layers
         num_key_value_heads rms_norm_eps rope_scaling rope_theta skip_checkpoint sliding_window tie_word_embeddings
-        torch_dtype transformers_version use_cache use_deepep use_sliding_window vocab_size"""}
+        torch_dtype transformers_version use_cache use_deepep use_sliding_window vocab_size""",
+    # inclusionAI/LLaDA2.1-mini's config.json on the Hub (48 keys; no eos or mask id: generation_config.json and the
+    # tokenizer's <|mask|> give them; docs/models.md).
+    "llada2": """architectures attention_dropout auto_map dtype embedding_dropout first_k_dense_replace head_dim
+        hidden_act hidden_size initializer_range intermediate_size max_position_embeddings max_window_layers model_type
+        moe_intermediate_size moe_router_enable_expert_bias n_group norm_head norm_softmax norm_topk_prob
+        num_attention_heads num_experts num_experts_per_tok num_hidden_layers num_key_value_heads num_shared_experts
+        output_dropout output_router_logits pad_token_id partial_rotary_factor rms_norm_eps rope_scaling rope_theta
+        rotary_dim routed_scaling_factor router_dtype score_function sliding_window tie_word_embeddings topk_group
+        transformers_version use_bias use_cache use_qkv_bias use_rmsnorm use_sliding_window
+        using_split_qkv_in_self_attention vocab_size"""}
 REAL_TYPES = {"llada": ("llada", ["LLaDAModelLM"]), "dream": ("Dream", ["DreamModel"]),
               "lladamoe": ("llada", ["LLaDAMoEModelLM"]), "fastdllm_v2": ("Fast_dLLM_Qwen", ["Fast_dLLM_QwenForCausalLM"]),
-              "sdar": ("sdar", ["SDARForCausalLM"])}      # LLaDA-MoE's release: model_type "llada" (docs/models.md)
+              "sdar": ("sdar", ["SDARForCausalLM"]), "llada2": ("llada2_moe", ["LLaDA2MoeModelLM"])}      # LLaDA-MoE's release: model_type "llada" (docs/models.md)
 
 
 @pytest.mark.parametrize("repo", RELEASES)
