@@ -40,7 +40,7 @@ from checks import GUIDED_ONLY, check_settings
 from fastdllm import generate
 from guided import check_guide
 from model import ModelConfig, load_model, read_config, resolve_model_dir
-from quant import int8_quantizer
+from quant import int8_quantizer, weight_bytes
 from tools.checkpoint import check_fits, load_random, random_prompts, reusable, shape_config
 from tools.flags import REFUSED, Parser, integer, listing, nonempty, random_arguments, rows_arguments, run_arguments
 
@@ -356,7 +356,8 @@ def run(args, parser):
     env = environment(device, dtype)
     print(f"batch {args.batch}, prompt {prompt.shape[1]} tokens, gen {kw['gen_length']}, block "
           f"{kw['block_length']}, {env['dtype']}{' int8 weights' * bool(a.quantize)} on {env['gpu'] or env['cpu']}, "
-          f"{env['threads']} threads; {PeakMemory(device).what}\n\n" + table(rows, MODE_COLUMNS))
+          f"{env['threads']} threads; each call reads the {weight_bytes(model) / MiB:.1f} MiB of weights once; "
+          f"{PeakMemory(device).what}\n\n" + table(rows, MODE_COLUMNS))
     return dict(kw, batch=args.batch, prompt_length=prompt.shape[1], quantize=a.quantize), env, rows
 
 
@@ -393,7 +394,8 @@ def random_table(args):
     env = environment(device, dtype)
     about = (f"random {args.family} checkpoint d_model {args.d_model}, {args.layers} layers, vocab {args.vocab}; "
              f"batch {args.batch}, prompt {args.prompt_length}, block {args.block_length}, {env['dtype']}"
-             f"{' int8 weights' * bool(args.quantize)} on {env['gpu'] or env['cpu']}, {env['threads']} threads")
+             f"{' int8 weights' * bool(args.quantize)} on {env['gpu'] or env['cpu']}, {env['threads']} threads; "
+             f"each call reads its {weight_bytes(model) / MiB:.1f} MiB of weights once")
     if sweeping:
         rows = sweep(model, prompt, args.lengths, args.caches, args.block_length, (args.thresholds or [None])[0],
                      args.repeat)
@@ -403,7 +405,7 @@ def random_table(args):
         mode_list = modes(args.caches, args.thresholds, args.factors, args.stops,
                           ["deterministic"] if guide is not None else [])
         rows, _ = run_modes(model, prompt, mode_list, kw, guide, repeat=args.repeat)
-        print(about + f", gen {args.gen_length}; {PeakMemory(device).what}\n\n" + table(rows, MODE_COLUMNS))
+        print(about + f"; gen {args.gen_length}; {PeakMemory(device).what}\n\n" + table(rows, MODE_COLUMNS))
     return vars(args), env, rows
 
 

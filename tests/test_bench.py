@@ -420,3 +420,20 @@ def test_tools_bad_input_is_one_line(tmp_path, argv, error):
     err = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), r.stderr
     assert error.format(**names) in err[0]
+
+
+@pytest.mark.parametrize("family", ["fastdllm_v2", "sdar"])
+def test_modes_on_a_block_diffusion_checkpoint(tmp_path, family):
+    """bench.py modes --family fastdllm_v2 / sdar: the prefix cache of a block-causal model is exact, so its
+    one-token-a-step row agrees with the uncached reference everywhere; it feeds the block (v2: plus the position
+    before it) against the stored prefix, the reference the whole canvas; the weights read per call are named."""
+    out = tmp_path / "modes.json"
+    r = bench_cli("modes", "--family", family, "--d-model", "64", "--layers", "1", "--vocab", "1024",
+                  "--prompt-length", "8", "--gen-length", "16", "--block-length", "8", "--caches", "none,prefix",
+                  "--thresholds", "", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"each call reads its \d+\.\d MiB of weights once", r.stdout)
+    rows = {x["cache"]: x for x in json.loads(out.read_text())["rows"]}
+    assert rows["prefix"]["agreement"] == 1.0 and rows["prefix"]["first_diff"] is None
+    assert rows["prefix"]["ids_sha1"] == rows["none"]["ids_sha1"] and rows["prefix"]["nfe"] == rows["none"]["nfe"]
+    assert rows["prefix"]["fed_per_call"] < rows["none"]["fed_per_call"]
