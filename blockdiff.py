@@ -51,11 +51,12 @@ def grid_canvas(prompt, attention_mask, gen_length: int, G: int, family: str, ma
     return x, lengths, blocks
 
 
-def grid_output(x, lengths, P: int, fill: int, eos=None):
+def grid_output(x, lengths, shortest: int, P: int, fill: int, eos=None):
     """The canvas -> generate()'s layout (B, P + L - shortest): row r is its prompt right-aligned at P, then its
-    answer, then `fill`. eos (Fast-dLLM v2's batch_sample): a row whose answer ended has `fill` after its end token."""
+    answer, then `fill`. eos (Fast-dLLM v2's batch_sample): a row whose answer ended has `fill` after its end token.
+    shortest: the shortest prompt's length, read once before the loop (each step's streamed canvas reads nothing)."""
     B, L = x.shape
-    width = P + L - int(lengths.min())
+    width = P + L - shortest
     j = torch.arange(width, device=x.device) - (P - lengths[:, None])    # (B, width): canvas position of each slot
     out = torch.where((j >= 0) & (j < L), x.gather(1, j.clamp(0, L - 1)), fill)
     if eos is not None:

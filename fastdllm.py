@@ -288,8 +288,8 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
         cache, stop_run = st.cache if isinstance(st.cache, CachePolicy) else CACHE_POLICIES[st.cache](), st.stop_at_eos
     cache = Refresh(cache) if st.refresh_every_step else cache
     stop = st.stop or (S.EndOfText(spans[:, 1:], eos, cfg.mask_id, stop_run, fill) if stop_run else S.NoStop())
-    output = (partial(grid_output, lengths=lengths, P=P, fill=fill, eos=eos if stop_run and cfg.family == "fastdllm_v2"
-                      else None) if block else lambda x: x)
+    output = (partial(grid_output, lengths=lengths, shortest=int(lengths.min()), P=P, fill=fill,
+                      eos=eos if stop_run and cfg.family == "fastdllm_v2" else None) if block else lambda x: x)
     compiled = st.compile and cache.fixed_width and (st.compile if isinstance(st.compile, Compiled) else Compiled())
     kv = (compiled.cache if compiled else KVCache.for_model)(model, B, x.shape[1], cache.spare) if cache.keeps_cache else None
     spb, L = getattr(step_rule, "steps_per_block", 0), x.shape[1]

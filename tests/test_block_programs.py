@@ -1,0 +1,163 @@
+"""Block diffusion (Fast-dLLM v2, SDAR) everywhere the others are: early stop at the end token, streaming through
+on_step, one host read per step, the server (batched requests equal to each alone, streamed equal to not) and the
+lm-eval harness, on tiny checkpoints in each release's exact format (tools/checkpoint.py --release)."""
+import threading
+
+import pytest
+import torch
+
+import cli
+import serve
+from chat import Chat
+from fastdllm import generate
+from model import load_model
+from test_serve import at_once, events, post, solo
+from tools.checkpoint import make_release
+from tools.step_count import counted
+
+RELEASES = {"fastdllm_v2": ("Efficient-Large-Model/Fast_dLLM_v2_7B", 32), "sdar": ("JetLM/SDAR-4B-Chat", 8)}
+QUESTIONS = ["Write a sort in Python.", "What is 2+2?", "Name a color.", "Tell me a joke about cats and dogs please."]
+
+
+@pytest.fixture(scope="module", params=list(RELEASES))
+def release(request, tmp_path_factory):
+    """(family, folder, block, model, chat)."""
+    repo, G = RELEASES[request.param]
+    d = str(tmp_path_factory.mktemp(request.param) / "ckpt")
+    make_release(d, repo)
+    model = load_model(d, device="cpu", dtype=torch.float32)
+    return request.param, d, G, model, Chat(d, model.config)
+
+
+def prompts(chat):
+    return [torch.tensor([chat.encode(chat.render([{"role": "user", "content": q}]))]) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def ends_sometimes(release):
+    """The release's model with its end token's head row a copy of the token the decodes commit most, plus noise:
+    random weights that decode the end token at some positions of some answers (an early stop to test)."""
+    family, d, G, _, chat = release
+    model = load_model(d, device="cpu", dtype=torch.float32)
+    outs = [generate(model, p, gen_length=64, block_length=G, cache="prefix", threshold=0.9)[0][0, p.shape[1]:]
+            for p in prompts(chat)]
+    often, w = torch.cat(outs).bincount().argmax(), model.lm_head.weight
+    noise = torch.randn(w.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        w[model.config.eos_id] = w[often] + 0.05 * w[often].std() * noise
+    return model
+
+
+def test_early_stop_equals_the_full_decode_up_to_the_end_token(release, ends_sometimes):
+    """stop_at_eos: the answer equals the full decode's up to its first end token, in fewer calls where one ends
+    before the last block; after the end, Fast-dLLM v2 fills (its batch_sample), SDAR fills after the block."""
+    family, _, G, _, chat = release
+    model, eos, stopped = ends_sometimes, ends_sometimes.config.eos_id, 0
+    for p in prompts(chat):
+        kw = dict(gen_length=64, block_length=G, cache="prefix", threshold=0.9)
+        (full,), a = generate(model, p, **kw)
+        (cut,), b = generate(model, p, stop_at_eos=True, **kw)
+        full, cut = full[p.shape[1]:].tolist(), cut[p.shape[1]:].tolist()
+        if eos not in full:
+            assert cut == full and b["nfe"] == a["nfe"]
+            continue
+        end = full.index(eos)
+        assert cut[:end + 1] == full[:end + 1] and b["nfe"] <= a["nfe"]
+        after = end + 1 if family == "fastdllm_v2" else -(-(p.shape[1] + end + 1) // G) * G - p.shape[1]
+        assert set(cut[after:]) <= {model.config.pad_id, eos}
+        stopped += b["nfe"] < a["nfe"]
+    assert stopped, "no answer ended before its last block: the test checks nothing"
+
+
+def test_a_batch_with_early_stop_equals_each_row_alone(release, ends_sometimes):
+    """Each solo decode is a prefix of its row (a batch runs to the grid block of its longest prompt), early stop
+    included: a row that ended stays ended while the others go on."""
+    family, _, G, _, chat = release
+    ps = prompts(chat)
+    P = max(p.shape[1] for p in ps)
+    ids = torch.stack([torch.nn.functional.pad(p[0], (P - p.shape[1], 0), value=0) for p in ps])
+    mask = torch.stack([torch.arange(P) >= P - p.shape[1] for p in ps]).long()
+    kw = dict(gen_length=64, block_length=G, cache="prefix", threshold=0.9, stop_at_eos=True)
+    batch, _ = generate(ends_sometimes, ids, attention_mask=mask, **kw)
+    for r, p in enumerate(ps):
+        (alone,), _ = generate(ends_sometimes, p, **kw)
+        row = batch[r, P - p.shape[1]:]
+        assert row[:alone.shape[0]].tolist() == alone.tolist()
+        if ends_sometimes.config.eos_id in alone[p.shape[1]:]:
+            assert chat.answer(row[p.shape[1]:].tolist()) == chat.answer(alone[p.shape[1]:].tolist())
+
+
+def test_streaming_shows_each_call_and_ends_on_the_output(release):
+    """on_step: once a call, each canvas in the output's layout, a committed token never changes, the last one is
+    what generate() returns."""
+    _, _, G, model, chat = release
+    p = prompts(chat)[0]
+    seen = []
+    out, stats = generate(model, p, gen_length=32, block_length=G, cache="prefix", threshold=0.9,
+                          on_step=lambda x, st: seen.append(x.clone()))
+    assert len(seen) == stats["nfe"] and all(s.shape == out.shape for s in seen) and torch.equal(seen[-1], out)
+    mask = model.config.mask_id
+    for before, after in zip(seen, seen[1:]):
+        kept = before != mask
+        assert torch.equal(after[kept], before[kept])
+    assert (seen[0] == mask).sum() > (seen[-1] == mask).sum() == 0
+
+
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_one_host_read_per_step(release, cache):
+    """tools/step_count.py's counter: every step after the set-up reads the device once."""
+    _, _, G, model, chat = release
+    steps, _ = counted(model, prompts(chat)[1], cache=cache, threshold=0.9, gen_length=32, block_length=G)
+    assert steps and all(c["syncs"] == 1 for _, c in steps), [c["syncs"] for _, c in steps]
+
+
+@pytest.fixture(scope="module")
+def served(release):
+    family, d, G, _, _ = release
+    app = serve.build(serve.parse_args(["--model", d, "--gen-length", "32", "--block-length", str(G), "--port", "0",
+                                        "--quiet"]))
+    httpd = serve.make_server(app, "127.0.0.1", 0)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield app, httpd.server_address[1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        app.engine.stop()
+
+
+def test_served_answers_equal_each_alone_streamed_or_not(served):
+    """Requests of different lengths at once are one batch; each answer equals the CLI's path for it alone (cut at
+    max_tokens), and the stream's pieces join to the same answer."""
+    app, port = served
+    bodies = [{"messages": [{"role": "user", "content": q}]} for q in QUESTIONS[:3]]
+    results = at_once(app, port, bodies)
+    for q, (status, out) in zip(QUESTIONS, results):
+        assert status == 200, out
+        ids = app.chat.encode(app.chat.render([{"role": "user", "content": q}]))
+        (alone,), _ = cli.run_batch(app.model, [ids], app.args, app.engine.device)
+        # A block decode runs to its grid block's edge; the server answers at most max_tokens (here gen_length).
+        assert out["choices"][0]["message"]["content"] == app.chat.answer(alone[len(ids):][:32])
+    chunks = events(port, "/v1/chat/completions", dict(bodies[0], stream=True))
+    joined = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert joined == results[0][1]["choices"][0]["message"]["content"]
+    one = post(port, "/v1/chat/completions", bodies[0])
+    assert one["choices"][0]["fastdllm"]["nfe"] == solo(app, QUESTIONS[0])[1]
+
+
+def test_harness_answers_equal_generate(release):
+    """apps/harness.py's generate_until on a block-diffusion checkpoint: the answer generate() gives, cut at the end
+    token and the request's stop string."""
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install -r requirements-eval.txt")
+    import harness
+    from lm_eval.api.instance import Instance
+    family, d, G, model, chat = release
+    lm = harness.FastDLLM(model=d, block_length=G, device="cpu", cache="prefix", threshold=0.9)
+    got = lm.generate_until([Instance("generate_until", {}, (q, {"max_gen_toks": 32}), 0, ("t", 0, 1))
+                             for q in QUESTIONS[:2]])
+    for q, text in zip(QUESTIONS, got):
+        ids = chat.tok.encode(q).ids                 # lm-eval's request text is the prompt (no template asked)
+        (out,), _ = generate(model, torch.tensor([ids]), gen_length=32, block_length=G, cache="prefix",
+                             threshold=0.9, stop_at_eos=True, eos_ids=sorted(chat.stop_ids))
+        assert text == chat.answer(out[len(ids):].tolist())
+    assert len(set(got)) == 2
