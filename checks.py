@@ -15,11 +15,10 @@ from types import SimpleNamespace
 import torch
 
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_REMASKING
-from cache import CachePolicy
+from cache import CACHE_POLICIES, CachePolicy
+from sampler import DREAM_REMASKING, LLADA_REMASKING
 
-CACHE_MODES = ("none", "prefix", "dual", "free")
-LLADA_REMASKING = ("low_confidence", "random")
-DREAM_REMASKING = ("origin", "maskgit_plus", "topk_margin", "entropy", "position_weighted")
+CACHE_MODES = tuple(CACHE_POLICIES)      # the cache policies by name, as cache.py lists them
 # Guided diffusion's own settings (their defaults: fastdllm.Settings).
 GUIDED_ONLY = ("speculative", "accept", "accept_k", "accept_ratio", "accept_threshold", "verify_chunk")
 BOOLEANS = ("refresh_every_step", "speculative")

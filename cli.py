@@ -15,13 +15,14 @@ from types import SimpleNamespace
 import torch
 
 import checks
-from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, check_block
+from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, SDAR_REMASKING, check_block
 from chat import Chat, check_text, load_tokenizer, read_turns, streamer
 from checks import CACHE_MODES
 from fastdllm import Settings, decided, generate, pad_prompts
 from guided import ACCEPT_RULES, check_accept, check_guide, check_guided_settings
 from model import Compiled, check_readable, load_model, read_config, resolve_model_dir
 from quant import QUANTIZE, int8_quantizer
+from sampler import DREAM_REMASKING, LLADA_REMASKING
 
 
 # The command line's defaults where they differ from generate()'s: the methods' headline setting (Fast-dLLM's
@@ -274,8 +275,9 @@ def add_flags(p, omit=()):
     add("--factor", type=float, default=None, help="factor-based parallel decoding (default: off)")
     add("--temperature", type=checked(float, math.isfinite, "a finite number"), default=0.0,
         help="0 = greedy (default: %(default)s)")
-    add("--remasking", default=None, help="LLaDA: low_confidence (default) | random; Dream: entropy (default) | "
-        "maskgit_plus | topk_margin | origin")
+    add("--remasking", default=None, help=f"LLaDA: {' | '.join(LLADA_REMASKING)}; Dream: "
+        f"{' | '.join(DREAM_REMASKING)}; SDAR: {' | '.join(SDAR_REMASKING)} (default: the first of each; "
+        f"with a threshold: Dream's maskgit_plus, SDAR's low_confidence_dynamic)")
     add("--top-p", type=float, default=None, help="Dream only (default: off)")
     add("--top-k", type=int, default=None, help="Dream only (default: off)")
     add("--alg-temp", type=float, default=None, help="Dream only: randomness of the position choice")

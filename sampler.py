@@ -12,6 +12,10 @@ import torch
 import torch.nn.functional as F
 
 NEG_INF = float("-inf")
+# The remasking rules each family's step rule implements (LLaDA.propose, dream_confidence): checks.py and the
+# command line read these, so a rule added here is accepted and listed everywhere.
+LLADA_REMASKING = ("low_confidence", "random")
+DREAM_REMASKING = ("entropy", "maskgit_plus", "topk_margin", "origin", "position_weighted")
 
 
 class Proposal(NamedTuple):
@@ -95,7 +99,7 @@ def dream_confidence(alg: str, conf, probs, cols, open_):
         return top2[..., 0] - top2[..., 1]
     if alg == "entropy":
         return (probs * torch.log(probs + 1e-10)).sum(-1)       # negative entropy
-    raise ValueError(f"unknown Dream remasking {alg!r}: use 'origin', 'maskgit_plus', 'topk_margin' or 'entropy'")
+    raise ValueError(f"unknown Dream remasking {alg!r}: use one of {', '.join(DREAM_REMASKING)}")
 
 
 def dream_num_transfer(num_mask: torch.Tensor, t: torch.Tensor, s: torch.Tensor, last: bool, total=None):

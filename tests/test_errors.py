@@ -267,7 +267,7 @@ ARG_CASES = {
 
 DREAM_CASES = {
     "unknown remasking": (dict(remasking="low_confidence", block_length=None),
-        r"unknown remasking 'low_confidence' for dream: use one of origin"),
+        r"unknown remasking 'low_confidence' for dream: use one of entropy, maskgit_plus, topk_margin, origin"),
     "cache without blocks": (dict(cache="dual", block_length=None),
         r"whole-canvas sampler \(block_length=None\) has no cache"),
     "one step per block": (dict(steps=2), r"needs >= 2 steps per block \(got 1\): raise steps to at least 4"),
@@ -522,7 +522,7 @@ BEFORE_LOADING = {   # a bad checkpoint folder: the error, said from config.json
         r"^unknown --remasking 'entropy' for llada: use one of low_confidence, random$"),
     "LLaDA's remasking on Dream": (
         lambda d: checkpoint(d, "dream-tiny", tokenizer=True), ["--remasking", "random"],
-        r"^unknown --remasking 'random' for dream: use one of origin,"),
+        r"^unknown --remasking 'random' for dream: use one of entropy, maskgit_plus, topk_margin, origin,"),
     "the mask token in --prompt": (
         lambda d: checkpoint(d, tokenizer=True), ["--prompt", "w5 <|mdm_mask|> w6"],
         r"^the prompt contains the mask token id 1000: masks are reserved for the answer"),
