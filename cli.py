@@ -17,7 +17,7 @@ import torch
 import checks
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, SDAR_REMASKING, check_block
 from chat import Chat, check_text, load_tokenizer, read_turns, streamer
-from checks import CACHE_MODES
+from checks import CACHE_MODES, GUIDED_ONLY
 from fastdllm import Settings, decided, generate, pad_prompts
 from guided import ACCEPT_RULES, check_accept, check_guide, check_guided_settings
 from model import Compiled, check_readable, load_model, read_config, resolve_model_dir
@@ -33,9 +33,10 @@ DEFAULT_MODEL = "GSAI-ML/LLaDA-8B-Instruct"
 
 # Flags that only mean something beside another flag: given without it they are an error, never ignored.
 # -> (the flag it needs, its default). They are absent after parsing unless given (argparse.SUPPRESS).
-NEEDS = {"accept": ("guide", Settings.accept), "accept_k": ("guide", Settings.accept_k),
-         "accept_ratio": ("guide", Settings.accept_ratio), "accept_threshold": ("guide", Settings.accept_threshold),
-         "speculative": ("guide", Settings.speculative), "batch_size": ("prompt_file", 8)}
+# A flag that means something only beside another: guided diffusion's (checks.GUIDED_ONLY, less verify_chunk, which
+# has no flag) need --guide, their defaults generate()'s own.
+NEEDS = {**{k: ("guide", getattr(Settings, k)) for k in GUIDED_ONLY if k != "verify_chunk"},
+         "batch_size": ("prompt_file", 8)}
 # The flags a fork's part replaces (examples/): given beside it, refused in the CLI's words, never ignored.
 REPLACED = {"cache": (("cache",), "cache policy decides what each call feeds"),
             "select": (("threshold", "factor"), "selection rule decides how many tokens a step commits"),
