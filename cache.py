@@ -19,6 +19,7 @@ mode it covers [s, e) and the suffix stays as the refresh left it (Fast-dLLM's `
 span a step feeds is the cache policy's `span`: the one place the caches differ. The storage never advances
 itself: every write names its slots, as tensors, so a step's shapes do not depend on where its block is.
 A fork's policy may feed any set of positions (each keeps its own RoPE position and KV slot) and mask keys out.
+At the end, `Compiled` (compile=True): the layers through torch.compile, keeping the KV cache its graphs write.
 """
 import torch
 
@@ -193,3 +194,45 @@ CACHE_POLICIES = {"none": NoCache, "prefix": PrefixCache, "dual": DualCache, "fr
 # A block-diffusion model's (blockdiff.py): "dual" is Fast-dLLM v2's sub-block cache (its sub-block size given).
 BLOCK_CACHE_POLICIES = {"none": lambda sub: NoCache(), "prefix": lambda sub: BlockPrefix(),
                         "dual": SubBlockCache}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The compiled call (compile=True): the model's layers through torch.compile, with the KV cache its graphs write.
+
+def hidden_states(model, ids, pos, kv, slots, mask):
+    return model.hidden(ids, pos, kv, slots, mask)
+
+
+class Compiled:
+    """compile=True: the model's layers (model.hidden) through torch.compile, one graph per feed shape
+    (fullgraph, static shapes: the slots are tensors, so one graph serves every block; the prefix and free
+    caches feed one width per block, so the recompile limit is raised for these calls only). On CUDA with CUDA
+    graphs ("reduce-overhead"): one launch for the layers instead of ~1,150 kernels. The LM head stays outside,
+    on the block's open columns only (eager's work, measured: on a CPU the head on every block column cost up to
+    1.7x; on a GPU it is one matmul either way). CUDA graphs write the KV cache in place at fixed addresses, so
+    this object keeps the last call's cache for the next call of the same shape: pass one instance as compile= to
+    every call (the CLI, serve.py and harness.py do) and each graph is captured once. emulate_precision_casts
+    rounds low-precision intermediates where eager does: bf16 ids equal eager's on the CPU (tests/test_compile.py)."""
+
+    def __init__(self):
+        self.fn, self.kv, self.key = None, None, None
+
+    def cache(self, model, B: int, L: int, spare: int) -> KVCache:
+        """A KV cache for this call: the previous call's when the shape is the same (every generation's first
+        call feeds the whole canvas, so nothing stale is ever read)."""
+        if self.key != (id(model), B, L, spare):
+            self.kv, self.key = KVCache.for_model(model, B, L, spare), (id(model), B, L, spare)
+            for t in self.kv.k + self.kv.v if self.kv.k[0].is_cuda else ():
+                torch._dynamo.mark_static_address(t, guard=False)     # written in place by the CUDA graphs
+        return self.kv
+
+    def __call__(self, model, ids, pos, kv, slots, mask):
+        """model.hidden(ids, pos, kv, slots, mask), compiled: the fed positions' hidden states."""
+        cuda = model.lm_head.weight.is_cuda
+        if self.fn is None:
+            options = {"emulate_precision_casts": True} | ({"triton.cudagraphs": True} if cuda else {})
+            self.fn = torch.compile(hidden_states, fullgraph=True, dynamic=False, options=options)
+        if cuda:
+            torch.compiler.cudagraph_mark_step_begin()   # the previous step's hidden states are no longer read
+        with torch._dynamo.config.patch(recompile_limit=256):
+            return self.fn(model, ids, pos, kv, slots, mask)

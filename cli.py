@@ -16,11 +16,12 @@ import torch
 
 import checks
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, SDAR_REMASKING, check_block
+from cache import Compiled
 from chat import Chat, check_text, load_tokenizer, read_turns, streamer
 from checks import CACHE_MODES, GUIDED_ONLY
 from fastdllm import Settings, decided, generate, pad_prompts
 from guided import ACCEPT_RULES, check_accept, check_guide, check_guided_settings
-from model import Compiled, check_readable, load_model, read_config, resolve_model_dir
+from model import check_readable, load_model, read_config, resolve_model_dir
 from quant import QUANTIZE, int8_quantizer
 from sampler import DREAM_REMASKING, LLADA_REMASKING
 

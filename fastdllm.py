@@ -23,9 +23,17 @@ import torch.nn.functional as F
 import checks
 import sampler as S
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, block_causal, block_parts, check_block, grid_canvas, grid_output
-from cache import BLOCK_CACHE_POLICIES, CACHE_POLICIES, CachePolicy, KVCache, Refresh
+from cache import BLOCK_CACHE_POLICIES, CACHE_POLICIES, CachePolicy, Compiled, KVCache, Refresh
 from guided import guided_parts
-from model import Compiled, pad_prompts  # noqa: F401  (pad_prompts: fastdllm's API)
+
+
+def pad_prompts(rows: list[list[int]], pad_id: int):
+    """Prompts of different lengths -> (ids (B, P), attention_mask (B, P)), left-padded so that every answer
+    starts at the same canvas position."""
+    P = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (P - len(r)) + list(r) for r in rows])
+    return ids, (torch.arange(P) >= torch.tensor([[P - len(r)] for r in rows])).long()
+
 
 
 @dataclass

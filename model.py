@@ -32,7 +32,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from archs import ARCHS, WEIGHT_MAP, MoEConfig, arch_of  # noqa: F401  (model.WEIGHT_MAP for callers)
-from cache import KVCache
 
 
 @dataclass
@@ -364,56 +363,6 @@ class Transformer(nn.Module):
         if isinstance(rows, tuple):
             rows = torch.arange(*rows, device=x.device)
         return self.lm_head(self.norm(x if rows is None else x[:, rows]))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# One decoding step's model call (fastdllm.py): left padding, the call at fixed shapes, and its compiled form.
-
-def pad_prompts(rows: list[list[int]], pad_id: int):
-    """Prompts of different lengths -> (ids (B, P), attention_mask (B, P)), left-padded so that every answer
-    starts at the same canvas position."""
-    P = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_id] * (P - len(r)) + list(r) for r in rows])
-    return ids, (torch.arange(P) >= torch.tensor([[P - len(r)] for r in rows])).long()
-
-
-def hidden_states(model, ids, pos, kv, slots, mask):
-    return model.hidden(ids, pos, kv, slots, mask)
-
-
-class Compiled:
-    """compile=True: the model's layers (model.hidden) through torch.compile, one graph per feed shape
-    (fullgraph, static shapes: the slots are tensors, so one graph serves every block; the prefix and free
-    caches feed one width per block, so the recompile limit is raised for these calls only). On CUDA with CUDA
-    graphs ("reduce-overhead"): one launch for the layers instead of ~1,150 kernels. The LM head stays outside,
-    on the block's open columns only (eager's work, measured: on a CPU the head on every block column cost up to
-    1.7x; on a GPU it is one matmul either way). CUDA graphs write the KV cache in place at fixed addresses, so
-    this object keeps the last call's cache for the next call of the same shape: pass one instance as compile= to
-    every call (the CLI, serve.py and harness.py do) and each graph is captured once. emulate_precision_casts
-    rounds low-precision intermediates where eager does: bf16 ids equal eager's on the CPU (tests/test_compile.py)."""
-
-    def __init__(self):
-        self.fn, self.kv, self.key = None, None, None
-
-    def cache(self, model, B: int, L: int, spare: int) -> KVCache:
-        """A KV cache for this call: the previous call's when the shape is the same (every generation's first
-        call feeds the whole canvas, so nothing stale is ever read)."""
-        if self.key != (id(model), B, L, spare):
-            self.kv, self.key = KVCache.for_model(model, B, L, spare), (id(model), B, L, spare)
-            for t in self.kv.k + self.kv.v if self.kv.k[0].is_cuda else ():
-                torch._dynamo.mark_static_address(t, guard=False)     # written in place by the CUDA graphs
-        return self.kv
-
-    def __call__(self, model, ids, pos, kv, slots, mask):
-        """model.hidden(ids, pos, kv, slots, mask), compiled: the fed positions' hidden states."""
-        cuda = model.lm_head.weight.is_cuda
-        if self.fn is None:
-            options = {"emulate_precision_casts": True} | ({"triton.cudagraphs": True} if cuda else {})
-            self.fn = torch.compile(hidden_states, fullgraph=True, dynamic=False, options=options)
-        if cuda:
-            torch.compiler.cudagraph_mark_step_begin()   # the previous step's hidden states are no longer read
-        with torch._dynamo.config.patch(recompile_limit=256):
-            return self.fn(model, ids, pos, kv, slots, mask)
 
 
 # ----------------------------------------------------------------------------------------------------------
