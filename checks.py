@@ -16,7 +16,7 @@ import torch
 
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_REMASKING
 from cache import CACHE_POLICIES, CachePolicy
-from sampler import DREAM_REMASKING, LLADA_REMASKING
+from sampler import DREAM_REMASKING, LLADA_REMASKING, is_parallel
 
 CACHE_MODES = tuple(CACHE_POLICIES)      # the cache policies by name, as cache.py lists them
 # Guided diffusion's own settings (their defaults: fastdllm.Settings).
@@ -179,7 +179,7 @@ def check_stop(cfg, stop_at_eos, eos_ids):
 def check_dream_modes(st, whole_canvas: bool):
     """Dream's samplers each implement some of the rules: say which one does what was asked."""
     free, custom, threshold = st.cache == "free", st.select is not None, st.threshold
-    parallel = threshold is not None or st.factor is not None or custom
+    parallel = is_parallel(st.select, threshold, st.factor)
     n_blocks = st.gen_length // st.block_length
     if whole_canvas and (st.cache != "none" or parallel and threshold is None and not custom):
         bad("Dream's whole-canvas sampler (block_length=None) has no cache or factor rule: pass a "

@@ -240,7 +240,7 @@ def decided(cfg, options: dict) -> Settings:
     st = Settings(**checks.known(options, Settings))
     guided = st.guide is not None
     dream, block = cfg.family == "dream", cfg.family in BLOCK_FAMILIES and not guided
-    parallel = st.threshold is not None or st.factor is not None or getattr(st.select, "parallel", st.select is not None)
+    parallel = S.is_parallel(st.select, st.threshold, st.factor)
     remasking = (("maskgit_plus" if parallel else "entropy") if dream else "low_confidence" if cfg.family == "llada"
                  else ("low_confidence_dynamic" if st.threshold is not None else "low_confidence_static")
                  if cfg.family == "sdar" else None)
@@ -306,7 +306,7 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
                 layers=partial(compiled, model) if compiled else model.hidden, kv=kv,
                 pos=ar.expand(B, L) if pos is None else pos, mask=mask, mask_id=cfg.mask_id, shift=cfg.shift,
                 prompt=spans, grid=st.block_length if block else 0, exact_steps=getattr(step_rule, "exact_steps", None),
-                patience=spb + st.block_length, calls_per_block=1 if getattr(select, "parallel", True) else max(spb, 1),
+                patience=spb + st.block_length, calls_per_block=1 if S.is_parallel(select) else max(spb, 1),
                 eos=eos, ar=ar, output=output,
                 after={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)})
     return plan, x

@@ -113,6 +113,15 @@ def dream_num_transfer(num_mask: torch.Tensor, t: torch.Tensor, s: torch.Tensor,
 # A selection rule answers "which proposals does this step commit?": rule(p: Proposal, at) -> (B, N) bool inside
 # p.open. parallel (True without the attribute): the rule decides how many itself, so a block takes the steps it
 # needs; False: it commits the family's schedule p.k, and the family ranks by its remasking score.
+def is_parallel(select, threshold=None, factor=None) -> bool:
+    """The one answer to "does this call's selection decide how many tokens a step commits?": a rule's own
+    `parallel` (True without the attribute), else Fast-dLLM's threshold or factor (section 3.3). False: the family's
+    schedule counts them (p.k), and Dream ranks by its remasking score."""
+    if select is not None:
+        return getattr(select, "parallel", True)
+    return threshold is not None or factor is not None
+
+
 class Schedule:
     """The k[b] most confident open positions of each row b: LLaDA's and Dream's fixed step schedules. Equal
     confidences (saturated: exactly 1.0) are broken as the official code breaks them, by its call at its width
@@ -380,7 +389,7 @@ def family_rules(cfg, st, whole_canvas: bool, generator, device):
     n_blocks = st.gen_length // st.block_length
     select = st.select or (Threshold(st.threshold) if st.threshold is not None else
                            Factor(st.factor) if st.factor is not None else official_schedule(cfg, st, whole_canvas))
-    schedule = not getattr(select, "parallel", True)
+    schedule = not is_parallel(select)
     if st.propose is not None:
         return st.propose, select
     if cfg.family == "llada":

@@ -122,3 +122,14 @@ def test_factor_rule_in_a_decode_equals_the_reference(llada, dream, family, cach
         got, st = generate(model, prompt, gen_length=32, block_length=8, steps=32, cache=cache, factor=f,
                            refresh_every_step=refresh)
         assert torch.equal(got, want) and st["nfe"] == calls
+
+
+@pytest.mark.parametrize("select", [None, S.Schedule()])
+def test_a_schedule_given_as_select_is_checked_as_the_built_in_schedule(dream, select):
+    """One answer to "is this rule parallel?" (sampler.is_parallel): a select= rule with parallel = False follows
+    the family's schedule, so Dream's block sampler refuses topk_margin for it as for the built-in schedule (it
+    used to run, counted as parallel because it was a fork's rule)."""
+    with pytest.raises(ValueError, match="ranks tokens by entropy; remasking='topk_margin'"):
+        generate(dream, PAIR, gen_length=32, block_length=8, steps=16, remasking="topk_margin", select=select)
+    assert not S.is_parallel(S.Schedule()) and S.is_parallel(S.Threshold(0.9)) and S.is_parallel(None, threshold=0.9)
+    assert S.is_parallel(lambda p, at: p.open) and not S.is_parallel(None)
