@@ -253,7 +253,8 @@ def read_llada2(hf: dict) -> dict:
     # The release's config.json names no mask: 156895 is the official generate()'s mask_id (the tokenizer's <|mask|>).
     return dict(hf_sizes(hf, "intermediate_size"), mask_id=hf.get("mask_token_id", 156895),
                 qk_norm=bool(hf.get("use_qk_norm", True)), qkv_bias=bool(hf.get("use_qkv_bias", False)),
-                rope_fraction=rope, moe=moe, tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+                rope_fraction=rope, moe=moe, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                block=32)   # config.json names no block: the official generate()'s default and the card's
 
 
 # The official module names: word_embeddings, attention.query_key_value (q, k and v heads in that order, one

@@ -17,12 +17,16 @@ Here are the family's parts for fastdllm.py's one loop (docs/blockdiff.md tells 
   threshold is sampler.Threshold(strict=True); SDAR's `low_confidence_static` is sampler.Schedule).
 - `block_parts`: the call's step rule and selection from its settings; `check_block`: what this family refuses.
 """
+import re
+
 import torch
 import torch.nn.functional as F
 
+from cache import BLOCK_CACHE_POLICIES, LLADA2_CACHE_POLICIES, CachePolicy
+from llada2 import check_llada2, llada2_parts
 from sampler import NEG_INF, Proposal, Schedule, StepRule, Threshold, argmax_except
 
-FAMILIES = ("fastdllm_v2", "sdar")           # the block-diffusion families (model.ModelConfig.family)
+FAMILIES = ("fastdllm_v2", "sdar", "llada2")   # the block-diffusion families (model.ModelConfig.family; llada2.py)
 SDAR_REMASKING = ("low_confidence_dynamic", "low_confidence_static", "sequential")
 SDAR_BLOCK = 4     # SDAR's released configs name no block: its models were trained with 4 (the -b8 .. -b64 others)
 
@@ -51,14 +55,16 @@ def grid_canvas(prompt, attention_mask, gen_length: int, G: int, family: str, ma
     return x, lengths, blocks
 
 
-def grid_output(x, lengths, shortest: int, P: int, fill: int, eos=None):
+def grid_output(x, lengths, shortest: int, P: int, fill: int, eos=None, gen=None):
     """The canvas -> generate()'s layout (B, P + L - shortest): row r is its prompt right-aligned at P, then its
-    answer, then `fill`. eos (Fast-dLLM v2's batch_sample): a row whose answer ended has `fill` after its end token.
+    answer, then `fill`. eos (Fast-dLLM v2's batch_sample, LLaDA2's generate): a row whose answer ended has `fill`
+    after its end token. gen (LLaDA2): an answer is gen tokens, the grid block's tail past them `fill`.
     shortest: the shortest prompt's length, read once before the loop (each step's streamed canvas reads nothing)."""
     B, L = x.shape
     width = P + L - shortest
     j = torch.arange(width, device=x.device) - (P - lengths[:, None])    # (B, width): canvas position of each slot
-    out = torch.where((j >= 0) & (j < L), x.gather(1, j.clamp(0, L - 1)), fill)
+    end = L if gen is None else lengths[:, None] + gen
+    out = torch.where((j >= 0) & (j < end), x.gather(1, j.clamp(0, L - 1)), fill)
     if eos is not None:
         end = torch.isin(out, eos) & (torch.arange(width, device=x.device) >= P)
         out = out.masked_fill(end.long().cumsum(-1) - end.long() > 0, fill)   # after the first end token
@@ -213,16 +219,23 @@ class FirstMasks:
 
 # ---------------------------------------------------------------------------------------- the family's set-up
 def block_parts(cfg, st, generator):
-    """The call's step rule and selection rule for a block-diffusion model, its settings checked (check_block)."""
+    """The call's step rule, selection rule and cache policy for a block-diffusion model, its settings checked
+    (check_block)."""
+    policy = lambda rule: st.cache if isinstance(st.cache, CachePolicy) else (    # noqa: E731
+        LLADA2_CACHE_POLICIES if cfg.family == "llada2" else BLOCK_CACHE_POLICIES)[st.cache](
+        getattr(rule, "sub_block", st.block_length))          # SDAR: one sub-block, the block (exact)
+    if cfg.family == "llada2":
+        rule, select = llada2_parts(cfg, st, generator, sdar_sample, DynamicThreshold)
+        return rule, select, policy(rule)
     if cfg.family == "fastdllm_v2":
         rule = FastDLLMv2(sub_block=st.sub_block or min(8, st.block_length), temperature=st.temperature,
                           top_p=st.top_p, generator=generator, mask_id=cfg.mask_id)
-        return rule, st.select or Threshold(1.0 if st.threshold is None else st.threshold, strict=True)
+        return rule, st.select or Threshold(1.0 if st.threshold is None else st.threshold, strict=True), policy(rule)
     rule = SDAR(steps_per_block=st.steps, block_length=st.block_length, temperature=st.temperature,
                 top_k=st.top_k, top_p=st.top_p, generator=generator, mask_id=cfg.mask_id)
     select = (DynamicThreshold(st.threshold) if st.remasking == "low_confidence_dynamic" else
               FirstMasks() if st.remasking == "sequential" else Schedule(topk=True))
-    return rule, st.select or select
+    return rule, st.select or select, policy(rule)
 
 
 def check_block(cfg, st, given: dict, longest: int, name=lambda key: key):
@@ -230,8 +243,8 @@ def check_block(cfg, st, given: dict, longest: int, name=lambda key: key):
     fix; longest: the longest prompt."""
     def bad(msg):
         for key in ("block_length", "sub_block", "threshold", "steps", "top_k", "remasking", "alg_temp", "cache",
-                    "gen_length"):
-            msg = msg.replace(f"{key} ", f"{name(key)} ").replace(f"drop {key}", f"drop {name(key)}")
+                    "gen_length", "editing_threshold", "max_post_steps", "num_to_transfer", "minimal_topk"):
+            msg = re.sub(rf"\b{key}\b(?= |$)", name(key), msg)      # the setting's own word, not within another
         raise ValueError(msg)
     G, trained = st.block_length, cfg.block
     # Fast-dLLM v2's bd_size is its training grid (the official mask is built on it: a larger block would see only
@@ -248,7 +261,9 @@ def check_block(cfg, st, given: dict, longest: int, name=lambda key: key):
     if st.cache not in ("none", "prefix", "dual") and isinstance(st.cache, str):
         bad(f"cache {st.cache!r} does not apply to a block-diffusion model: its prefix cache is exact; use 'prefix', "
             f"'dual' (Fast-dLLM v2's sub-block cache) or 'none'")
-    if cfg.family == "fastdllm_v2":
+    if cfg.family == "llada2":
+        check_llada2(st, given, bad)
+    elif cfg.family == "fastdllm_v2":
         sb = st.sub_block or min(8, G)
         if sb < 1 or G % sb:
             bad(f"sub_block {sb} does not divide block_length {G}: pick a divisor, e.g. {min(8, G)}")

@@ -149,6 +149,23 @@ class BlockPrefix(CachePolicy):
         return None
 
 
+class BlockWindow(BlockPrefix):
+    """LLaDA2's prefix cache (llada2.py; the official generate() has none: each call feeds [0, e) under the
+    block-causal mask): exact, and with no call that only stores. A block's first call feeds the block before it,
+    now clean, with the block itself: [prev, e) (the first block's: [0, e), the prompt's whole blocks too); its
+    later calls feed the block [s, e). So it makes the official's calls, one for one."""
+
+    def span(self, at):
+        return (self.store(at) or (at.s,))[0], at.e
+
+
+class Window(NoCache):
+    """LLaDA2's uncached decode, the official one: every call feeds the window [0, e), the blocks up to this one."""
+
+    def span(self, at):
+        return 0, at.e
+
+
 class SubBlockCache(BlockPrefix):
     """Fast-dLLM v2's sub-block cache (`use_block_cache`; arXiv 2509.26328, the hierarchical cache): DualCache inside
     a block, approximate. The block's first denoising call, and a call whose sub-block still has its first position
@@ -194,6 +211,9 @@ CACHE_POLICIES = {"none": NoCache, "prefix": PrefixCache, "dual": DualCache, "fr
 # A block-diffusion model's (blockdiff.py): "dual" is Fast-dLLM v2's sub-block cache (its sub-block size given).
 BLOCK_CACHE_POLICIES = {"none": lambda sub: NoCache(), "prefix": lambda sub: BlockPrefix(),
                         "dual": SubBlockCache}
+# LLaDA2's: no store call; it has no sub-blocks, so "dual" is its exact prefix cache too.
+LLADA2_CACHE_POLICIES = {"none": lambda sub: Window(), "prefix": lambda sub: BlockWindow(),
+                         "dual": lambda sub: BlockWindow()}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -23,8 +23,9 @@ import torch.nn.functional as F
 import checks
 import sampler as S
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, block_causal, block_parts, check_block, grid_canvas, grid_output
-from cache import BLOCK_CACHE_POLICIES, CACHE_POLICIES, CachePolicy, Compiled, KVCache, Refresh
+from cache import CACHE_POLICIES, CachePolicy, Compiled, KVCache, Refresh
 from guided import guided_parts
+from llada2 import STEPS as LLADA2_STEPS
 
 
 def pad_prompts(rows: list[list[int]], pad_id: int):
@@ -56,6 +57,10 @@ class Settings:
     top_k: int | None = None
     alg_temp: float | None = None
     eps: float = 1e-3                  # Dream's time grid runs from 1 down to eps
+    minimal_topk: int = 1              # LLaDA2: steps are capped at gen_length // minimal_topk (the official's)
+    editing_threshold: float | None = None   # LLaDA2.1: edit a committed token whose new proposal is above this
+    max_post_steps: int | None = None  # LLaDA2.1: a block's edit-only calls once it has no mask (default 16)
+    num_to_transfer: int | None = None # LLaDA2.1: masks a call commits below the threshold (default 1)
     refresh_every_step: bool = False   # feed the whole canvas every step (checks the cache plumbing)
     stop_at_eos: bool | int = False    # True: stop after a finished block holding an end token; k: FlashDLM's rule
     eos_ids: list | None = None        # the end tokens (default the config's)
@@ -111,6 +116,7 @@ class Seen(NamedTuple):
     calls: int = 0            # model calls so far in this generation
     answer_ended: bool = False
     block_ended: bool = False
+    post: int = 0             # calls so far in this block that found no mask (an editing rule's post steps)
 
 
 def predicting(a: int, b: int, s: int, masked_cols: list, shift: int) -> tuple[int, int, int]:
@@ -199,22 +205,31 @@ class Plan:
         s, e = at.s, at.e
         diff, masked = x != seen.canvas, x == self.mask_id                 # (B, L): no prompt position is a mask
         with_logits = torch.zeros_like(at.masked[0]).index_fill_(0, at.cols, True)       # (N,)
-        flags = [~torch.isfinite(p.logits.sum(-1, dtype=torch.float32)).all(), (p.open & ~at.masked).any(),
-                 (p.open & ~with_logits).any(), (take & ~p.open).any(), (diff & (seen.canvas != self.mask_id)).any(),
+        edit = torch.zeros_like(take) | p.edit                               # (B, N): the step rule's edits (T2T)
+        answer = self.ar[s:e] >= at.prompt[:, 1:]                           # (B, N): not the row's prompt
+        edited = F.pad(edit & answer, (s, x.shape[1] - e))                  # (B, L): the edits it may make
+        flags = [~torch.isfinite(p.logits.sum(-1, dtype=torch.float32)).all(),
+                 (p.open & ~at.masked).any() | (edit & at.masked).any(), (p.open & ~with_logits).any(),
+                 (take & ~p.open).any(), (diff & (seen.canvas != self.mask_id) & ~edited).any(),
                  (ended[:, None] & masked).any()]
         stats["row_nfe"] = stats["row_nfe"] + at.masked.any(-1)           # device tensors until the end
         stats["row_committed"] = stats["row_committed"] + take.sum(-1)
-        values = torch.stack([*flags, p.open.any(), ended.all(), take.sum(), diff.sum()])
+        values = torch.stack([*flags, p.open.any(), ended.all(), take.sum(), diff.sum(), edit.sum()])
         open_cols = masked[:, s:self.after[s]].any(0)                     # (N + N',) this block's columns, the next's
         got = torch.cat([values, open_cols]).tolist()                     # the read
         if any(got[:len(flags)]):                                         # a hook broke a rule, or the model NaN
             checks.refuse_step(*got[:len(flags)], at, self.step_rule, self.select, self.stop, self.cache)
-        proposed, answer_ended, committed, changed = got[len(flags):len(values)]
+        proposed, answer_ended, committed, changed, edits = got[len(flags):len(values)]
         still = [c for c, m in enumerate(got[len(values):len(values) + e - s]) if m]   # the block's columns still masked
         stats.update(nfe=stats["nfe"] + 1, guide_calls=getattr(self.step_rule, "guide_calls", 0))
-        for key, value in (("fed", at.fed.shape[0]), ("committed", committed), ("filled", changed - committed)):
+        for key, value in (("fed", at.fed.shape[0]), ("committed", committed), ("edited", edits),
+                           ("filled", changed - committed - edits)):
             stats[key].append(value)
-        block_ended = at.i + 1 == self.exact_steps if self.exact_steps else not still
+        # A block ends once no mask is left and its last call changed nothing (a rule that edits: LLaDA2.1's T2T),
+        # or after the rule's max_post_steps calls that found no mask (for a rule that does not edit: 0).
+        post = (seen.post if at.i else 0) + (not at.masked_cols)
+        block_ended = at.i + 1 == self.exact_steps if self.exact_steps else not still and (
+            committed + edits == 0 or post >= getattr(self.step_rule, "max_post_steps", 0))
         if not block_ended and at.i > self.patience:              # past any schedule, and one step a position
             checks.no_progress(proposed, at, self.step_rule, self.select)
         a, b = at.span or (0, x.shape[1] if at.fed.shape[0] == x.shape[1] else 0)
@@ -222,7 +237,8 @@ class Plan:
         if block_ended:                # the next block's masked columns (and so its first feed's logits)
             still, open_cols = [c for c, m in enumerate(got[len(values) + e - s:]) if m], open_cols[e - s:]
         cols = open_cols[:len(open_cols) if block_ended else e - s].nonzero_static(size=len(still)).squeeze(1)
-        return Seen(cols, still, x.clone(), written, seen.calls + 1, bool(answer_ended), block_ended)
+        return Seen(cols, still, x.clone(), written, seen.calls + 1, bool(answer_ended), block_ended,
+                    0 if block_ended else post)
 
     def finish(self, x, stats: dict, t0: float) -> tuple[torch.Tensor, dict]:
         torch.cuda.synchronize(x.device) if x.is_cuda else None
@@ -246,7 +262,8 @@ def decided(cfg, options: dict) -> Settings:
                  if cfg.family == "sdar" else None)
     block_length = ((cfg.block or SDAR_BLOCK) if block and options.get("block_length") is None   # its trained block
                     else st.block_length)
-    steps = block_length if block and cfg.family == "sdar" else st.gen_length          # one token a step
+    steps = (block_length if block and cfg.family == "sdar" else LLADA2_STEPS if block and cfg.family == "llada2"
+             else st.gen_length)                                                       # one token a step
     return dataclasses.replace(st, remasking=st.remasking or remasking, steps=steps if st.steps is None or guided
                                else st.steps, block_length=st.gen_length if guided else block_length or st.gen_length)
 
@@ -288,16 +305,17 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     if st.guide is not None:    # FlashDLM's guided diffusion: one block; a committed end token ends the answer
         (step_rule, select, cache), stop_run = guided_parts(model, st, Settings(), x[:, :P], attention_mask, pos, eos), 1
     elif block:
-        (step_rule, select), stop_run = block_parts(cfg, st, generator), st.stop_at_eos
-        sub = getattr(step_rule, "sub_block", st.block_length)        # SDAR: one sub-block, the block (exact)
-        cache = st.cache if isinstance(st.cache, CachePolicy) else BLOCK_CACHE_POLICIES[st.cache](sub)
+        (step_rule, select, cache), stop_run = block_parts(cfg, st, generator), st.stop_at_eos
     else:
         step_rule, select = S.family_rules(cfg, st, whole_canvas, generator, device)
         cache, stop_run = st.cache if isinstance(st.cache, CachePolicy) else CACHE_POLICIES[st.cache](), st.stop_at_eos
     cache = Refresh(cache) if st.refresh_every_step else cache
-    stop = st.stop or (S.EndOfText(spans[:, 1:], eos, cfg.mask_id, stop_run, fill) if stop_run else S.NoStop())
+    end_of_text = getattr(step_rule, "end_of_text", S.EndOfText)     # LLaDA2: once its block is final
+    stop = st.stop or (end_of_text(spans[:, 1:], eos, cfg.mask_id, stop_run, fill) if stop_run else S.NoStop())
+    cut = cfg.family == "llada2" or stop_run and cfg.family == "fastdllm_v2"     # as the official answers end
     output = (partial(grid_output, lengths=lengths, shortest=int(lengths.min()), P=P, fill=fill,
-                      eos=eos if stop_run and cfg.family == "fastdllm_v2" else None) if block else lambda x: x)
+                      eos=eos if cut else None, gen=st.gen_length if cfg.family == "llada2" else None)
+              if block else lambda x: x)
     compiled = st.compile and cache.fixed_width and (st.compile if isinstance(st.compile, Compiled) else Compiled())
     kv = (compiled.cache if compiled else KVCache.for_model)(model, B, x.shape[1], cache.spare) if cache.keeps_cache else None
     spb, L = getattr(step_rule, "steps_per_block", 0), x.shape[1]
@@ -306,7 +324,8 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
                 layers=partial(compiled, model) if compiled else model.hidden, kv=kv,
                 pos=ar.expand(B, L) if pos is None else pos, mask=mask, mask_id=cfg.mask_id, shift=cfg.shift,
                 prompt=spans, grid=st.block_length if block else 0, exact_steps=getattr(step_rule, "exact_steps", None),
-                patience=spb + st.block_length, calls_per_block=1 if S.is_parallel(select) else max(spb, 1),
+                patience=spb + st.block_length + getattr(step_rule, "max_post_steps", 0),
+                calls_per_block=1 if S.is_parallel(select) else max(spb, 1),
                 eos=eos, ar=ar, output=output,
                 after={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)})
     return plan, x
@@ -325,7 +344,8 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
     filled with its pad id."""
     plan, x = make_plan(model, prompt, settings, attention_mask, generator, on_step)
     on_step = on_step or (lambda x, stats: None)
-    stats = dict(nfe=0, row_nfe=0, row_committed=0, fed=[], committed=[], filled=[], calls_saved=0, guide_calls=0)
+    stats = dict(nfe=0, row_nfe=0, row_committed=0, fed=[], committed=[], edited=[], filled=[], calls_saved=0,
+                 guide_calls=0)
     t0, p, take, seen = time.perf_counter(), None, None, plan.start(x)
     try:
         for b, (s, e) in enumerate(plan.blocks):
@@ -334,7 +354,7 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
                 at, logits = plan.feed(x, seen, i, s, e)                 # 1. feed: what the cache policy names
                 p = plan.step_rule.propose(logits, at)                   # 2. propose
                 take = plan.select(p, at)                                # 3. select
-                x[:, s:e] = torch.where(take, p.x0, x[:, s:e])           # 4. commit
+                x[:, s:e] = torch.where(take | p.edit, p.x0, x[:, s:e])  # 4. commit (and a rule's edits)
                 ended = plan.stop(x, at, p)                              # 5. stop
                 seen = plan.read(x, at, p, take, ended, seen, stats)     # the one host read
                 on_step(plan.output(x), stats)                          # the canvas, in the ids' layout

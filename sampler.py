@@ -27,6 +27,8 @@ class Proposal(NamedTuple):
     k: torch.Tensor        # (B,) long: tokens the family's schedule commits now (Dream under a parallel rule: the open count)
     logits: torch.Tensor   # (B, n, V): the model's logits at the block columns at.cols
     k_host: int | None = None   # k as one host int where the rule knows it without a read (rows with a mask left)
+    edit: torch.Tensor | bool = False   # (B, N) bool: committed tokens of the block (never the prompt) the step
+                                        #   rewrites with x0, whatever the selection (LLaDA2.1's T2T editing)
 
 
 # ---------------------------------------------------------------------------------------- sampling
@@ -217,9 +219,11 @@ class StepRule:
     start, before its first call (it may fill masks of x, e.g. forced tokens; nothing else); propose(logits, at)
     -> Proposal for the step `at` (fastdllm.Step), logits (B, n, V) at the block columns at.cols.
     steps_per_block: the block's scheduled steps (0: none); exact_steps: a block takes exactly that many calls
-    (Dream's own sampler), else a block ends once it has no mask left."""
+    (Dream's own sampler), else a block ends once it has no mask left and its last call changed nothing (a rule that
+    edits, Proposal.edit), or after max_post_steps calls without a mask."""
     steps_per_block = 0
     exact_steps = None
+    max_post_steps = 0
 
     def start_block(self, x, s: int, e: int):
         pass
