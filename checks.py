@@ -16,6 +16,7 @@ import torch
 
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_REMASKING
 from cache import CACHE_POLICIES, CachePolicy
+from llada2 import OWN as LLADA2_OWN
 from sampler import DREAM_REMASKING, LLADA_REMASKING, is_parallel
 
 CACHE_MODES = tuple(CACHE_POLICIES)      # the cache policies by name, as cache.py lists them
@@ -263,6 +264,9 @@ def check_call(model, prompt, st, attention_mask, generator, on_step, whole_canv
     if st.propose is not None and ignored:
         bad(f"propose= {name(st.propose)} makes its own proposals: {', '.join(ignored)} set(s) the built-in step "
             f"rules only; give your step rule what it needs, and drop {ignored[0]}")
+    theirs = [k for k in LLADA2_OWN if given.get(k, getattr(defaults, k)) != getattr(defaults, k)]
+    if theirs and cfg.family != "llada2":
+        bad(f"{theirs[0]} is LLaDA2's (model_type llada2_moe): a {cfg.family} model does not read it; drop {theirs[0]}")
     built_in_parallel = st.select is None and (st.threshold is not None or st.factor is not None)
     if cfg.family == "dream" and built_in_parallel and given.get("remasking") not in (None, "maskgit_plus"):
         bad(f"remasking={given['remasking']!r} does not apply with threshold/factor on Dream: Fast-dLLM's parallel "
@@ -379,8 +383,8 @@ def refuse_step(nonfinite, opened, unpredicted, outside, overwrote, unfilled, at
         bad(f"the model produced NaN/inf logits {step}: the weights hold NaN/inf, or the activations overflowed "
             f"(try --dtype float32)")
     if opened:
-        bad(f"propose= {name(step_rule)}.propose() opened positions that are not masks {step}: a proposal's open "
-            f"positions lie inside at.masked")
+        bad(f"propose= {name(step_rule)}.propose() opened positions that are not masks (or edited masks) {step}: a "
+            f"proposal's open positions lie inside at.masked, its edits (Proposal.edit) outside it")
     if unpredicted:
         fed = f"fed {at.span}" if at.span else "fed a set of positions"
         bad(f"cache= {name(cache)}.span() {fed} {step} (block [{at.s}, {at.e})), and {name(step_rule)}.propose() "
@@ -396,7 +400,8 @@ def refuse_step(nonfinite, opened, unpredicted, outside, overwrote, unfilled, at
     custom = [f"{hook} {name(h)}" for hook, h in (("stop=", stop), ("propose=", step_rule), ("select=", select))
               if type(h).__module__ not in ("sampler", "guided")]
     bad(f"{' or '.join(custom) or 'a hook'} changed a token that was not a mask (the prompt or a committed token) "
-        f"{step}: hooks may only fill masked positions (the stop rule; a step rule's start_block)")
+        f"{step}: hooks may only fill masked positions (the stop rule; a step rule's start_block), and a step rule's "
+        f"edits (Proposal.edit) rewrite only the block's committed tokens, never the prompt")
 
 
 def no_progress(proposed, at, step_rule, select):

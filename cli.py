@@ -58,7 +58,8 @@ def settings(args, **override):
               steps=args.steps,
               cache=args.cache, threshold=args.threshold, factor=args.factor, temperature=args.temperature,
               remasking=args.remasking, top_p=args.top_p, top_k=args.top_k, alg_temp=args.alg_temp,
-              compile=getattr(args, "compiled", None) or args.compile)
+              compile=getattr(args, "compiled", None) or args.compile,
+              **{k: getattr(args, k, None) for k in ("editing_threshold", "max_post_steps", "num_to_transfer")})
     if args.guide:
         kw.update(accept=args.accept, accept_k=args.accept_k, accept_ratio=args.accept_ratio,
                   accept_threshold=args.accept_threshold, speculative=args.speculative)
@@ -283,6 +284,13 @@ def add_flags(p, omit=()):
     add("--top-p", type=float, default=None, help="Dream only (default: off)")
     add("--top-k", type=int, default=None, help="Dream only (default: off)")
     add("--alg-temp", type=float, default=None, help="Dream only: randomness of the position choice")
+    add("--editing-threshold", type=float, default=None, help="LLaDA2.1: edit a committed token of the block whose "
+        "new proposal is more likely than this (T2T; the card's quality mode: --threshold 0.7 --editing-threshold "
+        "0.5, speed: 0.5 and 0) (default: off, LLaDA2.0's decode)")
+    add("--max-post-steps", type=int, default=None, help="LLaDA2.1: edit-only calls a block may take once it has no "
+        "mask (default: 16)")
+    add("--num-to-transfer", type=int, default=None, help="LLaDA2.1: masks a call commits when fewer pass the "
+        "threshold (default: 1)")
     add("--device", default=None, help="cpu | cuda (default: cuda if available)")
     add("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     add("--seed", type=int, default=0, help="seed of the sampling generator; a negative one is taken modulo 2**64, "

@@ -23,6 +23,7 @@ BLOCK, STEPS, THRESHOLD = 32, 32, 0.95      # the official generate()'s defaults
 EDITING, POST_STEPS, TRANSFER = 0.9, 16, 1  # LLaDA2.1's: editing_threshold, max_post_steps, num_to_transfer
 MODES = {"quality": (0.7, 0.5), "speed": (0.5, 0.0)}   # the LLaDA2.1 card: (threshold, editing_threshold)
 EDITING_ONLY = ("max_post_steps", "num_to_transfer")    # LLaDA2.1's settings: they need editing_threshold
+OWN = ("minimal_topk", "editing_threshold", *EDITING_ONLY)   # the settings only this family reads
 
 
 class LLaDA2(StepRule):

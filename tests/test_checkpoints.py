@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 import bounded
 import cli
+from blockdiff import FAMILIES as BLOCK_FAMILIES
 from chat import Chat, chat_template
 from conftest import ROOT
 from model import checkpoint_names, load_model, read_config
@@ -34,10 +35,6 @@ CONVERSATIONS = [
 MOE = ("inclusionAI/LLaDA-MoE-7B-A1B-Base", "inclusionAI/LLaDA-MoE-7B-A1B-Instruct")
 # <|role_end|>'s id in the release was not seen (docs/models.md): the tiny copies' placement, never read by id.
 ROLE_END = next(i for i, t in RELEASES[MOE[1]]["tokens"].items() if t == "<|role_end|>")
-
-
-# The checkpoints whose decode runs today: LLaDA2.x's (block diffusion, the "llada2" family) is not wired yet.
-DECODED = [repo for repo in RELEASES if RELEASES[repo]["family"] != "llada2"]
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +206,7 @@ def cli_run(*args):
     return bounded.run([sys.executable, os.path.join(ROOT, "fastdllm.py"), *args], timeout=120)
 
 
-@pytest.mark.parametrize("repo", DECODED)
+@pytest.mark.parametrize("repo", RELEASES)
 def test_fastdllm_answers_offline(releases, repo):
     """`python fastdllm.py --model <folder>` as a user runs it, with the CLI's headline defaults."""
     r = cli_run("--model", releases[repo], "--prompt", "Write a sort in Python.", *FLAGS)
@@ -220,12 +217,12 @@ def test_fastdllm_answers_offline(releases, repo):
 
 
 @pytest.mark.parametrize("cache", ["none", "prefix", "dual", "free"])
-@pytest.mark.parametrize("repo", DECODED)
+@pytest.mark.parametrize("repo", RELEASES)
 def test_every_cache_mode_answers(releases, repo, cache, monkeypatch, capsys):
     """cli.main in each cache mode: an answer and its stats, and generate() got the checkpoint's end ids."""
     calls, real = [], cli.generate
     monkeypatch.setattr(cli, "generate", lambda model, prompt, **kw: calls.append(kw) or real(model, prompt, **kw))
-    if cache == "free" and RELEASES[repo]["family"] in ("fastdllm_v2", "sdar"):   # block diffusion: an exact prefix cache
+    if cache == "free" and RELEASES[repo]["family"] in BLOCK_FAMILIES:   # block diffusion: an exact prefix cache
         with pytest.raises(ValueError, match="cache 'free' does not apply to a block-diffusion model"):
             cli.main(["--model", releases[repo], "--prompt", "the cat", "--cache", cache, *FLAGS])
         return
