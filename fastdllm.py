@@ -1,5 +1,5 @@
 """
-fastdllm.py: fast inference for masked-diffusion LLMs (LLaDA, Dream; block diffusion: Fast-dLLM v2, SDAR):
+fastdllm.py: fast inference for masked-diffusion LLMs (LLaDA, Dream; block diffusion: Fast-dLLM v2, SDAR, LLaDA2):
 generate(), its plan and the one loop.
 
 A diffusion LM generates by denoising: the answer starts as gen_length [MASK] tokens, and each model call ("step",
