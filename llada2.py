@@ -81,8 +81,11 @@ class AfterBlock(EndOfText):
     def __call__(self, x, at, p):
         if at.e == x.shape[1]:      # the last block: nothing left to save
             return torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+        if at.n == 0:
+            self.ended = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+        # An ended row stays ended (in a batch its filled blocks may still be edited: after its end, never read).
         done = eos_reached(x, self.P, at.e if self.run is True else x.shape[1], self.eos, self.mask_id, self.run)
-        done &= self.rule.settled
+        done = self.ended = self.ended | done & self.rule.settled
         x.masked_fill_(done[:, None] & (x == self.mask_id), self.fill)
         return done
 
