@@ -1,4 +1,5 @@
-"""Block diffusion (Fast-dLLM v2, SDAR) everywhere the others are: early stop at the end token, streaming through
+"""Block diffusion (Fast-dLLM v2, SDAR, LLaDA2.0, LLaDA2.1 with its edits) everywhere the others are: early stop
+at the end token, streaming through
 on_step, one host read per step, the server (batched requests equal to each alone, streamed equal to not) and the
 lm-eval harness, on tiny checkpoints in each release's exact format (tools/checkpoint.py --release)."""
 import threading
@@ -15,7 +16,9 @@ from test_serve import at_once, events, post, solo
 from tools.checkpoint import make_release
 from tools.step_count import counted
 
-RELEASES = {"fastdllm_v2": ("Efficient-Large-Model/Fast_dLLM_v2_7B", 32), "sdar": ("JetLM/SDAR-4B-Chat", 8)}
+RELEASES = {"fastdllm_v2": ("Efficient-Large-Model/Fast_dLLM_v2_7B", 32), "sdar": ("JetLM/SDAR-4B-Chat", 8),
+            "llada2.0": ("inclusionAI/LLaDA2.0-mini", 8), "llada2.1": ("inclusionAI/LLaDA2.1-mini", 8)}
+EXTRA = {"llada2.1": dict(editing_threshold=0.5)}      # LLaDA2.1's editing decode (its card's Quality mode's)
 QUESTIONS = ["Write a sort in Python.", "What is 2+2?", "Name a color.", "Tell me a joke about cats and dogs please."]
 
 
@@ -54,7 +57,7 @@ def test_early_stop_equals_the_full_decode_up_to_the_end_token(release, ends_som
     family, _, G, _, chat = release
     model, eos, stopped = ends_sometimes, ends_sometimes.config.eos_id, 0
     for p in prompts(chat):
-        kw = dict(gen_length=64, block_length=G, cache="prefix", threshold=0.9)
+        kw = dict(gen_length=64, block_length=G, cache="prefix", threshold=0.9, **EXTRA.get(family, {}))
         (full,), a = generate(model, p, **kw)
         (cut,), b = generate(model, p, stop_at_eos=True, **kw)
         full, cut = full[p.shape[1]:].tolist(), cut[p.shape[1]:].tolist()
@@ -77,7 +80,7 @@ def test_a_batch_with_early_stop_equals_each_row_alone(release, ends_sometimes):
     P = max(p.shape[1] for p in ps)
     ids = torch.stack([torch.nn.functional.pad(p[0], (P - p.shape[1], 0), value=0) for p in ps])
     mask = torch.stack([torch.arange(P) >= P - p.shape[1] for p in ps]).long()
-    kw = dict(gen_length=64, block_length=G, cache="prefix", threshold=0.9, stop_at_eos=True)
+    kw = dict(gen_length=64, block_length=G, cache="prefix", threshold=0.9, stop_at_eos=True, **EXTRA.get(family, {}))
     batch, _ = generate(ends_sometimes, ids, attention_mask=mask, **kw)
     for r, p in enumerate(ps):
         (alone,), _ = generate(ends_sometimes, p, **kw)
@@ -90,15 +93,16 @@ def test_a_batch_with_early_stop_equals_each_row_alone(release, ends_sometimes):
 def test_streaming_shows_each_call_and_ends_on_the_output(release):
     """on_step: once a call, each canvas in the output's layout, a committed token never changes, the last one is
     what generate() returns."""
-    _, _, G, model, chat = release
+    family, _, G, model, chat = release
     p = prompts(chat)[0]
     seen = []
     out, stats = generate(model, p, gen_length=32, block_length=G, cache="prefix", threshold=0.9,
-                          on_step=lambda x, st: seen.append(x.clone()))
+                          on_step=lambda x, st: seen.append(x.clone()), **EXTRA.get(family, {}))
     assert len(seen) == stats["nfe"] and all(s.shape == out.shape for s in seen) and torch.equal(seen[-1], out)
     mask = model.config.mask_id
     for before, after in zip(seen, seen[1:]):
-        kept = before != mask
+        kept = before != mask       # LLaDA2.1 may edit the answer's committed tokens, never the prompt
+        kept[:, p.shape[1]:] &= family not in EXTRA
         assert torch.equal(after[kept], before[kept])
     assert (seen[0] == mask).sum() > (seen[-1] == mask).sum() == 0
 
@@ -106,16 +110,18 @@ def test_streaming_shows_each_call_and_ends_on_the_output(release):
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
 def test_one_host_read_per_step(release, cache):
     """tools/step_count.py's counter: every step after the set-up reads the device once."""
-    _, _, G, model, chat = release
-    steps, _ = counted(model, prompts(chat)[1], cache=cache, threshold=0.9, gen_length=32, block_length=G)
+    family, _, G, model, chat = release
+    steps, _ = counted(model, prompts(chat)[1], cache=cache, threshold=0.9, gen_length=32, block_length=G,
+                       **EXTRA.get(family, {}))
     assert steps and all(c["syncs"] == 1 for _, c in steps), [c["syncs"] for _, c in steps]
 
 
 @pytest.fixture(scope="module")
 def served(release):
     family, d, G, _, _ = release
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in EXTRA.get(family, {}).items()]
     app = serve.build(serve.parse_args(["--model", d, "--gen-length", "32", "--block-length", str(G), "--port", "0",
-                                        "--quiet"]))
+                                        "--quiet", *flags]))
     httpd = serve.make_server(app, "127.0.0.1", 0)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
@@ -138,11 +144,26 @@ def test_served_answers_equal_each_alone_streamed_or_not(served):
         (alone,), _ = cli.run_batch(app.model, [ids], app.args, app.engine.device)
         # A block decode runs to its grid block's edge; the server answers at most max_tokens (here gen_length).
         assert out["choices"][0]["message"]["content"] == app.chat.answer(alone[len(ids):][:32])
-    chunks = events(port, "/v1/chat/completions", dict(bodies[0], stream=True))
-    joined = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
-    assert joined == results[0][1]["choices"][0]["message"]["content"]
     one = post(port, "/v1/chat/completions", bodies[0])
-    assert one["choices"][0]["fastdllm"]["nfe"] == solo(app, QUESTIONS[0])[1]
+    assert one["choices"][0]["message"]["content"] == results[0][1]["choices"][0]["message"]["content"]
+    if app.args.editing_threshold is None:      # an editing rule's stream: the strict xfail below
+        assert streamed(port, bodies[0]) == one["choices"][0]["message"]["content"]
+        assert one["choices"][0]["fastdllm"]["nfe"] == solo(app, QUESTIONS[0])[1]
+
+
+def streamed(port, body) -> str:
+    chunks = events(port, "/v1/chat/completions", dict(body, stream=True))
+    return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+
+
+@pytest.mark.xfail(strict=True, reason="known bug: the server streams a block's text step by step, and LLaDA2.1's "
+                   "edits later revise text already sent; the fix is to stream an editing rule's block at its end")
+def test_served_stream_of_an_editing_rule_is_its_answer(release, served):
+    if release[0] not in EXTRA:
+        pytest.skip("only an editing rule (LLaDA2.1) revises streamed text")
+    app, port = served
+    body = {"messages": [{"role": "user", "content": QUESTIONS[0]}]}
+    assert streamed(port, body) == post(port, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
 
 
 def test_harness_answers_equal_generate(release):
@@ -152,12 +173,12 @@ def test_harness_answers_equal_generate(release):
     import harness
     from lm_eval.api.instance import Instance
     family, d, G, model, chat = release
-    lm = harness.FastDLLM(model=d, block_length=G, device="cpu", cache="prefix", threshold=0.9)
+    lm = harness.FastDLLM(model=d, block_length=G, device="cpu", cache="prefix", threshold=0.9, **EXTRA.get(family, {}))
     got = lm.generate_until([Instance("generate_until", {}, (q, {"max_gen_toks": 32}), 0, ("t", 0, 1))
                              for q in QUESTIONS[:2]])
     for q, text in zip(QUESTIONS, got):
         ids = chat.tok.encode(q).ids                 # lm-eval's request text is the prompt (no template asked)
         (out,), _ = generate(model, torch.tensor([ids]), gen_length=32, block_length=G, cache="prefix",
-                             threshold=0.9, stop_at_eos=True, eos_ids=sorted(chat.stop_ids))
+                             threshold=0.9, stop_at_eos=True, eos_ids=sorted(chat.stop_ids), **EXTRA.get(family, {}))
         assert text == chat.answer(out[len(ids):].tolist())
     assert len(set(got)) == 2

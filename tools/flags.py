@@ -110,7 +110,7 @@ def nonempty(text: str) -> str:
 # The flag groups
 
 def shape_arguments(p):
-    p.add_argument("--family", default="llada", choices=("llada", "dream", "lladamoe", "fastdllm_v2", "sdar"),
+    p.add_argument("--family", default="llada", choices=("llada", "dream", "lladamoe", "fastdllm_v2", "sdar", "llada2"),
                    help="default: %(default)s")
     p.add_argument("--d-model", type=integer(2), default=512, help="default: %(default)s")
     p.add_argument("--layers", type=integer(1), default=4, help="default: %(default)s")
