@@ -606,7 +606,7 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None, quanti
                         raise ValueError(f"tensor {key!r} has dtype {t.dtype}, not a float: this checkpoint is "
                                          f"quantized or corrupt; fastdllm loads float16/bfloat16/float32 weights")
                     if (stack or ours) in targets:
-                        int8_store(state, params, ours, t.to(device=device, dtype=dtype), int8)
+                        int8_store(state, params, ours, t.to(device=device, dtype=dtype), int8, stack, flip)
                     elif stack is None:
                         state[ours] = t.to(device=device, dtype=dtype)
                     else:   # expert e of a stack: fill its row of the one preallocated tensor

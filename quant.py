@@ -18,7 +18,6 @@ import warnings
 import torch
 import torch.nn as nn
 
-from model import MoE, Transformer, stored_shape
 
 QUANTIZE = ("int8",)
 
@@ -55,6 +54,12 @@ def int8_quantizer(quantize):
     return lambda w: Int8Tensor.from_hp(w, PerRow())
 
 
+def is_stack(m) -> bool:
+    """An expert-stack module (model.MoE: its stacked weights named in `stacks`, those stored transposed in
+    `transposed`), told by its attributes: quant.py reads the model, model.py's loader imports quant.py."""
+    return hasattr(type(m), "stacks")
+
+
 def int8_targets(model) -> set[str]:
     """The weights quantize="int8" stores as int8: every linear layer's but the LM head's and the MoE router's, and
     the MoE expert stacks. Any family built of nn.Linear layers and MoE stacks is covered as it is."""
@@ -62,16 +67,16 @@ def int8_targets(model) -> set[str]:
     for name, m in model.named_modules():
         if isinstance(m, nn.Linear) and name != "lm_head" and not name.endswith(".router"):
             out.add(name + ".weight")
-        elif isinstance(m, MoE):
-            out.update(f"{name}.{stack}" for stack in MoE.stacks)
+        elif is_stack(m):
+            out.update(f"{name}.{stack}" for stack in m.stacks)
     return out
 
 
-def int8_store(state: dict, params: dict, ours: str, w: torch.Tensor, int8) -> None:
+def int8_store(state: dict, params: dict, ours: str, w: torch.Tensor, int8, stack=None, flip=False) -> None:
     """Our weight `ours` (checkpoint_names), read as w in the model's dtype, into `state` as int8: a linear layer's
-    as torchao's int8 tensor, an expert's as its row of the stack's int8 values and of the stack's scales."""
+    as torchao's int8 tensor, an expert's (stack: its stacked parameter; flip: stored transposed) as its row of the
+    stack's int8 values and of the stack's scales."""
     q = int8(w)
-    stack, _, flip = stored_shape(params, ours)
     if stack is None:
         state[ours] = q
         return
@@ -90,8 +95,8 @@ def int8_layout(model, targets: set[str]) -> None:
         module, _, attr = name.rpartition(".")
         m = model.get_submodule(module)
         w = getattr(m, attr).requires_grad_(False)
-        if isinstance(m, MoE):
-            outputs = w.shape[2 if attr in MoE.transposed else 1]
+        if is_stack(m):
+            outputs = w.shape[2 if attr in m.transposed else 1]
             m.register_buffer(attr + "_scale", torch.empty(w.shape[0], outputs, dtype=w.dtype, device=w.device))
 
 
@@ -103,7 +108,7 @@ def read_once(path: str, key: str) -> torch.Tensor:
         return f.get_tensor(key)
 
 
-def quantize_int8(model: Transformer) -> Transformer:
+def quantize_int8(model):
     """A model already in memory (tools/gpu_check.py's random ones) to quantize="int8", in place, a weight at a
     time: torchao's own quantize_ for the linear layers, the expert stacks row by row as load_model stores them."""
     int8 = int8_quantizer("int8")
@@ -116,10 +121,10 @@ def quantize_int8(model: Transformer) -> Transformer:
         for name in sorted(targets):
             module, _, attr = name.rpartition(".")
             m = model.get_submodule(module)
-            if isinstance(m, MoE):
-                w, state = getattr(m, attr).detach(), {}
+            if is_stack(m):
+                w, state, flip = getattr(m, attr).detach(), {}, attr in m.transposed
                 for e in range(w.shape[0]):
-                    int8_store(state, {name: w}, f"{name}.{e}", w[e].t() if attr in MoE.transposed else w[e], int8)
+                    int8_store(state, {name: w}, f"{name}.{e}", w[e].t() if flip else w[e], int8, name, flip)
                 setattr(m, attr, nn.Parameter(state[name], requires_grad=False))
                 m.register_buffer(attr + "_scale", state[name + "_scale"])
     return model
