@@ -358,13 +358,14 @@ def check_text(text: str, what: str = "the prompt"):
 
 
 def streamer(chat, P: int, mask_id: int):
-    """on_step for the CLI: print the answer as it is decided, up to the first still-masked position."""
+    """on_step for the CLI: print the answer as it is decided: up to the first still-masked position, and (a rule
+    that edits) the blocks that have ended (stats["final"])."""
     new_text = chat.stream()
 
     def on_step(x, stats):
         row = x[0, P:].tolist()
-        decided = row[:row.index(mask_id)] if mask_id in row else row
-        print(new_text(decided, final=mask_id not in row), end="", flush=True)
+        final = min(row.index(mask_id) if mask_id in row else len(row), stats["final"][0])
+        print(new_text(row[:final], final=final == len(row)), end="", flush=True)
     return on_step
 
 

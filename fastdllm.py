@@ -86,7 +86,8 @@ class Step(NamedTuple):
     shift: int             # the family's logits shift: position p is predicted from hidden state p - shift
     mask_id: int           # the [MASK] token id
     prompt: torch.Tensor   # (B, 2) long: each row's prompt [begin, end) on the canvas (its answer starts at end)
-    cols: torch.Tensor     # (n,) long: the block columns the logits are at (masked in some row, predicted by the feed)
+    cols: torch.Tensor     # (n,) long: the block columns the logits are at (masked in some row, or every column for a
+                           #   rule that reads the whole block: StepRule.reads_block; predicted by the feed)
     masked_cols: list      # the block columns masked in some row, on the host (as the last step's read saw them)
     fed: torch.Tensor = None     # (T,) long: the canvas positions this call fed
     span: tuple = None           # (a, b) when those are the span [a, b); None for a fork's set of positions
@@ -155,6 +156,8 @@ class Plan:
     ar: torch.Tensor          # arange(L): spans and columns as views, no kernel
     output: Callable          # the canvas -> generate()'s ids (a block-diffusion batch's layout; else as is)
     after: dict               # block start -> the next block's end (a read reports the next block's masked columns)
+    answer_at: list           # each row's answer start on the canvas, on the host (stats["final"])
+    reads_block: bool         # the step rule reads logits at every block column, not just the masked (StepRule)
 
     def feed(self, x, seen: Seen, i: int, s: int, e: int) -> tuple[Step, torch.Tensor]:
         """1. feed: where this step stands, what the cache policy feeds, one model call -> (at, logits (B, n, V) for
@@ -163,20 +166,21 @@ class Plan:
         at = Step(n, i, s, e, x, x[:, s:e] == self.mask_id, self.shift, self.mask_id, self.prompt, seen.cols,
                   seen.masked_cols)
         wanted = self.cache.span(at)
+        cols, listed = (self.ar[:e - s], range(e - s)) if self.reads_block else (seen.cols, seen.masked_cols)
         if isinstance(wanted, torch.Tensor):       # a fork's set of positions: checked with one more host read
             fed, span, chunk = wanted, None, wanted
-            cols, rows = seen.cols, checks.positions(wanted, at, seen.cols, self.kv is not None, self.cache)
+            rows = checks.positions(wanted, at, cols, self.kv is not None, self.cache)
         else:
             a, b = wanted if isinstance(wanted, (tuple, list)) and len(wanted) == 2 else (None, None)
             if not (type(a) is int and type(b) is int and 0 <= a < b <= L):
                 checks.refuse_span(self.cache, at, wanted)
-            a, first, last = predicting(a, b, s, seen.masked_cols, self.shift)
+            a, first, last = predicting(a, b, s, listed, self.shift)
             # Keys a fed query sees must all have been written: the whole canvas, or a block-causal grid up to the
             # end of the fed span's block (a KV cache starts empty).
             seen_to = L if not self.grid else min(L, -(-b // self.grid) * self.grid)
             if self.kv is not None and not (a <= seen.written and max(seen.written, b) >= seen_to):
                 checks.refuse_unwritten(self.cache, at, (a, b), seen.written, seen_to)
-            fed, span, chunk, cols = self.ar[a:b], (a, b), slice(a, b), seen.cols[first:last]
+            fed, span, chunk, cols = self.ar[a:b], (a, b), slice(a, b), cols[first:last]
             rows = cols + (s - self.shift - a)
         keys = self.cache.keys and checks.key_mask(self.cache.keys(at), x.shape, self.cache)   # (B, L) bool, or None
         mask = self.mask        # (B, 1, L, L): the fed queries' rows; keys: the canvas (a KV cache), else the fed
@@ -212,7 +216,7 @@ class Plan:
                  (p.open & ~at.masked).any() | (edit & at.masked).any(), (p.open & ~with_logits).any(),
                  (take & ~p.open).any(), (diff & (seen.canvas != self.mask_id) & ~edited).any(),
                  (ended[:, None] & masked).any()]
-        stats["row_nfe"] = stats["row_nfe"] + at.masked.any(-1)           # device tensors until the end
+        stats["row_nfe"] = stats["row_nfe"] + (at.masked.any(-1) | p.busy)  # device tensors until the end
         stats["row_committed"] = stats["row_committed"] + take.sum(-1)
         values = torch.stack([*flags, p.open.any(), ended.all(), take.sum(), diff.sum(), edit.sum()])
         open_cols = masked[:, s:self.after[s]].any(0)                     # (N + N',) this block's columns, the next's
@@ -237,6 +241,10 @@ class Plan:
         if block_ended:                # the next block's masked columns (and so its first feed's logits)
             still, open_cols = [c for c, m in enumerate(got[len(values) + e - s:]) if m], open_cols[e - s:]
         cols = open_cols[:len(open_cols) if block_ended else e - s].nonzero_static(size=len(still)).squeeze(1)
+        # Each row's answer tokens that no later call changes once unmasked: a rule that edits may still rewrite the
+        # block's (a stream shows them at its end).
+        final = (e if block_ended else s) if getattr(self.step_rule, "edits", False) else x.shape[1]
+        stats["final"] = [max(final - a, 0) for a in self.answer_at]
         return Seen(cols, still, x.clone(), written, seen.calls + 1, bool(answer_ended), block_ended,
                     0 if block_ended else post)
 
@@ -327,7 +335,8 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
                 patience=spb + st.block_length + getattr(step_rule, "max_post_steps", 0),
                 calls_per_block=1 if S.is_parallel(select) else max(spb, 1),
                 eos=eos, ar=ar, output=output,
-                after={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)})
+                after={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)},
+                answer_at=lengths.tolist() if block else [P] * B, reads_block=getattr(step_rule, "reads_block", False))
     return plan, x
 
 
@@ -335,7 +344,8 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
 def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
              generator: torch.Generator | None = None, on_step=None, **settings):
     """Decode gen_length tokens after `prompt` (B, P) -> (ids (B, P + gen_length), stats: "nfe" (model calls),
-    "row_nfe", "row_committed" (per row), "fed", "committed", "filled" (per call), "calls_saved", "guide_calls",
+    "row_nfe", "row_committed" (per row), "fed", "committed", "filled" (per call), "final" (per row: its answer's
+    tokens no later call changes once unmasked, for a stream), "calls_saved", "guide_calls",
     "seconds", "answer_tokens", "tokens_per_s": README "Python API"). settings: the fields of `Settings`.
     attention_mask: (B, P) 1/0 for left-padded prompts: each row decodes as it would alone. generator: the only
     source of randomness (default: one seeded 0). on_step(x, stats): called after every step, the canvas live (in the

@@ -35,6 +35,7 @@ class LLaDA2(StepRule):
     def __init__(self, *, counts, transfer: int, editing, max_post_steps: int, temperature: float, top_k, top_p,
                  generator, mask_id: int, sample):
         self.counts, self.transfer, self.editing, self.max_post_steps = counts, transfer, editing, max_post_steps
+        self.edits = self.reads_block = editing is not None     # T2T reads every position of the block
         self.opts = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, mask_id=mask_id)
         self.sample = sample
 
@@ -52,22 +53,20 @@ class LLaDA2(StepRule):
             # without logits here (not masked) is drawn from another's, and never committed.
             block = torch.arange(N, device=at.masked.device)
             logits = logits[:, torch.searchsorted(at.cols, block).clamp(max=max(len(at.masked_cols) - 1, 0))]
-        else:                   # T2T reads every position of the block: one more LM head, on the fed block
-            logits = at.logits(at.s, at.e)
         x0, p = self.sample(logits, **self.opts)                      # (B, N) each
         count = min(self.counts[min(self.step, len(self.counts) - 1)] if self.counts else self.transfer, N)
         self.step += 1
         k = masks.clamp(max=count)                 # the official's top-k of min(count, masks)
         idle = masks == 0                          # rows with no mask at this call
         self.post += idle
-        edit = False
+        edit, busy = False, ~self.settled          # a row its last call changed: alone, this call is its too
         if self.editing is not None:
             prompt = at.s + torch.arange(N, device=x0.device) < at.prompt[:, 1:]       # (B, N) the row's prompt
             live = (self.post <= self.max_post_steps)[:, None]     # a row past its post steps makes no call alone
             edit = live & ~at.masked & ~prompt & (x0 != at.x[:, at.s:at.e]) & (p > self.editing)
             self.settled = (self.post >= self.max_post_steps) | idle & ~edit.any(-1)
         conf = p.masked_fill(~at.masked, NEG_INF)
-        return Proposal(x0, conf, at.masked, k, logits, k_host=count, edit=edit)
+        return Proposal(x0, conf, at.masked, k, logits, k_host=count, edit=edit, busy=busy)
 
 
 class AfterBlock(EndOfText):

@@ -29,6 +29,8 @@ class Proposal(NamedTuple):
     k_host: int | None = None   # k as one host int where the rule knows it without a read (rows with a mask left)
     edit: torch.Tensor | bool = False   # (B, N) bool: committed tokens of the block (never the prompt) the step
                                         #   rewrites with x0, whatever the selection (LLaDA2.1's T2T editing)
+    busy: torch.Tensor | bool = False   # (B,) bool: rows this call works on though they have no mask (an editing
+                                        #   rule's calls that check a block): counted in row_nfe, as alone
 
 
 # ---------------------------------------------------------------------------------------- sampling
@@ -220,10 +222,14 @@ class StepRule:
     -> Proposal for the step `at` (fastdllm.Step), logits (B, n, V) at the block columns at.cols.
     steps_per_block: the block's scheduled steps (0: none); exact_steps: a block takes exactly that many calls
     (Dream's own sampler), else a block ends once it has no mask left and its last call changed nothing (a rule that
-    edits, Proposal.edit), or after max_post_steps calls without a mask."""
+    edits, Proposal.edit), or after max_post_steps calls without a mask. edits: the rule may rewrite committed tokens
+    of the block, so a stream shows a block once it has ended (stats["final"]); reads_block: propose's logits are at
+    every column of the block (at.cols), not only the masked ones."""
     steps_per_block = 0
     exact_steps = None
     max_post_steps = 0
+    edits = False
+    reads_block = False
 
     def start_block(self, x, s: int, e: int):
         pass

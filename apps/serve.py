@@ -94,7 +94,7 @@ class Request:
 
 class Engine:
     """The one thread that owns the model. Handler threads submit() a request's jobs; each job gets ("step",
-    canvas) events if it wants them, then ("done", result) or ("error", ApiError). others() says whether
+    {"ids": canvas, "final": tokens final once unmasked}) events if it wants them, then ("done", result) or ("error", ApiError). others() says whether
     another request could still come to join a batch (a connection not waiting for its answer)."""
 
     def __init__(self, model, args, log, others=lambda: False):
@@ -203,7 +203,7 @@ class Engine:
                 for i, job in enumerate(batch):
                     before = prev[i] or [mask_id] * len(canvas[i])
                     if job.want_steps and not job.cancelled and canvas[i] != before and mask_id in before:
-                        job.put("step", canvas[i])
+                        job.put("step", {"ids": canvas[i], "final": stats["final"][i]})
                     prev[i] = canvas[i]
             if all(j.cancelled for j in batch):
                 raise Cancelled
@@ -532,9 +532,9 @@ class Handler(JsonHandler):
                 break
             job = jobs[index]
             if kind == "step":   # the decided text, less a tail that could still become a stop string
-                ids = payload[:job.max_tokens]
-                decided = ids[:ids.index(mask_id)] if mask_id in ids else ids
-                texts[index] += views[index](decided, final=mask_id not in ids)
+                ids = payload["ids"][:job.max_tokens]
+                final = min(ids.index(mask_id) if mask_id in ids else len(ids), payload["final"])
+                texts[index] += views[index](ids[:final], final=final == len(ids))
                 visible = texts[index][:stop_scan(texts[index], job.stops, final=False)[0]]
             else:                # done: exactly the text of the non-streamed answer
                 visible, reason, n = app.finish(job, payload["ids"])
@@ -569,7 +569,7 @@ class Handler(JsonHandler):
             if kind == "error":
                 self.sse({"type": "error"} | payload.body())
                 break
-            canvas = payload if kind == "step" else payload["ids"]
+            canvas = payload["ids"]
             new = [cell(p, t) for p, (t, old) in enumerate(zip(canvas, prev)) if t != old]
             prev = canvas
             if kind == "step":

@@ -9,7 +9,7 @@ import torch
 
 import cli
 import serve
-from chat import Chat
+from chat import Chat, streamer
 from fastdllm import generate
 from model import load_model
 from test_serve import at_once, events, post, solo
@@ -90,21 +90,30 @@ def test_a_batch_with_early_stop_equals_each_row_alone(release, ends_sometimes):
             assert chat.answer(row[p.shape[1]:].tolist()) == chat.answer(alone[p.shape[1]:].tolist())
 
 
-def test_streaming_shows_each_call_and_ends_on_the_output(release):
-    """on_step: once a call, each canvas in the output's layout, a committed token never changes, the last one is
-    what generate() returns."""
+def test_streaming_shows_each_call_and_ends_on_the_output(release, capsys):
+    """on_step: once a call, each canvas in the output's layout, a committed token never changes (LLaDA2.1: one
+    before stats["final"]), the last one is what generate() returns; the CLI's streamer prints exactly the answer."""
     family, _, G, model, chat = release
-    p = prompts(chat)[0]
-    seen = []
-    out, stats = generate(model, p, gen_length=32, block_length=G, cache="prefix", threshold=0.9,
-                          on_step=lambda x, st: seen.append(x.clone()), **EXTRA.get(family, {}))
+    p, P, mask = prompts(chat)[0], prompts(chat)[0].shape[1], model.config.mask_id
+    seen, finals, printer = [], [], streamer(chat, P, mask)
+
+    def on_step(x, st):
+        seen.append(x.clone())
+        finals.append(st["final"][0])
+        printer(x, st)
+    out, stats = generate(model, p, gen_length=32, block_length=G, cache="prefix", threshold=0.9, on_step=on_step,
+                          **EXTRA.get(family, {}))
     assert len(seen) == stats["nfe"] and all(s.shape == out.shape for s in seen) and torch.equal(seen[-1], out)
-    mask = model.config.mask_id
     for before, after in zip(seen, seen[1:]):
         kept = before != mask       # LLaDA2.1 may edit the answer's committed tokens, never the prompt
-        kept[:, p.shape[1]:] &= family not in EXTRA
+        kept[:, P:] &= family not in EXTRA
         assert torch.equal(after[kept], before[kept])
+    for x, final in zip(seen, finals):      # what a stream shows is final
+        shown = x[0, P:P + final]
+        assert torch.equal(shown[shown != mask], out[0, P:P + final][shown != mask])
+    assert finals[-1] >= out.shape[1] - P and (family not in EXTRA or min(finals) < out.shape[1] - P)
     assert (seen[0] == mask).sum() > (seen[-1] == mask).sum() == 0
+    assert capsys.readouterr().out == chat.answer(out[0, P:].tolist())
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])
@@ -146,24 +155,15 @@ def test_served_answers_equal_each_alone_streamed_or_not(served):
         assert out["choices"][0]["message"]["content"] == app.chat.answer(alone[len(ids):][:32])
     one = post(port, "/v1/chat/completions", bodies[0])
     assert one["choices"][0]["message"]["content"] == results[0][1]["choices"][0]["message"]["content"]
-    if app.args.editing_threshold is None:      # an editing rule's stream: the strict xfail below
-        assert streamed(port, bodies[0]) == one["choices"][0]["message"]["content"]
-        assert one["choices"][0]["fastdllm"]["nfe"] == solo(app, QUESTIONS[0])[1]
+    # The stream's pieces only grow (an editing rule's block is sent once it has ended) and join to the answer; the
+    # answer's calls are its calls alone (an editing rule's edit-only calls included).
+    assert streamed(port, bodies[0]) == one["choices"][0]["message"]["content"]
+    assert one["choices"][0]["fastdllm"]["nfe"] == solo(app, QUESTIONS[0])[1]
 
 
 def streamed(port, body) -> str:
     chunks = events(port, "/v1/chat/completions", dict(body, stream=True))
     return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
-
-
-@pytest.mark.xfail(strict=True, reason="known bug: the server streams a block's text step by step, and LLaDA2.1's "
-                   "edits later revise text already sent; the fix is to stream an editing rule's block at its end")
-def test_served_stream_of_an_editing_rule_is_its_answer(release, served):
-    if release[0] not in EXTRA:
-        pytest.skip("only an editing rule (LLaDA2.1) revises streamed text")
-    app, port = served
-    body = {"messages": [{"role": "user", "content": QUESTIONS[0]}]}
-    assert streamed(port, body) == post(port, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
 
 
 def test_harness_answers_equal_generate(release):
