@@ -48,12 +48,15 @@ class LLaDA2(StepRule):
 
     def propose(self, logits, at) -> Proposal:
         N, masks = at.masked.shape[1], at.masked.sum(-1)
-        if self.editing is None:
+        if self.editing is None and self.opts["temperature"] > 0:
             # The official samples every position of the block (the random numbers a step draws): a position
             # without logits here (not masked) is drawn from another's, and never committed.
             block = torch.arange(N, device=at.masked.device)
             logits = logits[:, torch.searchsorted(at.cols, block).clamp(max=max(len(at.masked_cols) - 1, 0))]
-        x0, p = self.sample(logits, **self.opts)                      # (B, N) each
+        x0, p = self.sample(logits, **self.opts)                      # (B, n) each, at the columns of `logits`
+        if x0.shape[1] < N:     # greedy LLaDA2.0 draws nothing: the masked columns' proposals, the rest as they are
+            x0 = at.x[:, at.s:at.e].index_copy(1, at.cols, x0)
+            p = p.new_zeros(x0.shape).index_copy(1, at.cols, p)
         count = min(self.counts[min(self.step, len(self.counts) - 1)] if self.counts else self.transfer, N)
         self.step += 1
         k = masks.clamp(max=count)                 # the official's top-k of min(count, masks)
@@ -125,7 +128,7 @@ def check_llada2(st, given: dict, bad):
             "every one above the threshold; drop steps")
     for key, v, ok, what in (
             ("steps", st.steps, lambda v: v >= 1, "an integer >= 1"),
-            ("minimal_topk", st.minimal_topk, lambda v: 1 <= v <= st.gen_length, f"an integer in [1, gen_length]"),
+            ("minimal_topk", st.minimal_topk, lambda v: 1 <= v <= st.gen_length, "an integer in [1, gen_length]"),
             ("num_to_transfer", st.num_to_transfer, lambda v: v >= 1, "an integer >= 1"),
             ("max_post_steps", st.max_post_steps, lambda v: v >= 0, "an integer >= 0")):
         if v is not None and not (type(v) is int and ok(v)):

@@ -223,13 +223,14 @@ def test_sweep_feeds_what_each_cache_feeds(tmp_path):
 def test_gpu_check_small_shape_on_cpu(tmp_path):
     """The GPU check's whole path at a tiny shape on the CPU, so it cannot rot between GPU runs: the model made
     in place, the speed rows with their step types and bytes, 16 rows against their solo runs, the int8 phase, the
-    golden runs in float32 (exact) and bf16. It checks the script, not the machine: no time box (--budget 0) and eager only
-    (compiling is the GPU run's), so what runs never depends on the machine's speed. Then the time box itself,
+    golden runs in float32 (exact) and bf16 (three of each family: every one is test_golden's). It checks the
+    script, not the machine: no time box (--budget 0) and eager only (compiling is the GPU run's), so what runs
+    never depends on the machine's speed. Then the time box itself,
     with a budget no phase fits (1 s): every picked phase is skipped and says so, the others do not run."""
     cmd = [sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--shape", "tiny", "--device", "cpu",
            "--gen-length", "16", "--block-length", "8", "--prompt-length", "8"]
     out = tmp_path / "gpu.json"
-    r = bounded.run([*cmd, "--budget", "0", "--variants", "eager", "--out", str(out)], timeout=600)
+    r = bounded.run([*cmd, "--budget", "0", "--variants", "eager", "--golden-runs", "3", "--out", str(out)], timeout=600)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     eager = {x["mode"]: x for x in res["speed"] if x["variant"] == "eager"}
@@ -237,7 +238,7 @@ def test_gpu_check_small_shape_on_cpu(tmp_path):
     assert eager["dual 0.9"]["refresh"]["steps"] == 2 and eager["dual 0.9"]["cached"]["ms"] > 0
     assert eager["baseline"]["refresh"]["bytes"] > eager["dual 0.9"]["cached"]["bytes"] > 0
     assert res["batch"] == {"eager": dict(rows=16, equal=16)} and len(res["speed"]) == 2     # no compiled rows
-    assert res["golden"]["float32"]["exact"] == res["golden"]["float32"]["total"] > 20
+    assert res["golden"]["float32"]["exact"] == res["golden"]["float32"]["total"] == 9     # 3 of each family
     assert 0 < res["golden"]["bfloat16"]["agreement"] <= 1
     if importlib.util.find_spec("torchao") is None:      # the int8 phase without torchao: said, the rest ran
         assert "pip install -r requirements-extras.txt" in res["int8"]["error"] and "int8_speed" not in res
@@ -395,7 +396,7 @@ def test_json_output_overwrites_only_an_earlier_result(tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["notes.txt", "out.json", "out.json.tmp"]
 
 
-@pytest.mark.parametrize("argv,error", [
+TOOL_CASES = [
     (["apps/bench.py", "compare", "{rows}", "{rows}"], "has no measured rows"),
     (["apps/bench.py", "modes", *SHAPE, "--guide", "{missing}"], "guide folder '{missing}' not found"),
     (["apps/bench.py", "modes", *SHAPE, "--guide", "demo/llada-arith"], "the guide is a llada model, not a causal LM"),
@@ -408,18 +409,29 @@ def test_json_output_overwrites_only_an_earlier_result(tmp_path, capsys):
     (["tools/loop_time.py", "--model", "demo/llada-arith", "--gen-length", "0"], "expected an integer >= 1"),
     (["tools/load.py", "--clients", "0"], "argument --clients: expected an integer >= 1, got '0'"),
     (["tools/load.py", "--port", "1", "--clients", "1", "--requests", "1"], "none of the 1 requests got an answer"),
-])
-def test_tools_bad_input_is_one_line(tmp_path, argv, error):
+]
+
+
+@pytest.fixture(scope="module")
+def tool_runs(tmp_path_factory):
+    """Every TOOL_CASES command line, run as its script's __main__ in one process (tests/bounded.py drive)."""
+    tmp = tmp_path_factory.mktemp("tools")
+    names = dict(missing=str(tmp / "missing"), file=str(tmp / "file"), rows=str(tmp / "rows.json"))
+    (tmp / "file").write_text("x")
+    (tmp / "rows.json").write_text('{"rows": []}')
+    got = bounded.drive({i: (os.path.join(ROOT, argv[0]), [a.format(**names) for a in argv[1:]])
+                         for i, (argv, _) in enumerate(TOOL_CASES)}, timeout=300, cwd=ROOT)
+    return {int(i): r for i, r in got.items()}, names
+
+
+@pytest.mark.parametrize("case", range(len(TOOL_CASES)), ids=[" ".join(a[:2]) for a, _ in TOOL_CASES])
+def test_tools_bad_input_is_one_line(tool_runs, case):
     """The tools' command lines: each bad input one `error:` line on stderr, exit status 2, no traceback (they
     were tracebacks, a silent exit 0 with 0 requests, or guided rows all n/a)."""
-    names = dict(missing=str(tmp_path / "missing"), file=str(tmp_path / "file"), rows=str(tmp_path / "rows.json"))
-    (tmp_path / "file").write_text("x")
-    (tmp_path / "rows.json").write_text('{"rows": []}')
-    r = subprocess.run([sys.executable, os.path.join(ROOT, argv[0]), *(a.format(**names) for a in argv[1:])],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
-    err = r.stderr.strip().splitlines()
-    assert r.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), r.stderr
-    assert error.format(**names) in err[0]
+    (code, _, err), names = tool_runs[0][case], tool_runs[1]
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert TOOL_CASES[case][1].format(**names) in lines[0]
 
 
 @pytest.mark.parametrize("family", ["fastdllm_v2", "sdar"])

@@ -1,5 +1,6 @@
-"""The command line end to end on the fixture checkpoints, as a user runs it (a subprocess, no test-only
-branch): the same path a GPU user takes with the real 8B checkpoint, minus the download."""
+"""The command line end to end on the fixture checkpoints, as a user runs it (a subprocess for the headline run,
+fastdllm.py's __main__ in this process for the rest; no test-only branch): the same path a GPU user takes with
+the real 8B checkpoint, minus the download."""
 import io
 import os
 import subprocess
@@ -7,6 +8,7 @@ import sys
 
 import pytest
 
+import bounded
 import cli as command_line
 from conftest import ROOT, copy_checkpoint, write_tokenizer
 
@@ -15,9 +17,14 @@ LLADA_CHAT = {1000: "<|mdm_mask|>", 1022: "<|endoftext|>", 1019: "<|startoftext|
 DREAM_CHAT = {1023: "<|mask|>", 1000: "<|endoftext|>", 1001: "<|im_start|>", 1002: "<|im_end|>"}
 
 
+def cli_process(*args, stdin=None):
+    """`python fastdllm.py ARGS`, as a user runs it."""
+    return bounded.run([sys.executable, os.path.join(ROOT, "fastdllm.py"), *args], input=stdin, timeout=120)
+
+
 def cli(*args, stdin=None):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "fastdllm.py"), *args], input=stdin,
-                          capture_output=True, text=True, timeout=120)
+    """The same as fastdllm.py's __main__ in this process (tests/bounded.py run_main: no torch import a run)."""
+    return subprocess.CompletedProcess(args, *bounded.run_main(os.path.join(ROOT, "fastdllm.py"), args, stdin))
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +38,7 @@ def llada_dir(tmp_path_factory):
 def test_cli_prints_answer_and_stats(tmp_path, name, specials):
     d = copy_checkpoint(name, tmp_path)
     write_tokenizer(d, specials)
-    r = cli("--model", d, "--prompt", "w5 w6 w7", "--gen-length", "32", "--block-length", "8")
+    r = cli_process("--model", d, "--prompt", "w5 w6 w7", "--gen-length", "32", "--block-length", "8")
     assert r.returncode == 0, r.stderr
     answer, stats = r.stdout.strip().splitlines()[-2:]
     assert answer.strip() and all(w.startswith("w") for w in answer.split())   # decoded words, specials dropped

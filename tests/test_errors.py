@@ -423,7 +423,7 @@ def cli_cases(tmp):
     no_tok = checkpoint(tmp / "notok")
     run = ["--prompt", "w5 w6 w7", "--gen-length", "16", "--block-length", "8"]
     return {
-        # Three that need a real process: argv bytes, a closed stdin, the environment.
+        # Three that need a process of their own (OWN_PROCESS): argv bytes, a closed stdin, the environment.
         "prompt not UTF-8": ([*run, "--model", ok, "--prompt", b"w5 \xff w6"], r"the prompt is not valid UTF-8 text"),
         "stdin closed": (["--model", ok, "--interactive"], r"--interactive reads questions from stdin, which is "
                          r"closed: run it in a terminal or pipe the questions in", True),
@@ -450,19 +450,24 @@ def cli_results(tmp_path_factory):
     cases = cli_cases(tmp)
     # Offline, with an empty Hugging Face cache (conftest already sets OMP_NUM_THREADS=1).
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp / "hf")}
-    procs = {}
+    procs, script = {}, os.path.join(ROOT, "fastdllm.py")
     for name, (argv, _, *closed) in cases.items():
-        cmd = [sys.executable, os.path.join(ROOT, "fastdllm.py"), *argv]
+        if name not in OWN_PROCESS:
+            continue
+        cmd = [sys.executable, script, *argv]
         if closed:
             cmd = ["sh", "-c", 'exec "$@" <&-', "sh", *cmd]      # no stdin at all, not an empty one
         procs[name] = bounded.start(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)
-    out = {}
+    out = {name: (*r, cases[name][1]) for name, r in bounded.drive(
+        {name: (script, c[0]) for name, c in cases.items() if name not in OWN_PROCESS}, env=env).items()}
     for name, p in procs.items():      # a hang fails its case, not the whole run: its process group is killed
-        out[name] = (p, *bounded.finish(p, timeout=120)[:2], cases[name][1])
+        stdout, stderr, _ = bounded.finish(p, timeout=120)
+        out[name] = (p.returncode, stdout, stderr, cases[name][1])
     return out
 
 
+OWN_PROCESS = ("prompt not UTF-8", "stdin closed", "repo id not cached, offline")   # the rest: one driver process
 # A representative subset (the API tests cover every message): one per stage a CLI run goes through.
 CLI_CASES = ["folder missing", "--device cuda without CUDA", "--dtype float16 on CPU", "truncated shard",
              "tokenizer.json missing", "mask token in prompt", "empty prompt",
@@ -473,9 +478,9 @@ CLI_CASES = ["folder missing", "--device cuda without CUDA", "--dtype float16 on
 def test_cli_error_is_one_line_and_exit_2(cli_results, case):
     if case == "--device cuda without CUDA" and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    p, out, err, pattern = cli_results[case]
+    code, out, err, pattern = cli_results[case]
     assert "Traceback" not in out + err, err
-    assert p.returncode == 2, (p.returncode, out, err)
+    assert code == 2, (code, out, err)
     lines = [ln for ln in err.strip().splitlines() if not ln.startswith("loaded ")]   # the load's summary line
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert re.search(pattern, lines[0]), lines[0]
@@ -635,7 +640,7 @@ def test_ctrl_c_prints_the_partial_answer(tmp_path):
 # ============================================================================================================
 # Issue 20, the CLI and loading side: guide flags, prompt files, --trace, --interactive, closed pipes, absurd
 # temperatures, load progress. Every flag error wins over a missing model (flags are checked before anything
-# is looked up) and names the flag. The cases run as fastdllm.py's __main__ in ONE subprocess (CLI20_DRIVER:
+# is looked up) and names the flag. The cases run as fastdllm.py's __main__ in ONE subprocess (bounded.drive:
 # a torch import per case costs seconds); those that need real file descriptors (a closed pipe, a shell pipe
 # into head, piped stdin) get their own processes; all start at once.
 
@@ -691,25 +696,6 @@ CLI20_RUNS = {   # argv, stdin (not a terminal: as from a pipe): runs that succe
     "interactive: --prompt is the first turn": ([*DEMO_RUN, "--interactive", "--prompt", Q20[0]], f"{Q20[1]}\n"),
 }
 
-CLI20_DRIVER = """
-import contextlib, io, json, runpy, sys, traceback
-out = {}
-for name, (argv, stdin) in json.loads(sys.stdin.read()).items():
-    sys.argv, sys.stdin = ["fastdllm.py", *argv], io.StringIO(stdin or "")
-    stdout, stderr, code = io.StringIO(), io.StringIO(), 0
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        try:
-            runpy.run_path("fastdllm.py", run_name="__main__")
-        except SystemExit as e:
-            code = e.code or 0      # sys.exit(None) is status 0
-        except BaseException:
-            code = 1
-            print(traceback.format_exc(), file=sys.stderr)
-    out[name] = [code, stdout.getvalue(), stderr.getvalue()]
-print(json.dumps(out))
-"""
-
-
 @pytest.fixture(scope="module")
 def cli20(tmp_path_factory):
     """name -> (exit status, stdout, stderr) for CLI20_ERRORS, CLI20_RUNS and the real-pipe cases."""
@@ -723,7 +709,8 @@ def cli20(tmp_path_factory):
     cli = [sys.executable, os.path.join(ROOT, "fastdllm.py"), *DEMO_RUN]
     piped = lambda cmd: ["sh", "-c", 'exec "$@" ' + cmd, "sh", *cli]    # noqa: E731
     procs = {   # name: (process, its stdin); each its own process group (tests/bounded.py)
-        "driver": (bounded.start([sys.executable, "-c", CLI20_DRIVER], **kw), json.dumps(cases | CLI20_RUNS)),
+        "driver": (bounded.start([sys.executable, "-c", bounded.DRIVER], **kw), bounded.driver_input(
+            {name: (os.path.join(ROOT, "fastdllm.py"), argv, stdin) for name, (argv, stdin) in (cases | CLI20_RUNS).items()})),
         # The reader is gone before the first answer is written: EPIPE every time, no race with a reader.
         "closed pipe": (bounded.start([*cli, "--prompt", Q20[0]], **kw), None),
         "| head -1": (bounded.start(piped("--prompt-file /dev/stdin | head -1"), **kw), "\n".join(Q20 * 4)),
@@ -738,9 +725,7 @@ def cli20(tmp_path_factory):
         # alone left the others holding the pipe, and the read after it never returned).
         *res, _ = bounded.finish(p, stdin, timeout=240)
         out[name] = (p.returncode, *res)
-    code, text, err = out.pop("driver")
-    assert code == 0 and "Traceback" not in err, err
-    return out | {name: tuple(r) for name, r in json.loads(text).items()}
+    return out | bounded.driven(*out.pop("driver"))
 
 
 def quiet_stderr(err: str) -> bool:
@@ -941,7 +926,8 @@ def test_api20_stop_at_eos_k_and_eos_ids_work(llada):
 
 # ---------------------------------------------------------------------------------- the benchmark's flags
 # bench.py and tools/: every flag type- and range-checked before anything is loaded or written, in one line
-# that names the flag, exit status 2, no traceback. All cases start at once (each is mostly a torch import).
+# that names the flag, exit status 2, no traceback. All cases run in one process (tests/bounded.py drive: each
+# would be mostly a torch import).
 
 def bench_cases(tmp):
     """name: (script and argv, the flag (or file) the one error line must name)."""
@@ -975,21 +961,17 @@ def bench_cases(tmp):
 def bench_results(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("bench_flags"))
     cases = bench_cases(tmp)
-    procs = {name: bounded.start([sys.executable, os.path.join(ROOT, script), *argv], stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp)
-             for name, ((script, *argv), _) in cases.items()}
-    out = {}
-    for name, p in procs.items():      # a busy 2-core VM: ~100 s for all; a run that went past its flags fails
-        out[name] = (p, *bounded.finish(p, timeout=300)[:2], cases[name][1])    # its case (its group killed)
-    return out, tmp
+    got = bounded.drive({name: (os.path.join(ROOT, script), argv) for name, ((script, *argv), _) in cases.items()},
+                        timeout=300, cwd=tmp)
+    return {name: (*got[name], cases[name][1]) for name in cases}, tmp
 
 
 @pytest.mark.parametrize("case", list(bench_cases("tmp")))
 def test_bench_flag_error_is_one_line_naming_the_flag(bench_results, case):
     results, tmp = bench_results
-    p, out, err, flag = results[case]
+    code, out, err, flag = results[case]
     assert "Traceback" not in out + err, err
-    assert p.returncode == 2, (p.returncode, out, err)
+    assert code == 2, (code, out, err)
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert flag in lines[0], lines[0]
@@ -1090,11 +1072,11 @@ def cli25(tmp_path_factory):
     cases = {name: ([a.replace("{tmp}", str(tmp)) for a in argv], None) for name, (argv, _) in CLI25_ERRORS.items()}
     kw = dict(cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
               text=True, timeout=240)
-    res = subprocess.run([sys.executable, "-c", CLI20_DRIVER], input=json.dumps(cases), **kw)
-    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    driven = bounded.drive({name: (os.path.join(ROOT, "fastdllm.py"), argv) for name, (argv, _) in cases.items()},
+                           cwd=ROOT, env=kw["env"], timeout=240)
     closed = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", sys.executable, "fastdllm.py", *DEMO_RUN, "--prompt",
                              Q20[0]], **kw)
-    return json.loads(res.stdout) | {"stdout closed": (closed.returncode, closed.stdout, closed.stderr)}
+    return driven | {"stdout closed": (closed.returncode, closed.stdout, closed.stderr)}
 
 
 @pytest.mark.parametrize("case", [*CLI25_ERRORS, "stdout closed"])
@@ -1128,20 +1110,11 @@ SERVE28 = {   # issue 28: serve.py's start-up errors, each one line naming the f
 
 
 def test_serve_start_up_errors_are_one_line_and_exit_2():
-    """`python apps/serve.py` as a user runs it, with a bad flag each (all at once: a torch import is seconds each):
-    one line naming the flag and its value, status 2, nothing loaded."""
-    procs = {name: subprocess.Popen([sys.executable, os.path.join(ROOT, "apps", "serve.py"), "--model", DEMO20, *argv],
-                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                    start_new_session=True)
-             for name, (argv, _) in SERVE28.items()}
-    results = {}
-    for name, p in procs.items():
-        try:
-            out, err = p.communicate(timeout=120)
-        except subprocess.TimeoutExpired:          # a server that started: its whole group goes
-            os.killpg(p.pid, signal.SIGKILL)
-            out, err = p.communicate()
-        results[name] = (p.returncode, out, err)
+    """`python apps/serve.py` as a user runs it, with a bad flag each (all in one process: a torch import is seconds
+    each; a server that started fails them all by the time limit): one line naming the flag and its value, status 2,
+    nothing loaded."""
+    results = bounded.drive({name: (os.path.join(ROOT, "apps", "serve.py"), ["--model", DEMO20, *argv])
+                             for name, (argv, _) in SERVE28.items()}, timeout=120, cwd=ROOT)
     for name, (code, out, err) in results.items():
         assert code == 2 and out == "" and "Traceback" not in err, (name, code, out, err)
         lines = err.splitlines()

@@ -225,12 +225,12 @@ def test_dpad_padded_batch_equals_solo_runs(model, mode):
 
 # ---------------------------------------------------------------------------------------- the programs
 def program(name, *args):
-    """python examples/<name>.py on the demo model, as a user runs it: one process group, killed whole at 120 s."""
+    """python examples/<name>.py on the demo model, as a user runs it: its __main__ (tests/bounded.py run_main, in
+    this process: test_fork_programs runs each program in a process of its own)."""
     cmd = [sys.executable, os.path.join(ROOT, "examples", f"{name}.py"),
            "--model", os.path.join(ROOT, "demo", "llada-arith"), "--gen-length", "32", "--block-length", "8", "--prompt",
            "Tom has 23 apples and buys 45 more. How many apples does he have?", *args]
-    r = bounded.run(cmd, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    return r.returncode, r.stdout, r.stderr
+    return bounded.run_main(cmd[1], cmd[2:])
 
 
 @pytest.mark.parametrize("name,args", [("dkv_cache", ()), ("dpad", ()), ("dpad", ("--cache-mode", "none"))])

@@ -180,9 +180,9 @@ def test_klass_refuses_dream_by_blocks(dream):
 
 
 def run_example(name, *args):
-    """The fork's program as a user runs it, in its own process group (a timeout kills the whole group)."""
-    r = bounded.run([sys.executable, os.path.join(ROOT, "examples", name), "--no-stream", *args], timeout=120)
-    return r.returncode, r.stdout, r.stderr
+    """The fork's program as a user runs it: its __main__ (tests/bounded.py run_main, in this process:
+    test_fork_programs runs each program in a process of its own)."""
+    return bounded.run_main(os.path.join(ROOT, "examples", name), ["--no-stream", *args])
 
 
 DEMO = ["--model", os.path.join(ROOT, "demo", "llada-arith"), "--gen-length", "32", "--block-length", "8",

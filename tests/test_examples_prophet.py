@@ -4,7 +4,6 @@ solo runs, on LLaDA (the fork is LLaDA only, as the official eval; a Dream check
 its refusals; and its command line as a user runs it."""
 import importlib.util
 import os
-import sys
 
 import pytest
 import torch
@@ -126,9 +125,9 @@ def test_no_suffix_at_the_answers_start(llada):
 
 
 def run_example(*args):
-    """The example as a user runs it: a subprocess in its own process group, killed whole after 120 s."""
-    r = bounded.run([sys.executable, os.path.join(ROOT, "examples", "prophet.py"), *args], timeout=120, cwd=ROOT)
-    return r.returncode, r.stdout, r.stderr
+    """The example as a user runs it: its __main__ (tests/bounded.py run_main, in this process: test_fork_programs
+    runs each program in a process of its own)."""
+    return bounded.run_main(os.path.join(ROOT, "examples", "prophet.py"), args, cwd=ROOT)
 
 
 def test_command_line_answers_and_refuses_dual_and_dream(tmp_path):

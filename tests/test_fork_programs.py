@@ -4,8 +4,6 @@ refused in the CLI's words before any weight is read."""
 import os
 import re
 import runpy
-import subprocess
-import sys
 
 import pytest
 
@@ -23,19 +21,19 @@ TITLES = {"eb_sampler": "EB-Sampler: entropy-bounded unmasking", "klass": "KLASS
           "prophet": "Prophet: early commit once the answer is settled"}
 
 
-def program(name, *argv, env=None):
-    return bounded.start([sys.executable, os.path.join(ROOT, "examples", f"{name}.py"), *argv], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=env)
+def programs(cases: dict, env=None) -> dict:
+    """{key: (fork name, argv)} -> {key: (exit status, stdout, stderr)}: each `python examples/NAME.py ARGV` as its
+    __main__, all in one process (tests/bounded.py drive)."""
+    return bounded.drive({k: (os.path.join(ROOT, "examples", f"{name}.py"), argv) for k, (name, argv) in cases.items()},
+                         env=env)
 
 
 def test_help_lists_the_forks_own_flags_and_fetches_no_model(tmp_path):
     """klass, dkv_cache, dpad and prophet fetched GSAI-ML/LLaDA-8B-Instruct before printing help (here: offline,
     an empty cache, so that was an error); none listed its own flags, parsed by hand outside argparse."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
-    procs = {name: program(name, "--help", env=env) for name in OWN}
-    for name, p in procs.items():
-        out, err, late = bounded.finish(p, timeout=120)
-        assert not late and p.returncode == 0 and err == "", (name, p.returncode, err)
+    for name, (code, out, err) in programs({name: (name, ["--help"]) for name in OWN}, env=env).items():
+        assert code == 0 and err == "", (name, code, err)
         text = " ".join(out.split())          # argparse wraps lines
         assert text.startswith(f"usage: {name}.py") and TITLES[name] in text and "Fast-dLLM inference" not in text
         assert "--gen-length" in text and "--temperature" in text          # the CLI's flags too
@@ -83,10 +81,9 @@ def test_the_forks_flags_as_a_user_meets_them():
              "rule decides how many tokens a step commits; drop --threshold\n",
              ("eb_sampler", "--gamma", "x"): "error: argument --gamma: invalid float value: 'x' (see --help)\n",
              ("prophet", "--suffix-at", "y"): "error: argument --suffix-at: invalid int value: 'y' (see --help)\n"}
-    procs = {case: program(case[0], *RUN, *case[1:]) for case in cases}
-    for case, p in procs.items():
-        out, err, late = bounded.finish(p, timeout=120)
-        assert not late and (p.returncode, out, err) == (2, "", cases[case]), (case, out, err)
+    got = programs({" ".join(case): (case[0], [*RUN, *case[1:]]) for case in cases})
+    for case in cases:
+        assert tuple(got[" ".join(case)]) == (2, "", cases[case]), (case, got[" ".join(case)])
     fork, own = fork_of("prophet")
     args = cli.parse_args([*RUN, "--cache", "prefix"], fork=fork, own=own)
     assert args.hooks["cache"] == "prefix" and args.cache == "dual"      # the fork's cache; the CLI's is unused

@@ -213,18 +213,17 @@ def test_a_torchao_without_its_int8_tensor_is_one_line_naming_the_version(torcha
     assert logging.getLogger("torchao").level == logging.NOTSET     # its logger as it was
 
 
-def test_the_cli_refuses_int4_and_int8_without_torchao_in_one_line():
-    """Exit status 2 and one line: --quantize int4 (argparse's choices, naming int8), and --quantize int8 where
-    torchao cannot be imported (a process whose sys.modules blocks it)."""
+def test_the_cli_refuses_int4_and_int8_without_torchao_in_one_line(monkeypatch):
+    """Exit status 2 and one line (fastdllm.py's __main__, tests/bounded.py run_main): --quantize int4 (argparse's
+    choices, naming int8), and --quantize int8 where torchao cannot be imported (sys.modules blocks it)."""
     run = ["--model", DEMO, "--prompt", "x", "--gen-length", "8", "--block-length", "8"]
-    blocked = f"import runpy, sys; sys.modules['torchao'] = None; sys.path.insert(0, {ROOT!r}); " \
-              f"sys.argv = ['fastdllm.py'] + sys.argv[1:]; runpy.run_path({os.path.join(ROOT, 'fastdllm.py')!r}, " \
-              "run_name='__main__')"
-    for cmd, pattern in [([os.path.join(ROOT, "fastdllm.py"), *run, "--quantize", "int4"],
-                          r"^error: argument --quantize: invalid choice: 'int4' \(choose from 'int8'\) \(see --help\)$"),
-                         (["-c", blocked, *run, "--quantize", "int8"], "^error: " + NO_TORCHAO[1:])]:
-        r = bounded.run([sys.executable, *cmd], timeout=120)
-        assert r.returncode == 2 and r.stdout == "" and re.search(pattern, r.stderr.strip()), r.stderr
+    script = os.path.join(ROOT, "fastdllm.py")
+    code, out, err = bounded.run_main(script, [*run, "--quantize", "int4"])
+    assert (code, out) == (2, "") and re.search(r"^error: argument --quantize: invalid choice: 'int4' \(choose from "
+                                                r"'int8'\) \(see --help\)$", err.strip()), err
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    code, out, err = bounded.run_main(script, [*run, "--quantize", "int8"])
+    assert (code, out) == (2, "") and re.search("^error: " + NO_TORCHAO[1:], err.strip()), err
 
 
 def test_an_already_quantized_checkpoint_is_refused_in_one_line(torchao, tmp_path):

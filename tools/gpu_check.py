@@ -18,7 +18,7 @@ what runs must not depend on the machine's speed).
 3. batch: 16 rows decoded together against each row alone, eager and compiled (bf16 kernels may differ with
    the batch size: the share of equal rows is the finding).
 4. golden: the official golden runs (tests/golden) on this device, float32 (must be exact) and bf16 (agreement),
-   LLaDA-MoE's included (its deterministic runs).
+   LLaDA-MoE's included (its deterministic runs; --golden-runs N: the first N of each family).
 5. moe: the speed rows again on LLaDA-MoE-7B-A1B's shape (16 layers, 64 experts of width 1024, top-8;
    random weights made on the device), in "moe_speed": its bytes per step are every weight but the embedding, as
    our MoE block reads every expert once when a step routes more (token, expert) pairs than there are experts.
@@ -207,8 +207,8 @@ dev, dtype = torch.device({device!r}), getattr(torch, {dtype!r})
 prompts = json.load(open(f"{{G.GOLDEN}}/llada-golden.json"))["prompts"]
 runs = []
 for family, name, prompt, kw, want, nfe in (
-        [("llada", r["fn"], prompts[r["batch"]], G.llada_call(r), r["output"], r["nfe"]) for r in G.LLADA_RUNS] +
-        [("dream", r["name"], r["input_ids"], G.dream_call(r), r["sequences"], r["nfe"]) for r in G.DREAM_RUNS]):
+        [("llada", r["fn"], prompts[r["batch"]], G.llada_call(r), r["output"], r["nfe"]) for r in G.LLADA_RUNS[:{limit}]] +
+        [("dream", r["name"], r["input_ids"], G.dream_call(r), r["sequences"], r["nfe"]) for r in G.DREAM_RUNS[:{limit}]]):
     model = load_model(f"{{G.GOLDEN}}/{{family}}-tiny", device=dev, dtype=dtype)
     out, st = generate(model, torch.tensor(prompt, device=dev), **kw)
     want_t = torch.tensor(want, device=dev)
@@ -216,7 +216,7 @@ for family, name, prompt, kw, want, nfe in (
                      agreement=(out == want_t).float().mean().item()))
 import test_moe as M
 moe = load_model(f"{{G.GOLDEN}}/lladamoe-tiny", device=dev, dtype=dtype)
-for r in M.DETERMINISTIC:
+for r in M.DETERMINISTIC[:{limit}]:
     if "rng" in r["flags"]:
         continue                 # the official draws came from the CPU's generator
     out, st = M.official_call(moe, r)
@@ -227,8 +227,9 @@ print(json.dumps(runs))
 """
 
 
-def golden(device, dtype: str, timeout: float) -> dict:
-    code = GOLDEN_CHILD.format(root=ROOT, tests=os.path.join(ROOT, "tests"), device=str(device), dtype=dtype)
+def golden(device, dtype: str, timeout: float, limit: int | None = None) -> dict:
+    code = GOLDEN_CHILD.format(root=ROOT, tests=os.path.join(ROOT, "tests"), device=str(device), dtype=dtype,
+                               limit=limit)
     try:
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=max(timeout, 1))
     except subprocess.TimeoutExpired:
@@ -284,6 +285,8 @@ def main(argv=None):
     p.add_argument("--gen-length", type=integer(1), default=128)
     p.add_argument("--block-length", type=integer(1), default=32)
     p.add_argument("--batch", type=integer(1), default=16)
+    p.add_argument("--golden-runs", type=integer(1), default=None, help="golden: the first N runs of each family "
+                   "(default: all; the CPU test's quick path)")
     args = p.parse_args(argv)
     if args.gen_length % args.block_length:
         raise ValueError("--block-length must divide --gen-length")
@@ -317,7 +320,7 @@ def main(argv=None):
         if left() < 30:
             out.setdefault("golden", {})[dt] = dict(error=f"skipped, {left():.0f} s left")
         else:     # no time box: still bounded, by what the golden runs take on a slow CPU many times over
-            out.setdefault("golden", {})[dt] = golden(device, dt, min(left() - 10, 1800))
+            out.setdefault("golden", {})[dt] = golden(device, dt, min(left() - 10, 1800), args.golden_runs)
         print(f"golden {dt}: {out['golden'][dt]}", flush=True)
     if "moe" in args.phases and left() < 60:
         print(f"moe: skipped, {left():.0f} s left", flush=True)
