@@ -16,12 +16,10 @@ import torch
 
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_REMASKING
 from cache import CACHE_POLICIES, CachePolicy
+from guided import OWN as GUIDED_OWN
 from llada2 import OWN as LLADA2_OWN
 from sampler import DREAM_REMASKING, LLADA_REMASKING, is_parallel
 
-CACHE_MODES = tuple(CACHE_POLICIES)      # the cache policies by name, as cache.py lists them
-# Guided diffusion's own settings (their defaults: fastdllm.Settings).
-GUIDED_ONLY = ("speculative", "accept", "accept_k", "accept_ratio", "accept_threshold", "verify_chunk")
 BOOLEANS = ("refresh_every_step", "speculative")
 
 
@@ -64,10 +62,10 @@ def check_settings(gen_length, block_length, steps, cache, threshold, factor, te
         bad(f"steps {steps} is not divisible by the number of blocks {gen_length // block_length} "
             f"(gen_length / block_length): use a multiple, e.g. steps={gen_length}")
     if not isinstance(cache, (str, CachePolicy)):
-        raise TypeError(f"cache must be a mode name ({', '.join(CACHE_MODES)}) or a cache.CachePolicy (subclass "
+        raise TypeError(f"cache must be a mode name ({', '.join(CACHE_POLICIES)}) or a cache.CachePolicy (subclass "
                         f"cache.CachePolicy and write its span()), not {cache!r}")
-    if isinstance(cache, str) and cache not in CACHE_MODES:
-        bad(f"unknown cache mode {cache!r}: use one of {', '.join(CACHE_MODES)}")
+    if isinstance(cache, str) and cache not in CACHE_POLICIES:
+        bad(f"unknown cache mode {cache!r}: use one of {', '.join(CACHE_POLICIES)}")
     if threshold is not None and not threshold > 0:      # `not >` also catches NaN
         bad(f"threshold must be a number > 0 (got {threshold}): 0.9 is Fast-dLLM's; above 1 means one token per "
             f"step, None turns it off")
@@ -109,7 +107,7 @@ def check_early(kw: dict, defaults, name=lambda key: key):
 def check_unguided(st, defaults):
     """A guided setting at its default changes nothing without a guide (callers that pass every keyword keep
     working); any other value would be silently ignored: refuse it."""
-    given = [k for k in GUIDED_ONLY if getattr(st, k) != getattr(defaults, k)]
+    given = [k for k in GUIDED_OWN if getattr(st, k) != getattr(defaults, k)]
     if given:
         bad(f"{', '.join(given)} only apply to guided diffusion: pass guide= too, or leave them out")
 

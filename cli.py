@@ -16,11 +16,10 @@ import torch
 
 import checks
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, SDAR_REMASKING, check_block
-from cache import Compiled
+from cache import CACHE_POLICIES, Compiled
 from chat import Chat, check_text, load_tokenizer, read_turns, streamer
-from checks import CACHE_MODES, GUIDED_ONLY
 from fastdllm import Settings, decided, generate, pad_prompts
-from guided import ACCEPT_RULES, check_accept, check_guide, check_guided_settings
+from guided import ACCEPT_RULES, OWN as GUIDED_OWN, check_accept, check_guide, check_guided_settings
 from model import check_readable, load_model, read_config, resolve_model_dir
 from quant import QUANTIZE, int8_quantizer
 from sampler import DREAM_REMASKING, LLADA_REMASKING
@@ -34,9 +33,9 @@ DEFAULT_MODEL = "GSAI-ML/LLaDA-8B-Instruct"
 
 # Flags that only mean something beside another flag: given without it they are an error, never ignored.
 # -> (the flag it needs, its default). They are absent after parsing unless given (argparse.SUPPRESS).
-# A flag that means something only beside another: guided diffusion's (checks.GUIDED_ONLY, less verify_chunk, which
+# A flag that means something only beside another: guided diffusion's (guided.OWN, less verify_chunk, which
 # has no flag) need --guide, their defaults generate()'s own.
-NEEDS = {**{k: ("guide", getattr(Settings, k)) for k in GUIDED_ONLY if k != "verify_chunk"},
+NEEDS = {**{k: ("guide", getattr(Settings, k)) for k in GUIDED_OWN if k != "verify_chunk"},
          "batch_size": ("prompt_file", 8)}
 # The flags a fork's part replaces (examples/): given beside it, refused in the CLI's words, never ignored.
 REPLACED = {"cache": (("cache",), "cache policy decides what each call feeds"),
@@ -271,7 +270,7 @@ def add_flags(p, omit=()):
         "(default: 8)")
     add("--steps", type=int, default=None, help="denoising steps (default: gen-length; SDAR: per block, default "
         "the block length)")
-    add("--cache", default=argparse.SUPPRESS, help=f"KV cache: {' | '.join(CACHE_MODES)} (default: "
+    add("--cache", default=argparse.SUPPRESS, help=f"KV cache: {' | '.join(CACHE_POLICIES)} (default: "
         f"{CLI_DEFAULTS['cache']})")
     add("--threshold", type=optional_float, default=argparse.SUPPRESS, help="parallel decoding: unmask every token "
         f"with confidence >= this; none = off (default: {CLI_DEFAULTS['threshold']}; none with --factor)")

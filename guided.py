@@ -20,6 +20,8 @@ from cache import FreeCache, KVCache, NoCache, PrefixCache
 from model import ModelConfig
 from sampler import NEG_INF, Proposal, Schedule, StepRule, argmax_except
 
+OWN = ("speculative", "accept", "accept_k", "accept_ratio", "accept_threshold", "verify_chunk")   # the settings only
+#   guided diffusion reads (their defaults: fastdllm.Settings); without a guide each is refused (checks.py)
 ACCEPT_RULES = ("deterministic", "topk", "topk_relative", "dynamic_threshold", "aggressive")
 # The acceptance rules that read each setting: one given for another rule would change nothing, so is refused.
 ACCEPT_READS = {"accept_k": ("topk", "topk_relative"), "accept_ratio": ("topk_relative",),

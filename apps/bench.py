@@ -36,7 +36,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)     # the method's modules (fastdllm.py, model.py, ...) live at the repository's root
 import cli  # noqa: E402
-from checks import GUIDED_ONLY, check_settings
+from checks import check_settings
+from guided import OWN as GUIDED_OWN
 from fastdllm import generate
 from guided import check_guide
 from model import ModelConfig, load_model, read_config, resolve_model_dir
@@ -105,7 +106,7 @@ def run_row(model, prompt, mode: dict, kw: dict, guide=None, eos_ids=None, repea
     eos_ids = set(eos_ids or [model.config.eos_id]) - {None}
     call = dict(kw, cache=mode["cache"], threshold=mode["threshold"], factor=mode["factor"])
     if not mode["guided"]:      # the guide's settings belong to the guided rows only
-        call = {k: v for k, v in call.items() if k not in GUIDED_ONLY}
+        call = {k: v for k, v in call.items() if k not in GUIDED_OWN}
     if mode["stop"]:
         call.update(stop_at_eos=mode["stop"], eos_ids=sorted(eos_ids))
     if mode["guided"]:

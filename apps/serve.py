@@ -379,7 +379,7 @@ class App:
     def info(self) -> dict:
         a = self.args
         return {"model": self.name, "family": self.cfg.family, "max_positions": self.cfg.max_seq_len,
-                "chat_template": self.chat.chat, "guide": a.guide, "cache_modes": list(cli.CACHE_MODES),
+                "chat_template": self.chat.chat, "guide": a.guide, "cache_modes": list(cli.CACHE_POLICIES),
                 "mask": self.token_text(self.cfg.mask_id),
                 "defaults": {"max_tokens": None if a.fit_gen_length else a.gen_length, "block_length": a.block_length,
                              "steps": a.steps, "cache": a.cache, "threshold": a.threshold, "factor": a.factor,

@@ -127,8 +127,8 @@ def shape_arguments(p):
 
 def rows_arguments(p, thresholds="0.9", factors="1.0", stops="off,on"):
     """Which rows the table has, and how each is timed (bench.py run / modes / sweep, tools/gpu_check.py)."""
-    from checks import CACHE_MODES      # here, not at the top: tools/load.py uses these types without torch
-    p.add_argument("--caches", type=listing(CACHE_MODES, empty=False), default="none,prefix,dual,free",
+    from cache import CACHE_POLICIES    # here, not at the top: tools/load.py uses these types without torch
+    p.add_argument("--caches", type=listing(tuple(CACHE_POLICIES), empty=False), default="none,prefix,dual,free",
                    help="cache modes, comma-separated (default: %(default)s)")
     p.add_argument("--thresholds", type=listing(positive), default=thresholds, help="threshold values, "
                    "comma-separated, '' = none (default: %(default)s)")
