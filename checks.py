@@ -16,9 +16,10 @@ import torch
 
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_REMASKING
 from cache import CACHE_POLICIES, CachePolicy
+from dream import DREAM_REMASKING, check_dream
 from guided import OWN as GUIDED_OWN
 from llada2 import OWN as LLADA2_OWN
-from sampler import DREAM_REMASKING, LLADA_REMASKING, is_parallel
+from sampler import LLADA_REMASKING
 
 BOOLEANS = ("refresh_every_step", "speculative")
 
@@ -175,31 +176,6 @@ def check_stop(cfg, stop_at_eos, eos_ids):
         bad(f"eos_ids holds the mask token id {cfg.mask_id}: an end token must be a token the model writes")
 
 
-def check_dream_modes(st, whole_canvas: bool):
-    """Dream's samplers each implement some of the rules: say which one does what was asked."""
-    free, custom, threshold = st.cache == "free", st.select is not None, st.threshold
-    parallel = is_parallel(st.select, threshold, st.factor)
-    n_blocks = st.gen_length // st.block_length
-    if whole_canvas and (st.cache != "none" or parallel and threshold is None and not custom):
-        bad("Dream's whole-canvas sampler (block_length=None) has no cache or factor rule: pass a "
-            "block_length to use Fast-dLLM's block sampler")
-    if whole_canvas and custom:
-        bad("Dream's whole-canvas sampler (block_length=None) has its own rules: a custom select rule needs a "
-            "block_length (Fast-dLLM's block sampler)")
-    if whole_canvas and threshold is not None and st.gen_length % st.steps:
-        bad(f"Dream's whole-canvas threshold rule spreads the {st.gen_length} masks evenly over the "
-            f"steps: steps ({st.steps}) must divide gen_length")
-    if not whole_canvas and not free and st.remasking != "entropy" and not parallel:
-        bad(f"Fast-dLLM's Dream block sampler ranks tokens by entropy; remasking={st.remasking!r} "
-            f"needs Dream's whole-canvas sampler (block_length=None) or cache='free'")
-    if not whole_canvas and not free and not parallel and st.steps // n_blocks < 2:
-        bad(f"Fast-dLLM's Dream block sampler needs >= 2 steps per block (got {st.steps // n_blocks}): "
-            f"raise steps to at least {2 * n_blocks}, or use threshold/factor or cache='free'")
-    if custom and free:
-        bad("FlashDLM's FreeCache sampler for Dream has its own schedule: a custom select rule needs "
-            "cache 'none', 'prefix' or 'dual'")
-
-
 # Each hook: what it must be, and how the loop calls it (the arguments, and the method, if it is one).
 HOOKS = (("select", None, "a selection rule, a callable (proposal, at) -> (B, N) bool",
           "a selection rule is called as rule(proposal, at)", 2),
@@ -265,12 +241,8 @@ def check_call(model, prompt, st, attention_mask, generator, on_step, whole_canv
     theirs = [k for k in LLADA2_OWN if given.get(k, getattr(defaults, k)) != getattr(defaults, k)]
     if theirs and cfg.family != "llada2":
         bad(f"{theirs[0]} is LLaDA2's (model_type llada2_moe): a {cfg.family} model does not read it; drop {theirs[0]}")
-    built_in_parallel = st.select is None and (st.threshold is not None or st.factor is not None)
-    if cfg.family == "dream" and built_in_parallel and given.get("remasking") not in (None, "maskgit_plus"):
-        bad(f"remasking={given['remasking']!r} does not apply with threshold/factor on Dream: Fast-dLLM's parallel "
-            f"rules compare the max probability (maskgit_plus); drop remasking, or drop threshold/factor")
-    if cfg.family == "dream" and st.guide is None and st.propose is None:
-        check_dream_modes(st, whole_canvas)
+    if cfg.family == "dream":
+        check_dream(st, given, whole_canvas, bad)
     device = model.lm_head.weight.device
     if generator is not None and generator.device.type != device.type:
         bad(f"the generator is on {generator.device.type} but the model on {device.type}: "

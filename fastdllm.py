@@ -24,6 +24,7 @@ import checks
 import sampler as S
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, block_causal, block_parts, check_block, grid_canvas, grid_output
 from cache import CACHE_POLICIES, CachePolicy, Compiled, KVCache, Refresh
+from dream import dream_parts
 from guided import guided_parts
 from llada2 import STEPS as LLADA2_STEPS
 
@@ -315,7 +316,8 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     elif block:
         (step_rule, select, cache), stop_run = block_parts(cfg, st, generator), st.stop_at_eos
     else:
-        step_rule, select = S.family_rules(cfg, st, whole_canvas, generator, device)
+        step_rule, select = (dream_parts if cfg.family == "dream" else S.llada_parts)(cfg, st, generator, device,
+                                                                                      whole_canvas)
         cache, stop_run = st.cache if isinstance(st.cache, CachePolicy) else CACHE_POLICIES[st.cache](), st.stop_at_eos
     cache = Refresh(cache) if st.refresh_every_step else cache
     end_of_text = getattr(step_rule, "end_of_text", S.EndOfText)     # LLaDA2: once its block is final
