@@ -281,3 +281,25 @@ def test_the_experts_load_without_a_second_copy(dtype):
     assert torch.equal(mlp.w_down[5], src["model.layers.2.mlp.experts.5.down_proj.weight"].to(dtype).T)
     qkv = src["model.layers.0.attention.query_key_value.weight"].to(dtype)
     assert torch.equal(model.layers[0].attn.wqkv.weight, qkv)
+
+
+def test_the_weight_bytes_a_call_reads(tmp_path, capsys):
+    """tools/step_count.py moe --family llada2 on a 3-layer checkpoint (layer 0 dense, 1 and 2 MoE), scaled to
+    LLaDA2.x-mini's 20 layers: its rows equal the bytes counted here from the checkpoint's own tensors (the dense
+    layer once, 19 MoE layers, the head and final norm; the embedding aside), and the union of a call's routed
+    experts lies between one token's top-k and every expert."""
+    from tools.step_count import main
+    E, k = 32, 4
+    make_checkpoint(str(tmp_path), "llada2", 32, 3, 1024, n_heads=4, n_kv_heads=2, ffn=48, logit_std=2.0,
+                    experts=E, top_k=k, expert_ffn=8)
+    out = main(["moe", "--family", "llada2", "--model", str(tmp_path), "--batch", "1", "--modes", "prefix",
+                "--gen-length", "32"])
+    src = load_file(os.path.join(tmp_path, "model.safetensors"))
+    size = lambda prefix: sum(t.numel() * 2 for n, t in src.items() if n.startswith(prefix))    # noqa: E731
+    expert = size("model.layers.1.mlp.experts.0.")
+    every = size("model.layers.0.") + 19 * size("model.layers.1.") + size("lm_head.") + size("model.norm.")
+    rows = dict(out["rows"])
+    assert rows[f"LLaDA2.x-mini: every expert (our block, {E} per layer)"] == every
+    assert rows[f"LLaDA2.x-mini: one token's {k} experts per layer"] == every - 19 * (E - k) * expert
+    assert k <= out["union"] <= E and set(out["fed"]) <= {32, 64} and out["fed"][32] > 0
+    assert "| LLaDA2.x-flash: every expert" in capsys.readouterr().out

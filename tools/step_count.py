@@ -6,12 +6,13 @@ GPU, and some make the host wait for the device (a value read back: `.item()`, `
 commit, stop, the one read), the model call's ops outside its layers, and the ops of one layer, then scaled to
 32 layers (LLaDA-8B; Dream-7B has 28, LLaDA-MoE 16: the last column is at the real depth). Then CPU seconds of
 generate() eager against compile=True on one checkpoint, side by side, with the ids of both. `moe`: the bytes of
-weights a LLaDA-MoE step reads, against the dense LLaDA-8B.
+weights a LLaDA-MoE or LLaDA2.x (--family llada2) call reads, against the dense LLaDA-8B.
 
     python tools/step_count.py counts                          # every mode, both families, batch 1 and 16
     python tools/step_count.py counts --shape real --batch 1 --modes dual   # the same at LLaDA-8B/Dream-7B widths
     python tools/step_count.py counts --families llada,lladamoe --shape real --batch 1 --modes dual
     python tools/step_count.py moe --shape real --batch 1 --modes dual     # LLaDA-MoE: weight bytes per step
+    python tools/step_count.py moe --family llada2 --model /tmp/llada2-real --batch 1 --modes prefix --dtype float32
     python tools/checkpoint.py /tmp/mid512 --d-model 512 --layers 2 && python tools/step_count.py wall --model /tmp/mid512
 
 The counts do not depend on widths or the vocabulary (`--shape real` gives the same numbers, 2 layers at the
@@ -116,7 +117,7 @@ def random_model(family: str, shape: str, dtype):
     """A random model of the family: the real widths with 2 layers (--shape real), or 2 small layers with the
     real models' special ids at a 4,096 vocabulary (the counts are the same)."""
     base = {"llada": "llada-8b", "dream": "dream-7b", "qwen2": "dream-7b", "lladamoe": "lladamoe-7b",
-            "fastdllm_v2": "fastdllm-v2-7b"}[family]
+            "fastdllm_v2": "fastdllm-v2-7b", "llada2": "llada2-mini"}[family]
     s = dict(SHAPES[base], n_layers=2) if shape == "real" else dict(family=family, d_model=128, n_layers=2,
                                                                       n_heads=4,
                                                                       n_kv_heads=4 if "llada" in family else 2,
@@ -131,8 +132,9 @@ def random_model(family: str, shape: str, dtype):
     with torch.device("cpu"):
         model = Transformer(cfg)
     torch.manual_seed(0)
-    for p in model.parameters():
-        torch.nn.init.normal_(p, std=0.02 if p.ndim > 1 else 1.0)
+    for name, p in model.named_parameters():   # LLaDA2's expert bias N(0, 0.01^2), as tools/checkpoint.py draws
+        # it: at std 1 the bias alone would choose the experts
+        torch.nn.init.normal_(p, std=0.02 if p.ndim > 1 else 0.01 if name.endswith("expert_bias") else 1.0)
     return model.to(dtype).eval()
 
 
@@ -183,55 +185,112 @@ def row_text(r) -> str:
             f"{r['at_depth']:.0f} |")
 
 
-def moe_weights(args):
-    """LLaDA-MoE: bytes of weights one decoding step reads, against the dense LLaDA-8B (bf16, the embedding aside:
-    a step reads only its rows). Per token only its top-k experts are needed; a step's tokens together need the
-    union of theirs (measured here on the random checkpoint's routing, cached steps of the given mode); our MoE
-    block reads every expert once when the step routes more (token, expert) pairs than there are experts."""
+MOE_FAMILIES = {"lladamoe": ("LLaDA-MoE", "lladamoe-7b"), "llada2": ("LLaDA2.x-mini", "llada2-mini")}
+
+
+def weight_split(model):
+    """A MoE model's bf16 weight bytes by what a call reads, the embedding aside (a call reads only its rows):
+    -> dense layers (list of bytes), the MoE layers' non-expert bytes (attention, norms, router, expert bias, shared
+    expert: list), bytes per expert, experts and top-k per MoE layer, the LM head with the final norm."""
     from model import MoE
-    model = (load_model(args.model, device="cpu", dtype=torch.bfloat16) if args.model else
-             random_model("lladamoe", args.shape, torch.bfloat16))
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    E, F_, D = moes[0].w_gate.shape
-    k, per_expert = moes[0].top_k, 3 * F_ * D * 2
-    depth = SHAPES["lladamoe-7b"]["n_layers"]
-    nbytes = lambda m: sum(p.numel() * 2 for n, p in m.named_parameters() if not n.startswith("embed"))  # noqa: E731
-    experts = sum(3 * p.numel() * 2 for m in moes for p in [m.w_gate])
-    other = (nbytes(model) - experts - model.lm_head.weight.numel() * 2) / len(moes)     # one layer's non-experts
-    head = model.lm_head.weight.numel() * 2
+    nbytes = lambda m: sum(p.numel() * 2 for p in m.parameters())           # noqa: E731
+    moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+    E = moes[0].w_gate.shape[0]
+    per_expert = sum(getattr(moes[0], name).numel() for name in MoE.stacks) // E * 2
+    dense = [nbytes(layer) for layer in model.layers if not isinstance(layer.mlp, MoE)]
+    other = [nbytes(layer) - E * per_expert for layer in model.layers if isinstance(layer.mlp, MoE)]
+    head = nbytes(model) - nbytes(model.embed) - sum(nbytes(layer) for layer in model.layers)
+    return dense, other, per_expert, E, moes[0].top_k, head
+
+
+def moe_weights(args):
+    """LLaDA-MoE or LLaDA2.x-mini (--family): bytes of weights one decoding call reads, against the dense LLaDA-8B
+    (bf16, the embedding aside: a call reads only its rows). Per token only its top-k experts are needed; a call's
+    tokens together need the union of theirs (measured here on the random checkpoint's routing, the ids each MoE
+    block's own `route` returns, cached calls of the given mode); our MoE block reads every expert once when the
+    call routes at least as many (token, expert) pairs as there are experts. A checkpoint of a few layers at the
+    real widths is scaled to the real depth: its dense layers (LLaDA2's first_k_dense_replace) stay as many, each
+    MoE layer is the measured MoE layers' mean. llada2 adds LLaDA2.x-flash's totals, built on the meta device."""
+    from model import MoE
+    label, real = MOE_FAMILIES[args.family]
+    dtype = getattr(torch, args.dtype)
+    model = (load_model(args.model, device="cpu", dtype=dtype) if args.model else
+             random_model(args.family, args.shape, dtype))
+    moe = model.config.moe
+    held = None if moe is None else "llada2" if moe.router == "sigmoid" else "lladamoe"
+    if held != args.family:
+        print(f"error: --model {args.model} holds {f'a {held}' if held else 'no MoE'} checkpoint, not --family "
+              f"{args.family}: pass the matching --family", file=sys.stderr)
+        sys.exit(2)
+    dense, other, per_expert, E, k, head = weight_split(model)
+    n_dense, depth = len(dense), SHAPES[real]["n_layers"]
+    dense_bytes, other = sum(dense), sum(other) / len(other)        # the dense layers once, the mean MoE layer
+
+    def at_depth(experts):        # bytes of a call that reads `experts` experts in each MoE layer
+        return dense_bytes + (depth - n_dense) * (other + experts * per_expert) + head
     seen, steps = [], []
 
-    def route(module, inputs):
-        x = inputs[0].reshape(-1, D)
-        ids = torch.softmax(module.router(x).float(), -1).topk(k, -1).indices
-        seen.append((x.shape[0], ids.unique().numel()))
-    hooks = [m.register_forward_pre_hook(route) for m in moes]
+    def recording(route):          # the block's own router: its ids are the experts the call uses
+        def routed(x):
+            weights, ids = route(x)
+            seen.append((x.shape[0], ids.unique().numel()))
+            return weights, ids
+        return routed
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for m in moes:
+        m.route = recording(m.route)
     prompt = random_prompts(model.config, args.batch[0], 64)
-    mode = dict(MODES[args.modes[0]], gen_length=128, block_length=32, threshold=0.9)
-    with torch.inference_mode():
-        generate(model, prompt, on_step=lambda x, st: (steps.append((st["fed"][-1], list(seen))), seen.clear()), **mode)
-    for h in hooks:
-        h.remove()
-    L = prompt.shape[1] + 128
+    mode = dict(MODES[args.modes[0]], gen_length=args.gen_length, block_length=32, threshold=0.9)
+    try:
+        with torch.inference_mode():
+            generate(model, prompt, on_step=lambda x, st: (steps.append((st["fed"][-1], list(seen))), seen.clear()),
+                     **mode)
+    finally:
+        for m in moes:
+            del m.route
+    L = prompt.shape[1] + args.gen_length
     cached = [layers for fed, layers in steps[1:] if fed < args.batch[0] * L]
-    union = sum(u for layers in cached for _, u in layers) / sum(len(layers) for layers in cached)
+    if not cached:
+        print(f"error: the decode made no cached call after its first ({len(steps)} calls): pass a longer "
+              f"--gen-length", file=sys.stderr)
+        sys.exit(2)
+    by_fed = Counter(layers[0][0] for layers in cached)
+    N = by_fed.most_common(1)[0][0]           # the tokens most cached calls feed
+    mean_union = lambda n: (sum(u for layers in cached if layers[0][0] == n for _, u in layers) /   # noqa: E731
+                            sum(len(layers) for layers in cached if layers[0][0] == n))
+    union = mean_union(N)
     with torch.device("meta"):
-        dense = Transformer(ModelConfig.from_hf(hf_config("llada", **{key: v for key, v in SHAPES["llada-8b"].items()
+        dense8b = Transformer(ModelConfig.from_hf(hf_config("llada", **{key: v for key, v in SHAPES["llada-8b"].items()
                                                                           if key != "family"})))
-    N = cached[0][0][0] if cached else 0
     uniform = E * (1 - (1 - k / E) ** N)      # if each token's k experts were drawn uniformly at random
-    rows = [("LLaDA-8B (dense): every weight", nbytes(dense)),
-            (f"LLaDA-MoE: every expert (our block, {E} per layer)", depth * (other + E * per_expert) + head),
-            (f"LLaDA-MoE: the union of the step's routed experts ({union:.1f} of {E} per layer, measured)",
-             depth * (other + union * per_expert) + head),
-            (f"LLaDA-MoE: the same if routing were uniform ({uniform:.1f} of {E})",
-             depth * (other + uniform * per_expert) + head),
-            (f"LLaDA-MoE: one token's {k} experts per layer", depth * (other + k * per_expert) + head)]
-    print(f"{len(cached)} cached steps ({args.modes[0]}, batch {args.batch[0]}, {N} tokens fed per step), "
-          f"{depth} layers, bf16, embedding aside")
+    rows = [("LLaDA-8B (dense): every weight", sum(p.numel() * 2 for n, p in dense8b.named_parameters()
+                                                    if not n.startswith("embed"))),
+            (f"{label}: every expert (our block, {E} per layer)", at_depth(E)),
+            (f"{label}: the union of the step's routed experts ({union:.1f} of {E} per layer, measured)",
+             at_depth(union)),
+            (f"{label}: the same if routing were uniform ({uniform:.1f} of {E})", at_depth(uniform)),
+            (f"{label}: one token's {k} experts per layer", at_depth(k))]
+    if args.family == "llada2":    # LLaDA2.x-flash at its real size: no weights needed to count its bytes
+        s = SHAPES["llada2-flash"]
+        with torch.device("meta"):
+            flash = Transformer(ModelConfig.from_hf(hf_config("llada2", s["d_model"], s["n_layers"], s["vocab"],
+                                                              s["n_heads"], s["n_kv_heads"], s["ffn"])))
+        f_dense, f_other, f_per, f_E, f_k, f_head = weight_split(flash)     # every layer real: nothing scaled
+        reads = lambda experts: sum(f_dense) + sum(f_other) + len(f_other) * experts * f_per + f_head   # noqa: E731
+        rows += [(f"LLaDA2.x-flash: every expert (our block, {f_E} per layer; union not measured)", reads(f_E)),
+                 (f"LLaDA2.x-flash: one token's {f_k} experts per layer", reads(f_k))]
+    fed = ", ".join(f"{c} of {n} tokens (union {mean_union(n):.1f})" for n, c in sorted(by_fed.items()))
+    if args.family == "lladamoe":
+        print(f"{len(cached)} cached steps ({args.modes[0]}, batch {args.batch[0]}, {N} tokens fed per step), "
+              f"{depth} layers, bf16, embedding aside")
+    else:
+        print(f"{len(cached)} cached calls ({args.modes[0]}, batch {args.batch[0]}, gen {args.gen_length}; {fed}), "
+              f"{depth} layers ({n_dense} dense), {args.dtype} run, bf16 bytes, embedding aside")
     print("| weights read per step | GB |\n|---|---|")
     for name, b in rows:
         print(f"| {name} | {b / 1e9:.2f} |")
+    return dict(rows=rows, union=union, fed=dict(by_fed), E=E, k=k, per_expert=per_expert, dense=dense_bytes,
+                other=other, head=head)
 
 
 def wall(args):
@@ -269,6 +328,10 @@ def main(argv=None):
     p.add_argument("--batch", type=lambda t: [int(b) for b in t.split(",")], default=[1, 16])
     p.add_argument("--shape", choices=("small", "real"), default="small")
     p.add_argument("--model", help="wall, moe: a checkpoint folder (tools/checkpoint.py)")
+    p.add_argument("--family", choices=tuple(MOE_FAMILIES), default="lladamoe", help="moe: the family counted")
+    p.add_argument("--gen-length", type=int, default=128, help="moe: the answer's tokens")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="moe: the decode's dtype "
+                   "(the bytes are counted at bf16 either way; a CPU multiplies float32 faster)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--root", default=ROOT, help="the checkout whose generate() is counted (before/after)")
     args = p.parse_args(argv)
@@ -277,7 +340,7 @@ def main(argv=None):
               "guide ops | ops / step at 32 layers | at the real depth |\n" + "|---" * 11 + "|")
         counts(args)
     elif args.what == "moe":
-        moe_weights(args)
+        return moe_weights(args)
     else:
         wall(args)
 
