@@ -182,3 +182,21 @@ def test_harness_answers_equal_generate(release):
                              threshold=0.9, stop_at_eos=True, eos_ids=sorted(chat.stop_ids), **EXTRA.get(family, {}))
         assert text == chat.answer(out[len(ids):].tolist())
     assert len(set(got)) == 2
+
+
+@pytest.mark.parametrize("family", ["llada2.0", "llada2.1"])
+def test_llada2_compiled_one_graph_per_feed_width_and_ids_equal_eager(family, tmp_path):
+    """compile=True on LLaDA2 (its sigmoid-routed MoE, the block window cache; Fast-dLLM v2's in test_blockdiff.py):
+    the ids and calls eager's, one graph per width fed (a block's first call: it and the block before; then the
+    block), LLaDA2.1's edits included."""
+    from torch._dynamo.utils import counters
+    from fastdllm import Compiled
+    make_release(str(tmp_path), RELEASES[family][0])
+    model, p = load_model(str(tmp_path), device="cpu", dtype=torch.float32), torch.tensor([list(range(5, 18))])
+    kw = dict(gen_length=32, block_length=8, cache="prefix", threshold=0.9, **EXTRA.get(family, {}))
+    eager, e = generate(model, p, **kw)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    compiled, c = generate(model, p, compile=Compiled(), **kw)
+    assert torch.equal(compiled, eager) and c["fed"] == e["fed"] and c["edited"] == e["edited"]
+    assert counters["stats"]["unique_graphs"] - before == len(set(e["fed"])) == 2
