@@ -232,10 +232,15 @@ class Compiled:
     1.7x; on a GPU it is one matmul either way). CUDA graphs write the KV cache in place at fixed addresses, so
     this object keeps the last call's cache for the next call of the same shape: pass one instance as compile= to
     every call (the CLI, serve.py and harness.py do) and each graph is captured once. emulate_precision_casts
-    rounds low-precision intermediates where eager does: bf16 ids equal eager's on the CPU (tests/test_compile.py)."""
+    rounds low-precision intermediates where eager does: bf16 ids equal eager's on the CPU (tests/test_compile.py).
+    backend: torch.compile's ("aot_eager" captures the same graphs without generating code: seconds, not minutes,
+    to check a change's graphs on a CPU)."""
 
-    def __init__(self):
-        self.fn, self.kv, self.key = None, None, None
+    def __init__(self, backend: str = "inductor"):
+        if backend not in torch.compiler.list_backends(exclude_tags=()):
+            raise ValueError(f"Compiled(backend={backend!r}): not a torch.compile backend here; use one of "
+                             f"torch.compiler.list_backends(), e.g. 'inductor' (the default) or 'aot_eager'")
+        self.fn, self.kv, self.key, self.backend = None, None, None, backend
 
     def cache(self, model, B: int, L: int, spare: int) -> KVCache:
         """A KV cache for this call: the previous call's when the shape is the same (every generation's first
@@ -251,7 +256,8 @@ class Compiled:
         cuda = model.lm_head.weight.is_cuda
         if self.fn is None:
             options = {"emulate_precision_casts": True} | ({"triton.cudagraphs": True} if cuda else {})
-            self.fn = torch.compile(hidden_states, fullgraph=True, dynamic=False, options=options)
+            self.fn = torch.compile(hidden_states, fullgraph=True, dynamic=False, backend=self.backend,
+                                    options=options if self.backend == "inductor" else None)
         if cuda:
             torch.compiler.cudagraph_mark_step_begin()   # the previous step's hidden states are no longer read
         with torch._dynamo.config.patch(recompile_limit=256):

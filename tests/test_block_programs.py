@@ -184,11 +184,11 @@ def test_harness_answers_equal_generate(release):
     assert len(set(got)) == 2
 
 
-@pytest.mark.parametrize("family", ["llada2.0", "llada2.1"])
+@pytest.mark.parametrize("family", ["llada2.1"])
 def test_llada2_compiled_one_graph_per_feed_width_and_ids_equal_eager(family, tmp_path):
-    """compile=True on LLaDA2 (its sigmoid-routed MoE, the block window cache; Fast-dLLM v2's in test_blockdiff.py):
-    the ids and calls eager's, one graph per width fed (a block's first call: it and the block before; then the
-    block), LLaDA2.1's edits included."""
+    """compile=True on LLaDA2.1 (LLaDA2's sigmoid-routed MoE and block window cache, and the edits; Fast-dLLM v2's
+    in test_blockdiff.py): the ids, calls and edits eager's, one graph per width fed (a block's first call: it and
+    the block before; then the block)."""
     from torch._dynamo.utils import counters
     from fastdllm import Compiled
     make_release(str(tmp_path), RELEASES[family][0])
