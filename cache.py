@@ -224,22 +224,17 @@ def hidden_states(model, ids, pos, kv, slots, mask):
 
 
 class Compiled:
-    """compile=True: the model's layers (model.hidden) through torch.compile, one graph per feed shape
-    (fullgraph, static shapes: the slots are tensors, so one graph serves every block; the prefix and free
-    caches feed one width per block, so the recompile limit is raised for these calls only). On CUDA with CUDA
-    graphs ("reduce-overhead"): one launch for the layers instead of ~1,150 kernels. The LM head stays outside,
-    on the block's open columns only (eager's work, measured: on a CPU the head on every block column cost up to
-    1.7x; on a GPU it is one matmul either way). CUDA graphs write the KV cache in place at fixed addresses, so
-    this object keeps the last call's cache for the next call of the same shape: pass one instance as compile= to
-    every call (the CLI, serve.py and harness.py do) and each graph is captured once. emulate_precision_casts
-    rounds low-precision intermediates where eager does: bf16 ids equal eager's on the CPU (tests/test_compile.py).
-    backend: torch.compile's ("aot_eager" captures the same graphs without generating code: seconds, not minutes,
-    to check a change's graphs on a CPU)."""
+    """compile=True: the layers (model.hidden) through torch.compile, one graph per feed shape (fullgraph, static:
+    the slots are tensors, so one graph serves every block); on CUDA with CUDA graphs, one launch instead of ~1,150
+    kernels. The LM head stays eager, on the open columns only (on a CPU the head on every column cost up to 1.7x).
+    CUDA graphs write the KV cache in place at fixed addresses, so this keeps the last call's cache for the next of
+    the same shape: pass one instance to every call (the CLI, serve.py, harness.py do). emulate_precision_casts: bf16
+    ids equal eager's on the CPU (tests/test_compile.py). backend "aot_eager": the same graphs, no code generated."""
 
     def __init__(self, backend: str = "inductor"):
         if backend not in torch.compiler.list_backends(exclude_tags=()):
-            raise ValueError(f"Compiled(backend={backend!r}): not a torch.compile backend here; use one of "
-                             f"torch.compiler.list_backends(), e.g. 'inductor' (the default) or 'aot_eager'")
+            raise ValueError(f"Compiled(backend={backend!r}): not a torch.compile backend here (see "
+                             f"torch.compiler.list_backends(exclude_tags=()); default 'inductor')")
         self.fn, self.kv, self.key, self.backend = None, None, None, backend
 
     def cache(self, model, B: int, L: int, spare: int) -> KVCache:

@@ -37,7 +37,6 @@ def pad_prompts(rows: list[list[int]], pad_id: int):
     return ids, (torch.arange(P) >= torch.tensor([[P - len(r)] for r in rows])).long()
 
 
-
 @dataclass
 class Settings:
     """Every setting of generate(model, prompt, **settings) and its default, decided here once (None: decided by
@@ -338,7 +337,7 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
                 calls_per_block=1 if S.is_parallel(select) else max(spb, 1),
                 eos=eos, ar=ar, output=output,
                 after={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)},
-                answer_at=lengths.tolist() if block else [P] * B, reads_block=getattr(step_rule, "reads_block", False))
+                answer_at=spans[:, 1].tolist(), reads_block=getattr(step_rule, "reads_block", False))
     return plan, x
 
 

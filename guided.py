@@ -1,10 +1,9 @@
 """
 guided.py: FlashDLM's guided diffusion (arXiv 2505.21467; docs/official.md 7.2), all of it: the diffusion model
-drafts every masked position, a small causal LM (the guide, Qwen2.5-1.5B-Instruct for Dream-7B) verifies the
-drafts left to right, and a step commits the accepted run.
-- `Guide`: the guide model and its KV cache of the committed text, for a whole batch;
-- `accept_drafts`: the five acceptance rules; `guide_token`, `guided_commit`: what a step commits, assisted (the
-  diffusion model's drafts) or speculative (the guide's own token at the first rejection);
+drafts every masked position, a small causal LM (the guide, Qwen2.5-1.5B-Instruct for Dream-7B) verifies them left
+to right, and a step commits the accepted run.
+- `Guide`: the guide and its KV cache of the committed text, for a batch; `accept_drafts`: the five acceptance rules;
+- `guide_token`, `guided_commit`: what a step commits, assisted (the drafts) or speculative (the guide's own token);
 - `Guided`: the step rule (sampler.StepRule); `GuidedFreeCache`: FlashDLM's aggressive caching (cache.CachePolicy);
 - `check_guide`, `check_guided`: a guide sharing the model's token ids, and the guided settings.
 A guided generate() is fastdllm.py's one loop with these parts in its plan (`guided_parts`): one block, the
@@ -20,8 +19,8 @@ from cache import FreeCache, KVCache, NoCache, PrefixCache
 from model import ModelConfig
 from sampler import NEG_INF, Proposal, Schedule, StepRule, argmax_except
 
-OWN = ("speculative", "accept", "accept_k", "accept_ratio", "accept_threshold", "verify_chunk")   # the settings only
-#   guided diffusion reads (their defaults: fastdllm.Settings); without a guide each is refused (checks.py)
+# The settings only guided diffusion reads (defaults: fastdllm.Settings); without a guide each is refused (checks.py).
+OWN = ("speculative", "accept", "accept_k", "accept_ratio", "accept_threshold", "verify_chunk")
 ACCEPT_RULES = ("deterministic", "topk", "topk_relative", "dynamic_threshold", "aggressive")
 # The acceptance rules that read each setting: one given for another rule would change nothing, so is refused.
 ACCEPT_READS = {"accept_k": ("topk", "topk_relative"), "accept_ratio": ("topk_relative",),
