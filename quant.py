@@ -112,11 +112,13 @@ def quantize_int8(model):
     """A model already in memory (tools/gpu_check.py's random ones) to quantize="int8", in place, a weight at a
     time: torchao's own quantize_ for the linear layers, the expert stacks row by row as load_model stores them."""
     int8 = int8_quantizer("int8")
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    from torchao.quantization import Int8WeightOnlyConfig, PerRow, quantize_
     targets = int8_targets(model)
     with torch.no_grad():
-        # set_inductor_config=False: torchao would otherwise change inductor's settings for the whole process
-        quantize_(model, Int8WeightOnlyConfig(set_inductor_config=False),
+        # version=2, PerRow(): load_model's Int8Tensor, named (torchao 0.17's default is version 1, its older
+        # AffineQuantizedTensor); set_inductor_config=False: torchao would otherwise change inductor's settings for
+        # the whole process.
+        quantize_(model, Int8WeightOnlyConfig(granularity=PerRow(), set_inductor_config=False, version=2),
                   filter_fn=lambda m, name: name + ".weight" in targets)
         for name in sorted(targets):
             module, _, attr = name.rpartition(".")

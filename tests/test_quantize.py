@@ -79,6 +79,22 @@ def test_load_time_int8_is_torchaos_quantize_of_the_loaded_model(torchao, name):
     assert quant.weight_bytes(ours) < 0.85 * quant.weight_bytes(load(name))
 
 
+def test_quantize_int8_is_load_models_int8_whatever_torchaos_defaults(torchao, monkeypatch):
+    """quant.quantize_int8 (tools/gpu_check.py's int8 phase) names the int8 tensor load_model makes, not torchao's
+    defaults, which move between releases: 0.17's Int8WeightOnlyConfig() made its older AffineQuantizedTensor (version
+    1, gone in 0.18), whose bytes weight_bytes cannot read (an H200 run reported the 8B's int8 weights at bf16's
+    16.03 GB). Simulated here by another default granularity (0.18 refuses version 1)."""
+    from torchao.quantization import Int8Tensor, Int8WeightOnlyConfig, PerTensor
+    group_size, _, inductor, version = Int8WeightOnlyConfig.__init__.__defaults__
+    monkeypatch.setattr(Int8WeightOnlyConfig.__init__, "__defaults__", (group_size, PerTensor(), inductor, version))
+    assert isinstance(Int8WeightOnlyConfig().granularity, PerTensor)
+    ours, theirs = load("llada-tiny", quantize="int8"), quant.quantize_int8(load("llada-tiny"))
+    for k in quant.int8_targets(ours):
+        a, b = ours.get_parameter(k), theirs.get_parameter(k)
+        assert isinstance(b, Int8Tensor) and torch.equal(a.qdata, b.qdata) and torch.equal(a.scale, b.scale), k
+    assert quant.weight_bytes(theirs) == quant.weight_bytes(ours)
+
+
 def test_every_linear_layer_and_expert_stack_is_a_target():
     """int8_targets is generic: every nn.Linear but the head and the router, every MoE stack (so a family built of
     the same modules is covered without a line here)."""

@@ -132,7 +132,8 @@ def timed(model, prompt, kw, compile_=False):
 
 
 def busy(model, prompt, kw, compile_) -> dict:
-    """GPU kernel time against wall time for one (short) generate(), from torch.profiler."""
+    """GPU kernel time against wall time for one generate(), from torch.profiler. The timed call's settings: a shorter
+    canvas would compile new graphs inside the profile (an H200 run showed busy 0.003 that way)."""
     if not prompt.is_cuda:
         return {}
     from torch.profiler import ProfilerActivity, profile
@@ -170,7 +171,7 @@ def speed(model, prompt, args, bandwidth, compiled, out, left, key="speed"):
                 nbytes = sum(step_bytes(model, B, fed, L, N if c else min(N, fed)) for fed, _ in xs) / len(xs)
                 row[kind] = dict(steps=len(xs), ms=ms, bytes=nbytes,
                                  hbm=nbytes / (ms / 1e3) / bandwidth if bandwidth else None)
-            row.update(busy(model, prompt, dict(kw, **mode, gen_length=args.block_length), c))
+            row.update(busy(model, prompt, dict(kw, **mode), c))   # the timed call's shapes: no graph compiled
             rows.append(row)
             out[key] = rows
             write(args.out, out)
