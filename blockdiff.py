@@ -24,11 +24,12 @@ import torch.nn.functional as F
 
 from cache import BLOCK_CACHE_POLICIES, LLADA2_CACHE_POLICIES, CachePolicy
 from llada2 import check_llada2, llada2_parts
-from sampler import NEG_INF, Proposal, Schedule, StepRule, Threshold, argmax_except
+from sampler import NEG_INF, Proposal, Schedule, StepRule, Threshold, argmax_except, widen
 
 FAMILIES = ("fastdllm_v2", "sdar", "llada2")   # the block-diffusion families (model.ModelConfig.family; llada2.py)
 SDAR_REMASKING = ("low_confidence_dynamic", "low_confidence_static", "sequential")
 SDAR_BLOCK = 4     # SDAR's released configs name no block: its models were trained with 4 (the -b8 .. -b64 others)
+V2_SUB_BLOCK = 8   # Fast-dLLM v2's sub-block (its small_block_size), or the block when smaller
 
 
 # ---------------------------------------------------------------------------------------- the canvas
@@ -121,24 +122,17 @@ def sdar_sample(logits, temperature: float, top_k, top_p, generator, mask_id: in
 # ---------------------------------------------------------------------------------------- step rules
 class BlockStep(StepRule):
     """What both step rules share: a block's first call (s > 0) stores the block before it (`store`); the others
-    denoise. first_token: that call's last row predicts the block's first position (the AR token shift)."""
-    first_token = False
+    denoise."""
 
     def store(self, at) -> bool:
         return at.i == 0 and at.s > 0
-
-    def widen(self, x0, conf, at, open_):
-        """(B, n) at the logits' columns at.cols -> the block's width (B, N): -inf where the step may not commit."""
-        x0 = torch.zeros_like(at.masked, dtype=x0.dtype).index_copy_(1, at.cols, x0)
-        conf = torch.full_like(at.masked, NEG_INF, dtype=conf.dtype).index_copy_(1, at.cols, conf)
-        return x0, conf.masked_fill_(~open_, NEG_INF)
 
 
 class FastDLLMv2(BlockStep):
     """Fast-dLLM v2's batch_sample (v2/generation_functions.py): the block in sub-blocks of `sub_block` tokens, left to
     right; a step proposes the masks of the first sub-block that still has one (in any row: the batch moves together,
-    a row with none there waits), sampled by sample_with_top_p. The store call's token is the arg-max, as official."""
-    first_token = True
+    a row with none there waits), sampled by sample_with_top_p. The store call's token is the arg-max, as official:
+    the stored block's last row predicts the block's first position (the AR token shift)."""
 
     def __init__(self, *, sub_block: int, temperature: float = 0.0, top_p=None, generator=None, mask_id: int):
         self.sub_block, self.temperature, self.top_p = sub_block, temperature, top_p
@@ -149,7 +143,7 @@ class FastDLLMv2(BlockStep):
         if self.store(at):                      # the block's first token, from the stored block's last row
             open_ = at.masked & (torch.arange(N, device=at.masked.device) == 0)
             x0, conf = top_p_sample(logits, 0.0, None, None, self.mask_id)           # the arg-max, as official
-            x0, conf = self.widen(x0, conf, at, open_)
+            x0, conf = widen(x0, conf, at.cols, open_)
         else:
             first = at.masked_cols[0] // self.sub_block * self.sub_block      # the sub-block [first, first + sb)
             sub = torch.arange(first, min(first + self.sub_block, N), device=at.masked.device)
@@ -158,9 +152,7 @@ class FastDLLMv2(BlockStep):
             # draws, whatever the tokens): a position without logits here is drawn from another's, then not opened.
             rows = torch.searchsorted(at.cols, sub).clamp(max=max(len(at.masked_cols) - 1, 0))
             x0, conf = top_p_sample(logits[:, rows], self.temperature, self.top_p, self.generator, self.mask_id)
-            x0 = torch.zeros_like(at.masked, dtype=x0.dtype).index_copy_(1, sub, x0)
-            conf = torch.full_like(at.masked, NEG_INF, dtype=conf.dtype).index_copy_(1, sub, conf).masked_fill_(
-                ~open_, NEG_INF)
+            x0, conf = widen(x0, conf, sub, open_)
         return Proposal(x0, conf, open_, open_.sum(-1), logits)
 
 
@@ -228,7 +220,7 @@ def block_parts(cfg, st, generator):
         rule, select = llada2_parts(cfg, st, generator, sdar_sample, DynamicThreshold)
         return rule, select, policy(rule)
     if cfg.family == "fastdllm_v2":
-        rule = FastDLLMv2(sub_block=st.sub_block or min(8, st.block_length), temperature=st.temperature,
+        rule = FastDLLMv2(sub_block=st.sub_block, temperature=st.temperature,
                           top_p=st.top_p, generator=generator, mask_id=cfg.mask_id)
         return rule, st.select or Threshold(1.0 if st.threshold is None else st.threshold, strict=True), policy(rule)
     rule = SDAR(steps_per_block=st.steps, block_length=st.block_length, temperature=st.temperature,
@@ -264,9 +256,8 @@ def check_block(cfg, st, given: dict, longest: int, name=lambda key: key):
     if cfg.family == "llada2":
         check_llada2(st, given, bad)
     elif cfg.family == "fastdllm_v2":
-        sb = st.sub_block or min(8, G)
-        if sb < 1 or G % sb:
-            bad(f"sub_block {sb} does not divide block_length {G}: pick a divisor, e.g. {min(8, G)}")
+        if st.sub_block < 1 or G % st.sub_block:
+            bad(f"sub_block {st.sub_block} does not divide block_length {G}: pick a divisor, e.g. {min(V2_SUB_BLOCK, G)}")
         for key in ("steps", "top_k", "remasking", "alg_temp"):
             if given.get(key) is not None:
                 bad(f"{key} does not apply to Fast-dLLM v2: it decodes each sub-block until no mask is left, by its "

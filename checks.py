@@ -16,10 +16,10 @@ import torch
 
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_REMASKING
 from cache import CACHE_POLICIES, CachePolicy
-from dream import DREAM_REMASKING, check_dream
+from dream import check_dream
 from guided import OWN as GUIDED_OWN
 from llada2 import OWN as LLADA2_OWN
-from sampler import LLADA_REMASKING
+from sampler import DREAM_REMASKING, LLADA_REMASKING
 
 BOOLEANS = ("refresh_every_step", "speculative")
 

@@ -22,8 +22,7 @@ from fastdllm import Settings, decided, generate, pad_prompts
 from guided import ACCEPT_RULES, OWN as GUIDED_OWN, check_accept, check_guide, check_guided_settings
 from model import check_readable, load_model, read_config, resolve_model_dir
 from quant import QUANTIZE, int8_quantizer
-from dream import DREAM_REMASKING
-from sampler import LLADA_REMASKING
+from sampler import DREAM_REMASKING, LLADA_REMASKING
 
 
 # The command line's defaults where they differ from generate()'s: the methods' headline setting (Fast-dLLM's

@@ -1,134 +1,44 @@
 """
-dream.py: Dream's step rules (docs/official.md 5-7): its sampler (top-p / top-k / temperature, float32), the
-confidences its `alg` ranks by, its float32 time-grid schedule, and the three clocks: Fast-dLLM's block sampler
-(Dream), FlashDLM's FreeCache sampler (DreamFree) and Dream's own whole-canvas `diffusion_generate` (DreamCanvas);
-then the parts one call uses and what a Dream call refuses. The generic pieces (Proposal, StepRule, the selection
-rules) are sampler.py's.
+dream.py: Dream's other clocks and its set-up. Its block sampler, the step rule of Fast-dLLM's Dream (sampler.Dream,
+beside LLaDA's), runs a time grid per block; here are the two that run one grid otherwise: FlashDLM's FreeCache
+sampler (DreamFree) and Dream's own whole-canvas `diffusion_generate` (DreamCanvas), with the two selection rules only
+Dream's settings ask for (QuotaThreshold, SampledPositions); then the parts one Dream call uses and what it refuses
+(docs/official.md 5-7).
 """
-import struct
-
 import torch
 import torch.nn.functional as F
 
-from sampler import (NEG_INF, Proposal, QuotaThreshold, SampledPositions, Schedule, StepRule, argmax_except,
-                     is_parallel, parallel_rule)
-
-# The remasking (`alg`) rules Dream's step rules implement (dream_confidence): checks.py and the command line read
-# these, so a rule added here is accepted and listed everywhere.
-DREAM_REMASKING = ("entropy", "maskgit_plus", "topk_margin", "origin", "position_weighted")
+from sampler import NEG_INF, Dream, Proposal, Schedule, Threshold, is_parallel, parallel_rule
 
 
-def dream_sample(logits, temperature: float = 0.0, top_p=None, top_k=None, generator=None, mask_id=None):
-    """Dream's `sample_tokens`: -> (conf, x0, probs). conf is the max prob, or at T > 0 the prob of the
-    drawn token. Computed in float32 whatever the model dtype. mask_id is never proposed (argmax_except);
-    probs, and so the entropy and margin scores, keep it, as the official code does."""
-    logits = logits.float()
-    if temperature > 0:
-        logits = logits / temperature
-    if top_p is not None and top_p < 1:
-        # nucleus: drop tokens once the cumulative prob exceeds top_p, always keeping the first
-        sorted_logits, order = logits.sort(-1, descending=True)
-        drop = F.pad((sorted_logits.softmax(-1).cumsum(-1) > top_p)[..., :-1], (1, 0), value=False)
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), torch.finfo(logits.dtype).min)
-    if top_k is not None:
-        kth = logits.topk(min(top_k, logits.shape[-1]))[0][..., -1:]
-        logits = logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
-    probs = logits.softmax(-1)
-    if temperature > 0:    # what torch.distributions.Categorical(probs).sample() does, with our generator
-        flat = probs.reshape(-1, probs.shape[-1]).index_fill(-1, torch.tensor([mask_id], device=probs.device), 0)
-        x0 = torch.multinomial(flat / flat.sum(-1, keepdim=True), 1, True, generator=generator).view(probs.shape[:-1])
-    else:
-        x0 = probs.argmax(-1) if mask_id is None else argmax_except(probs, mask_id)
-    conf = probs.gather(-1, x0[..., None]).squeeze(-1)
-    return conf, x0, probs
+class QuotaThreshold(Threshold):
+    """Fast-dLLM's Dream `confidence_threshold` without blocks (docs/official.md 6.1): offer the k + carry most
+    confident; take the first, the others at confidence >= tau; offer the refused again (the carry)."""
+
+    def __call__(self, p: Proposal, at):
+        offered = Schedule()(p._replace(k=p.k + (self.carry if at.n else 0), k_host=None), at)   # at first no carry
+        take = offered & super().__call__(p, at)
+        self.carry = (offered & ~take).sum(-1)
+        return take
 
 
-def dream_confidence(alg: str, conf, probs, cols, open_):
-    """Rank score for Dream's confidence algorithms (higher = decode sooner) at block columns cols (n,), open_
-    (B, n). FlashDLM's `position_weighted`, max prob x (1 - col / the row's last open col), is what its crashing
-    official version meant."""
-    if alg in ("maskgit_plus", "origin"):      # origin draws its positions: the score is never read
-        return conf
-    if alg == "position_weighted":
-        last = torch.where(open_, cols, 0).amax(-1, keepdim=True).clamp(min=1)       # each row's last open col
-        return conf * (1 - cols / last)
-    if alg == "topk_margin":
-        top2 = probs.topk(2, dim=-1)[0]
-        return top2[..., 0] - top2[..., 1]
-    if alg == "entropy":
-        return (probs * torch.log(probs + 1e-10)).sum(-1)       # negative entropy
-    raise ValueError(f"unknown Dream remasking {alg!r}: use one of {', '.join(DREAM_REMASKING)}")
+class SampledPositions:
+    """Dream's `alg_temp` > 0: draw the schedule's k positions without replacement from softmax(conf / alg_temp),
+    over the official code's width (pad(at) -> (left, right) columns at -inf) so a seeded run picks the same
+    positions; k read on the host (a drawn count is a shape). A block's first token is not drawn (first_token)."""
+    parallel = False
 
+    def __init__(self, alg_temp: float, generator, pad, first_token: bool):
+        self.alg_temp, self.generator, self.pad, self.first_token = alg_temp, generator, pad, first_token
 
-def dream_num_transfer(num_mask: torch.Tensor, t: torch.Tensor, s: torch.Tensor, last: bool, total=None):
-    """(B,) tokens to unmask from time t to s: the share (1 - s/t) of `total` masks (the block's, or FlashDLM's
-    count of every later block's too), all left at the last step. float32 on purpose: the official floors are
-    float32 rounding (64 masks, 64 steps: step 0 decodes 0 tokens, 64 * (1 - s/t) = 0.999...)."""
-    return num_mask.long() if last else ((num_mask if total is None else total).float() * (1 - s / t)).long()
-
-
-class Dream(StepRule):
-    """Dream, Fast-dLLM's block sampler (docs/official.md 6.2): Dream's sampler proposes (top-p/top-k/temperature,
-    float32), ranked by `alg` (the schedule's default: entropy; a parallel rule's: maskgit_plus, the max
-    probability). schedule=True: Dream's schedule counts each step's tokens (a parallel rule needs no count).
-    first_token: a block's first step opens only its first position, decoded whatever its confidence (docs/official.md
-    6.2). Subclasses change only the clock."""
-    first_token = True
-
-    def __init__(self, *, steps: int, n_blocks: int, block_length: int, temperature: float = 0.0,
-                 alg: str = "entropy", top_p=None, top_k=None, eps: float = 1e-3, generator=None, mask_id: int,
-                 device=None, schedule: bool = True, first_token: bool | None = None):
-        self.steps, self.steps_per_block = steps, steps // n_blocks
-        self.n_blocks, self.block_length, self.schedule = n_blocks, block_length, schedule
-        self.temperature, self.alg, self.generator, self.mask_id = temperature, alg, generator, mask_id
-        self.opts = dict(temperature=temperature, top_p=top_p, top_k=top_k, generator=generator, mask_id=mask_id)
-        self.timesteps = torch.linspace(1, eps, self.grid_steps() + 1, device=device)
-        self.grid = self.timesteps.tolist()     # read once: the host count (k_host) replays the device's float32
-        self.first_token = self.first_token if first_token is None else first_token
-
-    def grid_steps(self) -> int:
-        return self.steps_per_block             # the time grid runs over one block's steps
-
-    def clock(self, at):
-        """Where the step stands on the schedule (docs/official.md 5, 6.2 and 7.1) -> (i: the step goes from
-        timesteps[i] to timesteps[i + 1] on the float32 grid; last: the block's last scheduled step takes every mask
-        left; later: masks of later blocks counted in, for FreeCache). Parallel steps past it never read it."""
-        i = min(at.i, self.steps_per_block - 1)
-        return i, at.i == self.steps_per_block - 1, 0
-
-    def start_block(self, x, s: int, e: int):
-        self.block = (s - (x.shape[1] - self.n_blocks * self.block_length)) // self.block_length
-        self.left = e - s                       # the host's count of a row's masks (each row commits k_host a step)
-
-    def propose(self, logits, at, open_=None) -> Proposal:
-        first = self.first_token and at.i == 0
-        if open_ is None:                                               # (B, N) the positions this step may commit
-            open_ = at.masked & (torch.arange(at.masked.shape[1], device=at.masked.device) == 0) if first else at.masked
-        narrow = open_[:, at.cols]                                      # (B, n) at the logits' columns
-        if self.temperature > 0:
-            # One draw per open position in the official row-major order, so a seeded run draws the same numbers:
-            # a gather, one host sync, only when sampling.
-            conf, x0, probs = dream_sample(logits[narrow], **self.opts)
-            conf, x0 = (torch.zeros(narrow.shape, dtype=v.dtype, device=v.device).masked_scatter_(narrow, v)
-                        for v in (conf, x0))
-            probs = torch.zeros(*narrow.shape, probs.shape[-1], device=probs.device).masked_scatter_(
-                narrow[..., None], probs) if self.alg in ("topk_margin", "entropy") else None
-        else:
-            conf, x0, probs = dream_sample(logits, **self.opts)
-        score = dream_confidence(self.alg, conf, probs, at.cols, narrow)
-        if first or not self.schedule:          # the first token alone, or a parallel rule: no count to compute
-            k, k_host = open_.sum(-1), 1 if first else None
-        else:
-            i, last, later = self.clock(at)
-            k = dream_num_transfer(n := at.masked.sum(-1), self.timesteps[i], self.timesteps[i + 1], last, n + later)
-            f32 = lambda v: struct.unpack("f", struct.pack("f", v))[0]    # noqa: E731  one float32 rounding
-            g = self.grid                       # the official count is one host int: the same float32 arithmetic
-            k_host = self.left if last else int(f32(f32(self.left + later) * f32(1 - f32(g[i + 1] / g[i]))))
-        self.left -= k_host or 0
-        # (B, n) at the logits' columns -> (B, N), the block's width: -inf where the step may not commit.
-        x0 = torch.zeros_like(open_, dtype=x0.dtype).index_copy_(1, at.cols, x0)
-        score = torch.full_like(open_, NEG_INF, dtype=score.dtype).index_copy_(1, at.cols, score)
-        return Proposal(x0, score.masked_fill_(~open_, NEG_INF), open_, k, logits, k_host)
+    def __call__(self, p: Proposal, at):
+        k, (left, right) = int(p.k.max()), self.pad(at)
+        if k == 0 or self.first_token and at.i == 0:
+            return p.open & (k > 0)
+        scores = F.pad(p.conf / self.alg_temp, (left, right), value=NEG_INF).softmax(-1)
+        picked = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+        picked.scatter_(-1, torch.multinomial(scores, k, generator=self.generator), True)
+        return p.open & picked[:, left:left + p.open.shape[-1]]
 
 
 class DreamFree(Dream):

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 import checks
 import sampler as S
-from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, block_causal, block_parts, check_block, grid_canvas, grid_output
+from blockdiff import (FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, V2_SUB_BLOCK, block_causal, block_parts, check_block,
+                       grid_canvas, grid_output)
 from cache import CACHE_POLICIES, CachePolicy, Compiled, KVCache, Refresh
 from dream import dream_parts
 from guided import guided_parts
@@ -120,15 +121,17 @@ class Seen(NamedTuple):
     post: int = 0             # calls so far in this block that found no mask (an editing rule's post steps)
 
 
-def predicting(a: int, b: int, s: int, masked_cols: list, shift: int) -> tuple[int, int, int]:
-    """The logits shift, the one place it is applied. A cache policy's span [a, b) and the block's masked columns
-    (sorted) -> (the span as fed: one position earlier for a shifted family when it starts at the first masked
-    position, which is predicted from the one before it; the first and one past the last of the masked columns, an
-    index range into the sorted list, whose predicting positions p - shift the fed span holds)."""
-    a -= shift if masked_cols and a == s + masked_cols[0] else 0
-    first = next((k for k, c in enumerate(masked_cols) if s + c - shift >= a), len(masked_cols))
-    last = next((k for k, c in enumerate(masked_cols) if s + c - shift >= b), len(masked_cols))
-    return a, first, max(first, last)
+def predicting(a: int, b: int, s: int, cols: torch.Tensor, listed: list, shift: int):
+    """The logits shift, where a span meets it: position p is predicted from hidden state p - shift. A cache policy's
+    span [a, b) and the block columns that want logits (cols (n,), and the same sorted on the host: listed) -> (a:
+    where the fed span starts, one position earlier for a shifted family when it starts at the first wanted column,
+    which is predicted from the one before it; the columns whose predicting positions the fed span holds; those
+    positions' rows among the fed ones)."""
+    a -= shift if listed and a == s + listed[0] else 0
+    first = next((k for k, c in enumerate(listed) if s + c - shift >= a), len(listed))
+    last = next((k for k, c in enumerate(listed) if s + c - shift >= b), len(listed))
+    cols = cols[first:max(first, last)]
+    return a, cols, cols + (s - shift - a)
 
 
 @dataclass
@@ -158,6 +161,8 @@ class Plan:
     after: dict               # block start -> the next block's end (a read reports the next block's masked columns)
     answer_at: list           # each row's answer start on the canvas, on the host (stats["final"])
     reads_block: bool         # the step rule reads logits at every block column, not just the masked (StepRule)
+    edits: bool               # the step rule may rewrite committed tokens of its block (StepRule.edits: LLaDA2.1)
+    max_post_steps: int       # calls a block may take once it has no mask (an editing rule's; else 0)
 
     def feed(self, x, seen: Seen, i: int, s: int, e: int) -> tuple[Step, torch.Tensor]:
         """1. feed: where this step stands, what the cache policy feeds, one model call -> (at, logits (B, n, V) for
@@ -174,14 +179,13 @@ class Plan:
             a, b = wanted if isinstance(wanted, (tuple, list)) and len(wanted) == 2 else (None, None)
             if not (type(a) is int and type(b) is int and 0 <= a < b <= L):
                 checks.refuse_span(self.cache, at, wanted)
-            a, first, last = predicting(a, b, s, listed, self.shift)
+            a, cols, rows = predicting(a, b, s, cols, listed, self.shift)
             # Keys a fed query sees must all have been written: the whole canvas, or a block-causal grid up to the
             # end of the fed span's block (a KV cache starts empty).
             seen_to = L if not self.grid else min(L, -(-b // self.grid) * self.grid)
             if self.kv is not None and not (a <= seen.written and max(seen.written, b) >= seen_to):
                 checks.refuse_unwritten(self.cache, at, (a, b), seen.written, seen_to)
-            fed, span, chunk, cols = self.ar[a:b], (a, b), slice(a, b), cols[first:last]
-            rows = cols + (s - self.shift - a)
+            fed, span, chunk = self.ar[a:b], (a, b), slice(a, b)
         keys = self.cache.keys and checks.key_mask(self.cache.keys(at), x.shape, self.cache)   # (B, L) bool, or None
         mask = self.mask        # (B, 1, L, L): the fed queries' rows; keys: the canvas (a KV cache), else the fed
         if mask is not None:
@@ -199,7 +203,7 @@ class Plan:
         s, e = self.blocks[0]
         lo = int(self.prompt[:, 1].min())                       # the first position any row leaves masked
         cols = list(range(max(lo - s, 0), e - s))
-        return Seen(self.ar[max(lo - s, 0):e - s], cols, x.clone(), 0)
+        return Seen(cols=self.ar[max(lo - s, 0):e - s], masked_cols=cols, canvas=x.clone(), written=0)
 
     def read(self, x, at: Step, p: S.Proposal, take, ended, seen: Seen, stats: dict) -> Seen:
         """The step's one host read: the hooks' answers checked (shapes and dtypes on the host; values in the read),
@@ -233,7 +237,7 @@ class Plan:
         # or after the rule's max_post_steps calls that found no mask (for a rule that does not edit: 0).
         post = (seen.post if at.i else 0) + (not at.masked_cols)
         block_ended = at.i + 1 == self.exact_steps if self.exact_steps else not still and (
-            committed + edits == 0 or post >= getattr(self.step_rule, "max_post_steps", 0))
+            committed + edits == 0 or post >= self.max_post_steps)
         if not block_ended and at.i > self.patience:              # past any schedule, and one step a position
             checks.no_progress(proposed, at, self.step_rule, self.select)
         a, b = at.span or (0, x.shape[1] if at.fed.shape[0] == x.shape[1] else 0)
@@ -243,10 +247,10 @@ class Plan:
         cols = open_cols[:len(open_cols) if block_ended else e - s].nonzero_static(size=len(still)).squeeze(1)
         # Each row's answer tokens that no later call changes once unmasked: a rule that edits may still rewrite the
         # block's (a stream shows them at its end).
-        final = (e if block_ended else s) if getattr(self.step_rule, "edits", False) else x.shape[1]
+        final = (e if block_ended else s) if self.edits else x.shape[1]
         stats["final"] = [max(final - a, 0) for a in self.answer_at]
-        return Seen(cols, still, x.clone(), written, seen.calls + 1, bool(answer_ended), block_ended,
-                    0 if block_ended else post)
+        return Seen(cols=cols, masked_cols=still, canvas=x.clone(), written=written, calls=seen.calls + 1,
+                    answer_ended=bool(answer_ended), block_ended=block_ended, post=0 if block_ended else post)
 
     def finish(self, x, stats: dict, t0: float) -> tuple[torch.Tensor, dict]:
         torch.cuda.synchronize(x.device) if x.is_cuda else None
@@ -260,7 +264,7 @@ class Plan:
 
 def decided(cfg, options: dict) -> Settings:
     """The call's settings with every default decided: the method's (Settings) and the family's (its remasking, its
-    block, one token a step)."""
+    block and sub-block, one token a step)."""
     st = Settings(**checks.known(options, Settings))
     guided = st.guide is not None
     dream, block = cfg.family == "dream", cfg.family in BLOCK_FAMILIES and not guided
@@ -272,8 +276,10 @@ def decided(cfg, options: dict) -> Settings:
                     else st.block_length)
     steps = (block_length if block and cfg.family == "sdar" else LLADA2_STEPS if block and cfg.family == "llada2"
              else st.gen_length)                                                       # one token a step
+    sub_block = min(V2_SUB_BLOCK, block_length) if block and cfg.family == "fastdllm_v2" else None
     return dataclasses.replace(st, remasking=st.remasking or remasking, steps=steps if st.steps is None or guided
-                               else st.steps, block_length=st.gen_length if guided else block_length or st.gen_length)
+                               else st.steps, block_length=st.gen_length if guided else block_length or st.gen_length,
+                               sub_block=sub_block if st.sub_block is None else st.sub_block)
 
 
 def resolve(model, prompt, options: dict, attention_mask, generator, on_step) -> tuple[Settings, bool]:
@@ -327,17 +333,19 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
               if block else lambda x: x)
     compiled = st.compile and cache.fixed_width and (st.compile if isinstance(st.compile, Compiled) else Compiled())
     kv = (compiled.cache if compiled else KVCache.for_model)(model, B, x.shape[1], cache.spare) if cache.keeps_cache else None
-    spb, L = getattr(step_rule, "steps_per_block", 0), x.shape[1]
+    rule = lambda name: getattr(step_rule, name, getattr(S.StepRule, name))   # noqa: E731  a fork's may not subclass it
+    spb, post, L = rule("steps_per_block"), rule("max_post_steps"), x.shape[1]
     ar = torch.arange(L, device=device)
     plan = Plan(blocks=blocks, cache=cache, step_rule=step_rule, select=select, stop=stop, model=model,
                 layers=partial(compiled, model) if compiled else model.hidden, kv=kv,
                 pos=ar.expand(B, L) if pos is None else pos, mask=mask, mask_id=cfg.mask_id, shift=cfg.shift,
-                prompt=spans, grid=st.block_length if block else 0, exact_steps=getattr(step_rule, "exact_steps", None),
-                patience=spb + st.block_length + getattr(step_rule, "max_post_steps", 0),
+                prompt=spans, grid=st.block_length if block else 0, exact_steps=rule("exact_steps"),
+                patience=spb + st.block_length + post,
                 calls_per_block=1 if S.is_parallel(select) else max(spb, 1),
                 eos=eos, ar=ar, output=output,
                 after={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)},
-                answer_at=spans[:, 1].tolist(), reads_block=getattr(step_rule, "reads_block", False))
+                answer_at=spans[:, 1].tolist(), reads_block=rule("reads_block"), edits=rule("edits"),
+                max_post_steps=post)
     return plan, x
 
 
@@ -354,7 +362,7 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
     A block-diffusion model (blockdiff.py) answers to a grid block's edge: ids (B, P + answer), shorter answers
     filled with its pad id."""
     plan, x = make_plan(model, prompt, settings, attention_mask, generator, on_step)
-    on_step = on_step or (lambda x, stats: None)
+    show = (lambda x, stats: on_step(plan.output(x), stats)) if on_step else (lambda x, stats: None)
     stats = dict(nfe=0, row_nfe=0, row_committed=0, fed=[], committed=[], edited=[], filled=[], calls_saved=0,
                  guide_calls=0)
     t0, p, take, seen = time.perf_counter(), None, None, plan.start(x)
@@ -368,7 +376,7 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
                 x[:, s:e] = torch.where(take | p.edit, p.x0, x[:, s:e])  # 4. commit (and a rule's edits)
                 ended = plan.stop(x, at, p)                              # 5. stop
                 seen = plan.read(x, at, p, take, ended, seen, stats)     # the one host read
-                on_step(plan.output(x), stats)                          # the canvas, in the ids' layout
+                show(x, stats)                                           # on_step(the canvas, in the ids' layout)
                 if seen.answer_ended or seen.block_ended:
                     break
             if seen.answer_ended:                                        # every row's answer has ended

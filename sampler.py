@@ -1,19 +1,23 @@
 """
-sampler.py: logits -> tokens. How each family proposes (step rules: LLaDA's Gumbel-max sampler and budget,
-docs/official.md 2; Dream's sampler, confidences and float32 schedule, docs/official.md 5), which proposals a step
-commits (selection rules: the schedule, Fast-dLLM's threshold and factor decoding, section 3.3), when an answer
-has ended (stop rules). Randomness only through an explicit torch.Generator. Logits (B, n, V) at the block's open
-columns `at.cols` become a `Proposal` of (B, N) tensors, -inf where it may not commit. Feeds: cache.py; guides: guided.py.
+sampler.py: logits -> tokens. How LLaDA and Dream propose (step rules: LLaDA's Gumbel-max sampler and budget,
+docs/official.md 2; Dream's sampler, its `alg` scores and float32 schedule as Fast-dLLM's block sampler runs them,
+docs/official.md 5 and 6.2), which proposals a step commits (selection rules: the schedule, Fast-dLLM's threshold
+and factor decoding, section 3.3), when an answer has ended (stop rules). Randomness only through an explicit
+torch.Generator. Logits (B, n, V) at the block's open columns `at.cols` become a `Proposal` of (B, N) tensors, -inf
+where it may not commit. Each family's set-up and refusals: sampler.llada_parts here, dream.py (with Dream's other
+clocks: FreeCache's, its whole-canvas sampler's), blockdiff.py, llada2.py, guided.py. Feeds: cache.py.
 """
+import struct
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 NEG_INF = float("-inf")
-# The remasking rules LLaDA's step rule implements (LLaDA.propose; Dream's: dream.DREAM_REMASKING): checks.py and the
-# command line read these, so a rule added here is accepted and listed everywhere.
+# The remasking rules each step rule implements (LLaDA.propose; dream_sample and Dream.propose, Dream's `alg`):
+# checks.py and the command line read these, so a rule added here is accepted and listed everywhere.
 LLADA_REMASKING = ("low_confidence", "random")
+DREAM_REMASKING = ("entropy", "maskgit_plus", "topk_margin", "origin", "position_weighted")
 
 
 class Proposal(NamedTuple):
@@ -60,6 +64,59 @@ def argmax_except(scores, banned: int):
         return lo.argmax(-1) + (0 if banned > 0 else 1)
     lo, hi = scores[..., :banned].max(-1), scores[..., banned + 1:].max(-1)
     return torch.where(hi.values > lo.values, hi.indices + banned + 1, lo.indices)
+
+
+def widen(x0, conf, cols, open_):
+    """A step rule's (B, n) tokens and confidences at block columns cols (n,) -> the block's width (B, N), as open_:
+    -inf where the step may not commit."""
+    x0 = torch.zeros_like(open_, dtype=x0.dtype).index_copy_(1, cols, x0)
+    conf = torch.full_like(open_, NEG_INF, dtype=conf.dtype).index_copy_(1, cols, conf)
+    return x0, conf.masked_fill_(~open_, NEG_INF)
+
+
+def dream_sample(logits, alg: str = "maskgit_plus", temperature: float = 0.0, top_p=None, top_k=None, generator=None,
+                 mask_id=None):
+    """Dream's `sample_tokens` -> (score, x0): x0 the arg-max token (at T > 0 a draw), score what `alg` ranks it by
+    (higher = decoded sooner): its probability (maskgit_plus; origin and position_weighted start from it), the top-2
+    margin (topk_margin) or the negative entropy (entropy). float32 whatever the model dtype. mask_id is never
+    proposed (argmax_except); the probabilities, and so the margin and the entropy, keep it, as officially."""
+    logits = logits.float()
+    if temperature > 0:
+        logits = logits / temperature
+    if top_p is not None and top_p < 1:
+        # nucleus: drop tokens once the cumulative prob exceeds top_p, always keeping the first
+        sorted_logits, order = logits.sort(-1, descending=True)
+        drop = F.pad((sorted_logits.softmax(-1).cumsum(-1) > top_p)[..., :-1], (1, 0), value=False)
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), torch.finfo(logits.dtype).min)
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]))[0][..., -1:]
+        logits = logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
+    probs = logits.softmax(-1)
+    if temperature > 0:    # what torch.distributions.Categorical(probs).sample() does, with our generator
+        flat = probs.reshape(-1, probs.shape[-1]).index_fill(-1, torch.tensor([mask_id], device=probs.device), 0)
+        x0 = torch.multinomial(flat / flat.sum(-1, keepdim=True), 1, True, generator=generator).view(probs.shape[:-1])
+    else:
+        x0 = probs.argmax(-1) if mask_id is None else argmax_except(probs, mask_id)
+    if alg == "topk_margin":
+        top2 = probs.topk(2, dim=-1)[0]
+        return top2[..., 0] - top2[..., 1], x0
+    if alg == "entropy":
+        return (probs * torch.log(probs + 1e-10)).sum(-1), x0       # the negative entropy
+    return probs.gather(-1, x0[..., None]).squeeze(-1), x0
+
+
+def position_weighted(score, cols, open_):
+    """FlashDLM's `position_weighted` (its official version crashes; this is what it meant): the max probability
+    score (B, n) at block columns cols (n,) x (1 - col / the row's last open col), open_ (B, n)."""
+    last = torch.where(open_, cols, 0).amax(-1, keepdim=True).clamp(min=1)
+    return score * (1 - cols / last)
+
+
+def dream_num_transfer(num_mask: torch.Tensor, t: torch.Tensor, s: torch.Tensor, last: bool, total=None):
+    """(B,) tokens to unmask from time t to s: the share (1 - s/t) of `total` masks (the block's, or FlashDLM's
+    count of every later block's too), all left at the last step. float32 on purpose: the official floors are
+    float32 rounding (64 masks, 64 steps: step 0 decodes 0 tokens, 64 * (1 - s/t) = 0.999...)."""
+    return num_mask.long() if last else ((num_mask if total is None else total).float() * (1 - s / t)).long()
 
 
 # ---------------------------------------------------------------------------------------- selection
@@ -134,36 +191,6 @@ class Factor:
         return p.open & (rank < count)
 
 
-class QuotaThreshold(Threshold):
-    """Fast-dLLM's Dream `confidence_threshold` without blocks (docs/official.md 6.1): offer the k + carry most
-    confident; take the first, the others at confidence >= tau; offer the refused again (the carry)."""
-
-    def __call__(self, p: Proposal, at):
-        offered = Schedule()(p._replace(k=p.k + (self.carry if at.n else 0), k_host=None), at)   # at first no carry
-        take = offered & super().__call__(p, at)
-        self.carry = (offered & ~take).sum(-1)
-        return take
-
-
-class SampledPositions:
-    """Dream's `alg_temp` > 0: draw the schedule's k positions without replacement from softmax(conf / alg_temp),
-    over the official code's width (pad(at) -> (left, right) columns at -inf) so a seeded run picks the same
-    positions; k read on the host (a drawn count is a shape). A block's first token is not drawn (first_token)."""
-    parallel = False
-
-    def __init__(self, alg_temp: float, generator, pad, first_token: bool):
-        self.alg_temp, self.generator, self.pad, self.first_token = alg_temp, generator, pad, first_token
-
-    def __call__(self, p: Proposal, at):
-        k, (left, right) = int(p.k.max()), self.pad(at)
-        if k == 0 or self.first_token and at.i == 0:
-            return p.open & (k > 0)
-        scores = F.pad(p.conf / self.alg_temp, (left, right), value=NEG_INF).softmax(-1)
-        picked = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
-        picked.scatter_(-1, torch.multinomial(scores, k, generator=self.generator), True)
-        return p.open & picked[:, left:left + p.open.shape[-1]]
-
-
 # ---------------------------------------------------------------------------------------- step rules
 class StepRule:
     """A family's way to propose, with its state (the schedule, Dream's clock): start_block(x, s, e) at a block's
@@ -210,12 +237,73 @@ class LLaDA(StepRule):
         else:   # `random`: uniforms over the whole fed chunk, as the official code draws them (same seeded stream)
             conf = torch.rand((x0.shape[0], at.fed.shape[0]), dtype=torch.float64, device=x0.device,
                               generator=self.generator)[:, at.rows]
-        # (B, n) at the logits' columns -> (B, N), the block's width: -inf where the step may not commit.
-        x0 = torch.zeros_like(at.masked, dtype=x0.dtype).index_copy_(1, at.cols, x0)
-        conf = torch.full_like(at.masked, NEG_INF, dtype=conf.dtype).index_copy_(1, at.cols, conf)
+        x0, conf = widen(x0, conf, at.cols, at.masked)             # (B, n) at the columns -> (B, N)
         i, spb, N = min(at.i, self.steps_per_block - 1), self.steps_per_block, at.e - at.s
         k = self.budget[:, i]                                        # the schedule's count (Schedule reads it)
-        return Proposal(x0, conf.masked_fill_(~at.masked, NEG_INF), at.masked, k, logits, N // spb + (i < N % spb))
+        return Proposal(x0, conf, at.masked, k, logits, N // spb + (i < N % spb))
+
+
+class Dream(StepRule):
+    """Dream, Fast-dLLM's block sampler (docs/official.md 6.2): Dream's sampler proposes (top-p/top-k/temperature,
+    float32), ranked by `alg` (the schedule's default: entropy; a parallel rule's: maskgit_plus, the max
+    probability). schedule=True: Dream's schedule counts each step's tokens (a parallel rule needs no count).
+    first_token: a block's first step opens only its first position, decoded whatever its confidence (docs/official.md
+    6.2). Subclasses (dream.py: FreeCache's, the whole canvas's) change only the clock."""
+    first_token = True
+
+    def __init__(self, *, steps: int, n_blocks: int, block_length: int, temperature: float = 0.0,
+                 alg: str = "entropy", top_p=None, top_k=None, eps: float = 1e-3, generator=None, mask_id: int,
+                 device=None, schedule: bool = True, first_token: bool | None = None):
+        if alg not in DREAM_REMASKING:
+            raise ValueError(f"unknown Dream remasking {alg!r}: use one of {', '.join(DREAM_REMASKING)}")
+        self.steps, self.steps_per_block = steps, steps // n_blocks
+        self.n_blocks, self.block_length, self.schedule = n_blocks, block_length, schedule
+        self.temperature, self.top_p, self.top_k, self.alg = temperature, top_p, top_k, alg
+        self.generator, self.mask_id = generator, mask_id
+        self.timesteps = torch.linspace(1, eps, self.grid_steps() + 1, device=device)
+        self.times = self.timesteps.tolist()    # read once: the host count (k_host) replays the device's float32
+        self.first_token = self.first_token if first_token is None else first_token
+
+    def grid_steps(self) -> int:
+        return self.steps_per_block             # the time grid runs over one block's steps
+
+    def clock(self, at):
+        """Where the step stands on the schedule (docs/official.md 5, 6.2 and 7.1) -> (i: the step goes from
+        timesteps[i] to timesteps[i + 1] on the float32 grid; last: the block's last scheduled step takes every mask
+        left; later: masks of later blocks counted in, for FreeCache). Parallel steps past it never read it."""
+        i = min(at.i, self.steps_per_block - 1)
+        return i, at.i == self.steps_per_block - 1, 0
+
+    def start_block(self, x, s: int, e: int):
+        self.block = (s - (x.shape[1] - self.n_blocks * self.block_length)) // self.block_length
+        self.left = e - s                       # the host's count of a row's masks (each row commits k_host a step)
+
+    def propose(self, logits, at, open_=None) -> Proposal:
+        first = self.first_token and at.i == 0
+        if open_ is None:                                               # (B, N) the positions this step may commit
+            open_ = at.masked & (torch.arange(at.masked.shape[1], device=at.masked.device) == 0) if first else at.masked
+        narrow = open_[:, at.cols]                                      # (B, n) at the logits' columns
+        # Dream's sample_tokens -> (B, n) the alg's score and the token. At T > 0 one draw per open position, in the
+        # official row-major order so that a seeded run draws the same numbers: a gather, one host sync.
+        drawn = self.temperature > 0
+        score, x0 = dream_sample(logits[narrow] if drawn else logits, self.alg, self.temperature, self.top_p,
+                                 self.top_k, self.generator, self.mask_id)
+        if drawn:
+            score, x0 = (torch.zeros(narrow.shape, dtype=v.dtype, device=v.device).masked_scatter_(narrow, v)
+                         for v in (score, x0))
+        if self.alg == "position_weighted":
+            score = position_weighted(score, at.cols, narrow)
+        if first or not self.schedule:          # the first token alone, or a parallel rule: no count to compute
+            k, k_host = open_.sum(-1), 1 if first else None
+        else:
+            i, last, later = self.clock(at)
+            k = dream_num_transfer(n := at.masked.sum(-1), self.timesteps[i], self.timesteps[i + 1], last, n + later)
+            f32 = lambda v: struct.unpack("f", struct.pack("f", v))[0]    # noqa: E731  one float32 rounding
+            g = self.times                      # the official count is one host int: the same float32 arithmetic
+            k_host = self.left if last else int(f32(f32(self.left + later) * f32(1 - f32(g[i + 1] / g[i]))))
+        self.left -= k_host or 0
+        x0, score = widen(x0, score, at.cols, open_)                 # (B, n) at the columns -> (B, N)
+        return Proposal(x0, score, open_, k, logits, k_host)
 
 
 def parallel_rule(st):

@@ -8,7 +8,7 @@ the block has taken >= history - 1 steps; a step commits every ready mask, else 
 schedule's p.k; Dream: one). Not copied from the official LLaDA loop: a fallback k above the masks left overwrote
 committed tokens; a block could end with masks. Defaults (official argparse): conf 0.9, kl 0.01, history 2, greedy,
 cache none (it needs the logits of [s - shift, L) each step; memory (B, gen_length, V) float64). Dream as officially:
-one block, all masks open from the first step (dream.Dream(first_token=False)): --block-length 0 --cache none.
+one block, all masks open from the first step (sampler.Dream(first_token=False)): --block-length 0 --cache none.
 Contract parts used: select= with state across steps (reset at at.n == 0, a row's only while at.masked.any(-1)),
 at.logits, p.x0/open/k; cache= (LLaDA), propose= (Dream, built from cli.run's `config`).
 """
@@ -18,7 +18,6 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
-import dream  # noqa: E402
 import sampler  # noqa: E402
 from cache import NoCache  # noqa: E402
 
@@ -55,7 +54,7 @@ class KLASS:
 
 def hooks(conf, kl, history, config):
     """The program's parts: Dream's step rule (steps, blocks: unread without a schedule) takes the CLI's --cache."""
-    own = dict(propose=dream.Dream(steps=1, n_blocks=1, block_length=1, alg="maskgit_plus", mask_id=config.mask_id,
+    own = dict(propose=sampler.Dream(steps=1, n_blocks=1, block_length=1, alg="maskgit_plus", mask_id=config.mask_id,
                                    schedule=False, first_token=False))
     return dict(select=KLASS(conf, kl, history), **(own if config.shift else dict(cache=NoCache())))
 

@@ -322,9 +322,9 @@ def test_dream_selection_is_called_at_a_blocks_first_step_with_its_first_positio
 
 
 def test_dream_step_rule_passed_as_propose_is_the_default(dream):
-    """propose=dream.Dream(...) with the settings generate() would pick reproduces the default decode, the
+    """propose=sampler.Dream(...) with the settings generate() would pick reproduces the default decode, the
     first-token rule included (it lives in the step rule, not in a wrapper the plan adds)."""
-    from dream import Dream
+    from sampler import Dream
     mask_id, kw = dream.config.mask_id, dict(gen_length=32, block_length=8)
     for rule, tau in ((Dream(steps=32, n_blocks=4, block_length=8, alg="maskgit_plus", mask_id=mask_id,
                              schedule=False), 0.9),

@@ -3,7 +3,6 @@ decoding, its properties, and the selection rules in isolation."""
 import pytest
 import torch
 
-import dream
 import sampler as S
 from fastdllm import generate
 
@@ -115,8 +114,8 @@ def test_num_transfer_tokens():
 def test_dream_schedule_floors_in_float32():
     """Official quirk reproduced: 64 masks over 64 steps decodes nothing at the first step (float32)."""
     ts = torch.linspace(1, 1e-3, 65)
-    assert dream.dream_num_transfer(torch.tensor(64.0), ts[0], ts[1], last=False) == 0
-    assert dream.dream_num_transfer(torch.tensor(2.0), ts[63], ts[64], last=True) == 2
+    assert S.dream_num_transfer(torch.tensor(64.0), ts[0], ts[1], last=False) == 0
+    assert S.dream_num_transfer(torch.tensor(2.0), ts[63], ts[64], last=True) == 2
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.5])
