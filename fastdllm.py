@@ -139,7 +139,8 @@ class Plan:
     """What one generate() call decided before its loop, by name: the blocks, the parts the loop calls and what the
     model call needs. The step-to-step state is not here: each step's read hands it to the next step (Seen)."""
     blocks: list              # [(s, e)] the semi-autoregressive blocks of the answer
-    cache: CachePolicy        # the cache policy: what each step feeds (cache.py)
+    cache: CachePolicy        # the cache policy: what each step feeds (cache.py); its optional hooks, keys and slots,
+                              #   are None for the built-in policies but FreeCache's and the sub-block cache's slots
     step_rule: S.StepRule     # proposes tokens and confidences (sampler.py, blockdiff.py, guided.py, or a fork's)
     select: Callable          # the selection rule: which proposals a step commits
     stop: Callable            # the stop rule: which rows' answers have ended
@@ -160,9 +161,9 @@ class Plan:
     output: Callable          # the canvas -> generate()'s ids (a block-diffusion batch's layout; else as is)
     after: dict               # block start -> the next block's end (a read reports the next block's masked columns)
     answer_at: list           # each row's answer start on the canvas, on the host (stats["final"])
-    reads_block: bool         # the step rule reads logits at every block column, not just the masked (StepRule)
-    edits: bool               # the step rule may rewrite committed tokens of its block (StepRule.edits: LLaDA2.1)
-    max_post_steps: int       # calls a block may take once it has no mask (an editing rule's; else 0)
+    reads_block: bool         # the step rule reads logits at every block column, not only the masked (LLaDA2.1's)
+    edits: bool               # the step rule may rewrite committed tokens of its block (LLaDA2.1's; the others not)
+    max_post_steps: int       # calls a block may take once it has no mask (LLaDA2.1's; the others 0)
 
     def feed(self, x, seen: Seen, i: int, s: int, e: int) -> tuple[Step, torch.Tensor]:
         """1. feed: where this step stands, what the cache policy feeds, one model call -> (at, logits (B, n, V) for
@@ -186,13 +187,15 @@ class Plan:
             if self.kv is not None and not (a <= seen.written and max(seen.written, b) >= seen_to):
                 checks.refuse_unwritten(self.cache, at, (a, b), seen.written, seen_to)
             fed, span, chunk = self.ar[a:b], (a, b), slice(a, b)
-        keys = self.cache.keys and checks.key_mask(self.cache.keys(at), x.shape, self.cache)   # (B, L) bool, or None
+        # keys: (B, L) bool, what this step may attend to, or None: every key (then the mask alone)
+        keys = self.cache.keys and checks.key_mask(self.cache.keys(at), x.shape, self.cache)
         mask = self.mask        # (B, 1, L, L): the fed queries' rows; keys: the canvas (a KV cache), else the fed
         if mask is not None:
             mask = mask[:, :, chunk] if self.kv is not None else mask[:, :, chunk][..., chunk]
         if keys is not None:
             keys = (keys if self.kv is not None else keys[:, chunk])[:, None, None, :]
             mask = keys if mask is None else mask & keys
+        # slots: (B, T) where each row writes the fed keys/values, or None: at the fed positions, in every row
         slots = self.cache.slots and checks.slots(self.cache.slots(at, fed), x.shape[0], fed, self.cache)
         h = self.layers(x[:, chunk], self.pos[:, chunk], self.kv, fed if slots is None else slots, mask)
         at = at._replace(cols=cols, fed=fed, span=span, rows=rows, hidden=h, head=self.model.logits)
@@ -240,6 +243,8 @@ class Plan:
             committed + edits == 0 or post >= self.max_post_steps)
         if not block_ended and at.i > self.patience:              # past any schedule, and one step a position
             checks.no_progress(proposed, at, self.step_rule, self.select)
+        # The keys/values written so far reach `written`: a span extends it if it starts inside; a fork's set of
+        # positions counts only when it is the whole canvas.
         a, b = at.span or (0, x.shape[1] if at.fed.shape[0] == x.shape[1] else 0)
         written = max(seen.written, b) if a <= seen.written else seen.written
         if block_ended:                # the next block's masked columns (and so its first feed's logits)

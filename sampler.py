@@ -283,8 +283,9 @@ class Dream(StepRule):
         if open_ is None:                                               # (B, N) the positions this step may commit
             open_ = at.masked & (torch.arange(at.masked.shape[1], device=at.masked.device) == 0) if first else at.masked
         narrow = open_[:, at.cols]                                      # (B, n) at the logits' columns
-        # Dream's sample_tokens -> (B, n) the alg's score and the token. At T > 0 one draw per open position, in the
-        # official row-major order so that a seeded run draws the same numbers: a gather, one host sync.
+        # Dream's sample_tokens -> (B, n) the arg-max token and its score under alg (maskgit_plus, a parallel rule's:
+        # its probability). At T > 0 one draw per open position, in the official row-major order so that a seeded run
+        # draws the same numbers: a gather, one host sync.
         drawn = self.temperature > 0
         score, x0 = dream_sample(logits[narrow] if drawn else logits, self.alg, self.temperature, self.top_p,
                                  self.top_k, self.generator, self.mask_id)

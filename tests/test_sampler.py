@@ -124,3 +124,9 @@ def test_seeded_sampling_is_reproducible(llada, temperature):
                      generator=torch.Generator().manual_seed(7), **KW)[0]
             for r in ("low_confidence", "low_confidence", "random", "random")]
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[2], runs[3])
+
+
+def test_a_dream_rule_with_an_unknown_alg_is_refused_where_it_is_made():
+    """A fork's propose=sampler.Dream(alg=...) names its remasking at construction, not at the first step."""
+    with pytest.raises(ValueError, match=r"^unknown Dream remasking 'margin': use one of entropy, maskgit_plus"):
+        S.Dream(steps=8, n_blocks=1, block_length=8, alg="margin", mask_id=5)
