@@ -257,7 +257,8 @@ def check_block(cfg, st, given: dict, longest: int, name=lambda key: key):
         check_llada2(st, given, bad)
     elif cfg.family == "fastdllm_v2":
         if st.sub_block < 1 or G % st.sub_block:
-            bad(f"sub_block {st.sub_block} does not divide block_length {G}: pick a divisor, e.g. {min(V2_SUB_BLOCK, G)}")
+            bad(f"sub_block {st.sub_block} does not divide block_length {G}: pick a divisor, e.g. "
+                f"{min(V2_SUB_BLOCK, G)}")
         for key in ("steps", "top_k", "remasking", "alg_temp"):
             if given.get(key) is not None:
                 bad(f"{key} does not apply to Fast-dLLM v2: it decodes each sub-block until no mask is left, by its "
