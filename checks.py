@@ -13,6 +13,7 @@ import numbers
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_REMASKING
 from cache import CACHE_POLICIES, CachePolicy
@@ -260,6 +261,32 @@ def name(hook) -> str:
 
 def described(v) -> str:
     return f"a {tuple(v.shape)} {v.dtype} tensor" if isinstance(v, torch.Tensor) else repr(v)
+
+
+def span(wanted, at, cache) -> tuple[int, int]:
+    """A cache policy's span for the step `at`: a pair of ints (a, b) inside the canvas, else one line naming it."""
+    a, b = wanted if isinstance(wanted, (tuple, list)) and len(wanted) == 2 else (None, None)
+    if not (type(a) is int and type(b) is int and 0 <= a < b <= at.x.shape[1]):
+        refuse_span(cache, at, wanted)
+    return a, b
+
+
+def step_rules(x, at, p, take, ended, before, open_, plan) -> torch.Tensor:
+    """The rules the hooks' answers of one step keep (fastdllm.Plan.read): shapes and dtypes here, on the host
+    (`shapes`); the values as (6,) bool on the device, brought back by the step's one read, for `refuse_step` to name
+    the hook that broke one: non-finite logits; a proposal that opens a decided position (or edits an open one); one
+    that opens a position without logits this call; a selection outside the proposal; a change to a position that was
+    neither open nor the rule's edit of its answer; an ended row with a position still open. before: the canvas as
+    the last step left it; open_: (B, L) the positions still open after this step."""
+    shapes(p, take, ended, at.masked.shape, plan.step_rule, plan.select, plan.stop)
+    s, e = at.s, at.e
+    edit = torch.zeros_like(take) | p.edit                                # (B, N): the step rule's edits (T2T)
+    with_logits = torch.zeros_like(at.masked[0]).index_fill_(0, at.cols, True)       # (N,)
+    may_change = at.masked | edit & (plan.ar[s:e] >= at.prompt[:, 1:])  # (B, N): open, or an edit of the answer
+    may_change = (before == at.mask_id) | F.pad(may_change, (s, x.shape[1] - e))   # (B, L): a stop rule fills masks
+    return torch.stack([~torch.isfinite(p.logits.sum(-1, dtype=torch.float32)).all(),
+                        (p.open & ~at.masked).any() | (edit & at.masked).any(), (p.open & ~with_logits).any(),
+                        (take & ~p.open).any(), ((x != before) & ~may_change).any(), (ended[:, None] & open_).any()])
 
 
 def refuse_span(cache, at, span):

@@ -10,6 +10,7 @@ LLaDA and Dream propose; blockdiff.py: Fast-dLLM v2 and SDAR; guided.py: FlashDL
 rule (Fast-dLLM's threshold and factor decoding, section 3.3) and the stop rule. Then one loop, each step feed ->
 propose -> select -> commit -> stop, with one host read. The CLI is cli.py.
 """
+import bisect
 import dataclasses
 import itertools
 import time
@@ -75,17 +76,18 @@ class Settings:
     verify_chunk: int = 32             # guided: drafts verified per guide forward
 
 
-class Step(NamedTuple):
-    """Where a decoding step stands: what every hook receives ("at"). The cache policy reads the first eleven; the
-    rest say what this call fed."""
+@dataclass(eq=False)
+class Step:
+    """Where a decoding step stands: what every hook receives ("at"). Made once per step by Plan.feed: the cache
+    policy is asked what to feed from the first eleven fields, and the call then sets the last five, what it fed."""
     n: int                 # model calls so far in this generation (0 = the first: a hook's own state starts afresh)
     i: int                 # steps so far in the current block
     s: int                 # the block is canvas positions [s, e)
     e: int
     x: torch.Tensor        # (B, L) the canvas (hooks read it; the stop rule, and start_block, may fill its masks)
-    masked: torch.Tensor   # (B, N) bool: the block's positions still masked
+    masked: torch.Tensor   # (B, N) bool: the block's positions a step may still write (its masks: Plan.undecided)
     shift: int             # the family's logits shift: position p is predicted from hidden state p - shift
-    mask_id: int           # the [MASK] token id
+    mask_id: int           # the [MASK] token id (-1: a uniform-state model has none)
     prompt: torch.Tensor   # (B, 2) long: each row's prompt [begin, end) on the canvas (its answer starts at end)
     cols: torch.Tensor     # (n,) long: the block columns the logits are at (masked in some row, or every column for a
                            #   rule that reads the whole block: StepRule.reads_block; predicted by the feed)
@@ -108,30 +110,15 @@ class Step(NamedTuple):
 
 
 class Seen(NamedTuple):
-    """What a step's one host read saw, for the next step's feed (Plan.read): the block's columns still masked in some
-    row, on the device and on the host (at a block's end: the next block's), the canvas (no hook may overwrite one of
-    its tokens but a mask), the frontier of keys/values written so far, and the two decisions."""
-    cols: torch.Tensor
-    masked_cols: list
-    canvas: torch.Tensor
+    """What a step's one host read saw, handed to the next step (Plan.read)."""
+    cols: torch.Tensor        # the block's columns still open in some row (at a block's end: the next block's)
+    masked_cols: list         # the same on the host
+    canvas: torch.Tensor      # the canvas as this step left it (the next step may change only its open positions)
     written: int              # keys/values [0, written) hold some call's (a KV cache's first call must reach the rest)
     calls: int = 0            # model calls so far in this generation
     answer_ended: bool = False
     block_ended: bool = False
     post: int = 0             # calls so far in this block that found no mask (an editing rule's post steps)
-
-
-def predicting(a: int, b: int, s: int, cols: torch.Tensor, listed: list, shift: int):
-    """The logits shift, where a span meets it: position p is predicted from hidden state p - shift. A cache policy's
-    span [a, b) and the block columns that want logits (cols (n,), and the same sorted on the host: listed) -> (a:
-    where the fed span starts, one position earlier for a shifted family when it starts at the first wanted column,
-    which is predicted from the one before it; the columns whose predicting positions the fed span holds; those
-    positions' rows among the fed ones)."""
-    a -= shift if listed and a == s + listed[0] else 0
-    first = next((k for k, c in enumerate(listed) if s + c - shift >= a), len(listed))
-    last = next((k for k, c in enumerate(listed) if s + c - shift >= b), len(listed))
-    cols = cols[first:max(first, last)]
-    return a, cols, cols + (s - shift - a)
 
 
 @dataclass
@@ -149,6 +136,8 @@ class Plan:
     kv: KVCache | None        # keys/values of the whole canvas (None: cache "none" attends over what it feeds)
     pos: torch.Tensor         # (B, L) RoPE positions (a left-padded row counts from its first token)
     mask: torch.Tensor | None # (B or 1, 1, L, L) the attention mask (padded rows; a block-causal model's grid), or None
+    undecided: Callable       # x -> (B, L) bool: the positions a step may still write: x == mask_id (a step rule's own
+                              #   `undecided` where it has one: DiffusionGemma's canvas while it denoises)
     mask_id: int
     shift: int                # the family's logits shift (Dream, Fast-dLLM v2: position p is predicted from p - 1)
     prompt: torch.Tensor      # (B, 2) each row's prompt [begin, end) on the canvas
@@ -159,37 +148,39 @@ class Plan:
     eos: torch.Tensor         # the end-of-text ids (answer_tokens)
     ar: torch.Tensor          # arange(L): spans and columns as views, no kernel
     output: Callable          # the canvas -> generate()'s ids (a block-diffusion batch's layout; else as is)
-    after: dict               # block start -> the next block's end (a read reports the next block's masked columns)
+    next_end: dict            # block start -> the next block's end (a read reports the next block's open columns)
     answer_at: list           # each row's answer start on the canvas, on the host (stats["final"])
     reads_block: bool         # the step rule reads logits at every block column, not only the masked (LLaDA2.1's)
     edits: bool               # the step rule may rewrite committed tokens of its block (LLaDA2.1's; the others not)
     max_post_steps: int       # calls a block may take once it has no mask (LLaDA2.1's; the others 0)
 
     def feed(self, x, seen: Seen, i: int, s: int, e: int) -> tuple[Step, torch.Tensor]:
-        """1. feed: where this step stands, what the cache policy feeds, one model call -> (at, logits (B, n, V) for
-        the block's masked columns whose predicting positions were fed: `predicting`)."""
-        n, L = seen.calls, x.shape[1]
-        at = Step(n, i, s, e, x, x[:, s:e] == self.mask_id, self.shift, self.mask_id, self.prompt, seen.cols,
+        """1. feed: where this step stands, what the cache policy feeds, one model call -> (at, logits (B, n, V) at the
+        block columns at.cols: those the step wants whose predicting positions were fed)."""
+        at = Step(seen.calls, i, s, e, x, self.undecided(x)[:, s:e], self.shift, self.mask_id, self.prompt, seen.cols,
                   seen.masked_cols)
-        wanted = self.cache.span(at)
         cols, listed = (self.ar[:e - s], range(e - s)) if self.reads_block else (seen.cols, seen.masked_cols)
+        wanted, L = self.cache.span(at), x.shape[1]
         if isinstance(wanted, torch.Tensor):       # a fork's set of positions: checked with one more host read
             fed, span, chunk = wanted, None, wanted
             rows = checks.positions(wanted, at, cols, self.kv is not None, self.cache)
         else:
-            a, b = wanted if isinstance(wanted, (tuple, list)) and len(wanted) == 2 else (None, None)
-            if not (type(a) is int and type(b) is int and 0 <= a < b <= L):
-                checks.refuse_span(self.cache, at, wanted)
-            a, cols, rows = predicting(a, b, s, cols, listed, self.shift)
-            # Keys a fed query sees must all have been written: the whole canvas, or a block-causal grid up to the
-            # end of the fed span's block (a KV cache starts empty).
+            a, b = checks.span(wanted, at, self.cache)
+            # The logits shift: column c is predicted from position s + c - shift. A span that starts at the first
+            # wanted column starts one earlier for a shifted family; the columns whose predictor it holds have logits.
+            a -= self.shift if listed and a == s + listed[0] else 0
+            lo, hi = bisect.bisect_left(listed, a - s + self.shift), bisect.bisect_left(listed, b - s + self.shift)
+            cols = cols[lo:max(lo, hi)]
+            rows = cols + (s - self.shift - a)
+            # Keys a fed query sees must all have been written: the whole canvas, or a block-causal grid up to the end
+            # of the fed span's block (a KV cache starts empty).
             seen_to = L if not self.grid else min(L, -(-b // self.grid) * self.grid)
             if self.kv is not None and not (a <= seen.written and max(seen.written, b) >= seen_to):
                 checks.refuse_unwritten(self.cache, at, (a, b), seen.written, seen_to)
             fed, span, chunk = self.ar[a:b], (a, b), slice(a, b)
-        # keys: (B, L) bool, what this step may attend to, or None: every key (then the mask alone)
-        keys = self.cache.keys and checks.key_mask(self.cache.keys(at), x.shape, self.cache)
-        mask = self.mask        # (B, 1, L, L): the fed queries' rows; keys: the canvas (a KV cache), else the fed
+        # The attention mask: the fed queries' rows of the plan's (padding, a grid) and the policy's key mask, if any;
+        # the keys are the canvas when a KV cache holds it, else the fed positions alone.
+        mask, keys = self.mask, self.cache.keys and checks.key_mask(self.cache.keys(at), x.shape, self.cache)
         if mask is not None:
             mask = mask[:, :, chunk] if self.kv is not None else mask[:, :, chunk][..., chunk]
         if keys is not None:
@@ -197,62 +188,56 @@ class Plan:
             mask = keys if mask is None else mask & keys
         # slots: (B, T) where each row writes the fed keys/values, or None: at the fed positions, in every row
         slots = self.cache.slots and checks.slots(self.cache.slots(at, fed), x.shape[0], fed, self.cache)
-        h = self.layers(x[:, chunk], self.pos[:, chunk], self.kv, fed if slots is None else slots, mask)
-        at = at._replace(cols=cols, fed=fed, span=span, rows=rows, hidden=h, head=self.model.logits)
-        return at, self.model.logits(h, rows)
+        at.hidden = self.layers(x[:, chunk], self.pos[:, chunk], self.kv, fed if slots is None else slots, mask)
+        at.cols, at.fed, at.span, at.rows, at.head = cols, fed, span, rows, self.model.logits
+        return at, self.model.logits(at.hidden, rows)
 
     def start(self, x) -> Seen:
-        """The state before the first step: the first block's masked columns, read off the prompts (on the host)."""
+        """The state before the first step: the first block's columns past the shortest prompt (on the host)."""
         s, e = self.blocks[0]
-        lo = int(self.prompt[:, 1].min())                       # the first position any row leaves masked
-        cols = list(range(max(lo - s, 0), e - s))
-        return Seen(cols=self.ar[max(lo - s, 0):e - s], masked_cols=cols, canvas=x.clone(), written=0)
+        lo = max(int(self.prompt[:, 1].min()) - s, 0)          # the first column any row leaves open
+        return Seen(cols=self.ar[lo:e - s], masked_cols=list(range(lo, e - s)), canvas=x.clone(), written=0)
 
     def read(self, x, at: Step, p: S.Proposal, take, ended, seen: Seen, stats: dict) -> Seen:
-        """The step's one host read: the hooks' answers checked (shapes and dtypes on the host; values in the read),
-        the stats, the block's (and the next block's) masked columns for the next step; then the one decision: has
-        every row's answer ended, has the block."""
-        checks.shapes(p, take, ended, at.masked.shape, self.step_rule, self.select, self.stop)  # else one line naming the hook
+        """The step's one host read: the hooks' answers checked (checks.step_rules), the stats, the open columns of the
+        block (at its end: of the next block) for the next feed; then the decisions: has the block ended, has every
+        row's answer."""
         s, e = at.s, at.e
-        diff, masked = x != seen.canvas, x == self.mask_id                 # (B, L): no prompt position is a mask
-        with_logits = torch.zeros_like(at.masked[0]).index_fill_(0, at.cols, True)       # (N,)
-        edit = torch.zeros_like(take) | p.edit                               # (B, N): the step rule's edits (T2T)
-        answer = self.ar[s:e] >= at.prompt[:, 1:]                           # (B, N): not the row's prompt
-        edited = F.pad(edit & answer, (s, x.shape[1] - e))                  # (B, L): the edits it may make
-        flags = [~torch.isfinite(p.logits.sum(-1, dtype=torch.float32)).all(),
-                 (p.open & ~at.masked).any() | (edit & at.masked).any(), (p.open & ~with_logits).any(),
-                 (take & ~p.open).any(), (diff & (seen.canvas != self.mask_id) & ~edited).any(),
-                 (ended[:, None] & masked).any()]
+        open_ = self.undecided(x)                                            # (B, L) after this step
+        broken = checks.step_rules(x, at, p, take, ended, seen.canvas, open_, self)   # (6,) bool: a hook broke a rule
         stats["row_nfe"] = stats["row_nfe"] + (at.masked.any(-1) | p.busy)  # device tensors until the end
         stats["row_committed"] = stats["row_committed"] + take.sum(-1)
-        values = torch.stack([*flags, p.open.any(), ended.all(), take.sum(), diff.sum(), edit.sum()])
-        open_cols = masked[:, s:self.after[s]].any(0)                     # (N + N',) this block's columns, the next's
-        got = torch.cat([values, open_cols]).tolist()                     # the read
-        if any(got[:len(flags)]):                                         # a hook broke a rule, or the model NaN
-            checks.refuse_step(*got[:len(flags)], at, self.step_rule, self.select, self.stop, self.cache)
-        proposed, answer_ended, committed, changed, edits = got[len(flags):len(values)]
-        still = [c for c, m in enumerate(got[len(values):len(values) + e - s]) if m]   # the block's columns still masked
-        stats.update(nfe=stats["nfe"] + 1, guide_calls=getattr(self.step_rule, "guide_calls", 0))
+        counts = torch.stack([p.open.any(), ended.all(), take.sum(), (x != seen.canvas).sum(),
+                              (torch.zeros_like(take) | p.edit).sum()])
+        open_cols = open_[:, s:self.next_end[s]].any(0)                    # (N + N',) the block's columns, the next's
+        got = torch.cat([broken, counts, open_cols]).tolist()              # the one host read
+        if any(got[:6]):
+            checks.refuse_step(*got[:6], at, self.step_rule, self.select, self.stop, self.cache)
+        proposed, answer_ended, committed, changed, edits = got[6:11]
+        here, after = got[11:11 + e - s], got[11 + e - s:]                   # open columns: the block's, the next's
         for key, value in (("fed", at.fed.shape[0]), ("committed", committed), ("edited", edits),
                            ("filled", changed - committed - edits)):
             stats[key].append(value)
-        # A block ends once no mask is left and its last call changed nothing (a rule that edits: LLaDA2.1's T2T),
-        # or after the rule's max_post_steps calls that found no mask (for a rule that does not edit: 0).
+        stats.update(nfe=stats["nfe"] + 1, guide_calls=getattr(self.step_rule, "guide_calls", 0))
+        # A block ends once none of it is open and its last call changed nothing (a rule that edits: LLaDA2.1's T2T), or
+        # after the rule's max_post_steps calls that found it all decided (a rule that does not edit: 0); or after
+        # exactly exact_steps calls.
+        still = [c for c, m in enumerate(here) if m]
         post = (seen.post if at.i else 0) + (not at.masked_cols)
         block_ended = at.i + 1 == self.exact_steps if self.exact_steps else not still and (
             committed + edits == 0 or post >= self.max_post_steps)
         if not block_ended and at.i > self.patience:              # past any schedule, and one step a position
             checks.no_progress(proposed, at, self.step_rule, self.select)
+        if block_ended:                                  # the next block's open columns (its first feed's logits)
+            still, open_cols = [c for c, m in enumerate(after) if m], open_cols[e - s:]
+        cols = open_cols[:len(open_cols) if block_ended else e - s].nonzero_static(size=len(still)).squeeze(1)
         # The keys/values written so far reach `written`: a span extends it if it starts inside; a fork's set of
         # positions counts only when it is the whole canvas.
         a, b = at.span or (0, x.shape[1] if at.fed.shape[0] == x.shape[1] else 0)
         written = max(seen.written, b) if a <= seen.written else seen.written
-        if block_ended:                # the next block's masked columns (and so its first feed's logits)
-            still, open_cols = [c for c, m in enumerate(got[len(values) + e - s:]) if m], open_cols[e - s:]
-        cols = open_cols[:len(open_cols) if block_ended else e - s].nonzero_static(size=len(still)).squeeze(1)
-        # Each row's answer tokens that no later call changes once unmasked: a rule that edits may still rewrite the
-        # block's (a stream shows them at its end).
-        final = (e if block_ended else s) if self.edits else x.shape[1]
+        # Each row's answer tokens no later call changes: a rule that edits may still rewrite the block's (a stream
+        # shows them at its end).
+        final = (at.e if block_ended else at.s) if self.edits else x.shape[1]
         stats["final"] = [max(final - a, 0) for a in self.answer_at]
         return Seen(cols=cols, masked_cols=still, canvas=x.clone(), written=written, calls=seen.calls + 1,
                     answer_ended=bool(answer_ended), block_ended=block_ended, post=0 if block_ended else post)
@@ -343,12 +328,13 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     ar = torch.arange(L, device=device)
     plan = Plan(blocks=blocks, cache=cache, step_rule=step_rule, select=select, stop=stop, model=model,
                 layers=partial(compiled, model) if compiled else model.hidden, kv=kv,
-                pos=ar.expand(B, L) if pos is None else pos, mask=mask, mask_id=cfg.mask_id, shift=cfg.shift,
+                pos=ar.expand(B, L) if pos is None else pos, mask=mask, undecided=getattr(
+                    step_rule, "undecided", None) or (lambda x: x == cfg.mask_id), mask_id=cfg.mask_id, shift=cfg.shift,
                 prompt=spans, grid=st.block_length if block else 0, exact_steps=rule("exact_steps"),
                 patience=spb + st.block_length + post,
                 calls_per_block=1 if S.is_parallel(select) else max(spb, 1),
                 eos=eos, ar=ar, output=output,
-                after={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)},
+                next_end={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)},
                 answer_at=spans[:, 1].tolist(), reads_block=rule("reads_block"), edits=rule("edits"),
                 max_post_steps=post)
     return plan, x
@@ -378,7 +364,7 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
                 at, logits = plan.feed(x, seen, i, s, e)                 # 1. feed: what the cache policy names
                 p = plan.step_rule.propose(logits, at)                   # 2. propose
                 take = plan.select(p, at)                                # 3. select
-                x[:, s:e] = torch.where(take | p.edit, p.x0, x[:, s:e])  # 4. commit (and a rule's edits)
+                x[:, s:e] = p.committed(take, x[:, s:e])                 # 4. commit (and a rule's edits)
                 ended = plan.stop(x, at, p)                              # 5. stop
                 seen = plan.read(x, at, p, take, ended, seen, stats)     # the one host read
                 show(x, stats)                                           # on_step(the canvas, in the ids' layout)

@@ -33,6 +33,13 @@ class Proposal(NamedTuple):
                                         #   rewrites with x0, whatever the selection (LLaDA2.1's T2T editing)
     busy: torch.Tensor | bool = False   # (B,) bool: rows this call works on though they have no mask (an editing
                                         #   rule's calls that check a block): counted in row_nfe, as alone
+    rest: torch.Tensor | None = None    # (B, N) long: what the positions the step does not commit become (None: as
+                                        #   they are; DiffusionGemma: fresh random tokens, its renoising)
+
+    def committed(self, take, block):
+        """The block after the commit (take: the selection's (B, N) bool): x0 where taken or edited, the rest as they
+        are, or as the rule renews them."""
+        return torch.where(take | self.edit, self.x0, block if self.rest is None else self.rest)
 
 
 # ---------------------------------------------------------------------------------------- sampling
