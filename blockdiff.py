@@ -18,13 +18,15 @@ Here are the family's parts for fastdllm.py's one loop (docs/blockdiff.md tells 
 - `block_parts`: the call's step rule and selection from its settings; `check_block`: what this family refuses.
 """
 import re
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from cache import BLOCK_CACHE_POLICIES, LLADA2_CACHE_POLICIES, CachePolicy
-from llada2 import check_llada2, llada2_parts
-from sampler import NEG_INF, Proposal, Schedule, StepRule, Threshold, argmax_except, widen
+from llada2 import STEPS as LLADA2_STEPS, check_llada2, llada2_parts
+from sampler import (NEG_INF, Canvas, Family, Proposal, Schedule, StepRule, Threshold, argmax_except, stop_rule,
+                     widen)
 
 FAMILIES = ("fastdllm_v2", "sdar", "llada2")   # the block-diffusion families (model.ModelConfig.family; llada2.py)
 SDAR_REMASKING = ("low_confidence_dynamic", "low_confidence_static", "sequential")
@@ -210,24 +212,50 @@ class FirstMasks:
 
 
 # ---------------------------------------------------------------------------------------- the family's set-up
-def block_parts(cfg, st, generator):
-    """The call's step rule, selection rule and cache policy for a block-diffusion model, its settings checked
-    (check_block)."""
+def block_defaults(cfg, st, given) -> dict:
+    """The family's own defaults: its trained block (Fast-dLLM v2's bd_size; SDAR's 4), SDAR's steps per block (one
+    token a step) and remasking, LLaDA2's 32 steps, Fast-dLLM v2's sub-block of 8."""
+    block = (cfg.block or SDAR_BLOCK) if given.get("block_length") is None else st.block_length
+    steps = block if cfg.family == "sdar" else LLADA2_STEPS if cfg.family == "llada2" else st.gen_length
+    return dict(block_length=block, steps=steps if st.steps is None else st.steps,
+                sub_block=min(V2_SUB_BLOCK, block) if cfg.family == "fastdllm_v2" and st.sub_block is None else
+                st.sub_block,
+                remasking=st.remasking or (("low_confidence_dynamic" if st.threshold is not None else
+                                            "low_confidence_static") if cfg.family == "sdar" else None))
+
+
+def block_canvas(prompt, attention_mask, st, cfg, eos) -> Canvas:
+    """Each row on one grid from position 0, its answer right after its prompt (grid_canvas); generate()'s ids in
+    the usual layout (grid_output), the answers cut at their end as the official's end (LLaDA2's always, Fast-dLLM v2's
+    when it stops at end tokens)."""
+    x, lengths, blocks = grid_canvas(prompt, attention_mask, st.gen_length, st.block_length, cfg.family, cfg.mask_id)
+    fill = cfg.pad_id if cfg.pad_id is not None else int(eos[0])      # what an ended answer is filled with
+    cut = cfg.family == "llada2" or st.stop_at_eos and cfg.family == "fastdllm_v2"
+    output = partial(grid_output, lengths=lengths, shortest=int(lengths.min()), P=prompt.shape[1], fill=fill,
+                     eos=eos if cut else None, gen=st.gen_length if cfg.family == "llada2" else None)
+    return Canvas(x, blocks, torch.stack([torch.zeros_like(lengths), lengths], -1), None,
+                  block_causal(x.shape[1], st.block_length, x.device), st.block_length, fill, output)
+
+
+def block_parts(model, st, given, generator, c: Canvas, eos):
+    """The call's step rule, selection rule, cache policy and stop rule for a block-diffusion model."""
+    cfg = model.config
     policy = lambda rule: st.cache if isinstance(st.cache, CachePolicy) else (    # noqa: E731
         LLADA2_CACHE_POLICIES if cfg.family == "llada2" else BLOCK_CACHE_POLICIES)[st.cache](
         getattr(rule, "sub_block", st.block_length))          # SDAR: one sub-block, the block (exact)
     if cfg.family == "llada2":
         rule, select = llada2_parts(cfg, st, generator, sdar_sample, DynamicThreshold)
-        return rule, select, policy(rule)
+        return rule, select, policy(rule), stop_rule(st, c, eos, cfg.mask_id, kind=rule.end_of_text)
     if cfg.family == "fastdllm_v2":
         rule = FastDLLMv2(sub_block=st.sub_block, temperature=st.temperature,
                           top_p=st.top_p, generator=generator, mask_id=cfg.mask_id)
-        return rule, st.select or Threshold(1.0 if st.threshold is None else st.threshold, strict=True), policy(rule)
-    rule = SDAR(steps_per_block=st.steps, block_length=st.block_length, temperature=st.temperature,
-                top_k=st.top_k, top_p=st.top_p, generator=generator, mask_id=cfg.mask_id)
-    select = (DynamicThreshold(st.threshold) if st.remasking == "low_confidence_dynamic" else
-              FirstMasks() if st.remasking == "sequential" else Schedule(topk=True))
-    return rule, st.select or select, policy(rule)
+        select = Threshold(1.0 if st.threshold is None else st.threshold, strict=True)
+    else:
+        rule = SDAR(steps_per_block=st.steps, block_length=st.block_length, temperature=st.temperature,
+                    top_k=st.top_k, top_p=st.top_p, generator=generator, mask_id=cfg.mask_id)
+        select = (DynamicThreshold(st.threshold) if st.remasking == "low_confidence_dynamic" else
+                  FirstMasks() if st.remasking == "sequential" else Schedule(topk=True))
+    return rule, st.select or select, policy(rule), stop_rule(st, c, eos, cfg.mask_id)
 
 
 def check_block(cfg, st, given: dict, longest: int, name=lambda key: key):
@@ -273,3 +301,6 @@ def check_block(cfg, st, given: dict, longest: int, name=lambda key: key):
                 "remasking='low_confidence_static'")
         if st.steps < 1:
             bad(f"steps {st.steps}: SDAR's steps are per block (its denoising_steps): use at least 1")
+
+
+BLOCK = Family(block_defaults, check_block, block_canvas, block_parts)

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_REMASKING
 from cache import CACHE_POLICIES, CachePolicy
-from dream import check_dream
 from guided import OWN as GUIDED_OWN
 from llada2 import OWN as LLADA2_OWN
 from sampler import DREAM_REMASKING, LLADA_REMASKING
@@ -219,9 +218,9 @@ def check_hooks(st, on_step=None):
         bad(f"compile must be True, False or a fastdllm.Compiled (got {st.compile!r})")
 
 
-def check_call(model, prompt, st, attention_mask, generator, on_step, whole_canvas, defaults, given):
+def check_call(model, prompt, st, attention_mask, generator, on_step, defaults, given):
     """Every check of one generate() call, in the order that names the first real problem. `st` holds the
-    call's settings with every default decided (fastdllm.resolve), `defaults` the defaults (fastdllm.Settings),
+    call's settings with every default decided (fastdllm.settings), `defaults` the defaults (fastdllm.Settings),
     `given` the settings the caller passed."""
     cfg = model.config
     if cfg.causal:
@@ -242,8 +241,6 @@ def check_call(model, prompt, st, attention_mask, generator, on_step, whole_canv
     theirs = [k for k in LLADA2_OWN if given.get(k, getattr(defaults, k)) != getattr(defaults, k)]
     if theirs and cfg.family != "llada2":
         bad(f"{theirs[0]} is LLaDA2's (model_type llada2_moe): a {cfg.family} model does not read it; drop {theirs[0]}")
-    if cfg.family == "dream":
-        check_dream(st, given, whole_canvas, bad)
     device = model.lm_head.weight.device
     if generator is not None and generator.device.type != device.type:
         bad(f"the generator is on {generator.device.type} but the model on {device.type}: "

@@ -18,7 +18,7 @@ import checks
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, SDAR_REMASKING, check_block
 from cache import CACHE_POLICIES, Compiled
 from chat import Chat, check_text, load_tokenizer, read_turns, streamer
-from fastdllm import Settings, decided, generate, pad_prompts
+from fastdllm import Settings, generate, pad_prompts, settings as settled
 from guided import ACCEPT_RULES, OWN as GUIDED_OWN, check_accept, check_guide, check_guided_settings
 from model import check_readable, load_model, read_config, resolve_model_dir
 from quant import QUANTIZE, int8_quantizer
@@ -187,7 +187,7 @@ def check_config(args, cfg, chat):
     gen_length = fit_gen_length(args, max(map(len, rows.values()), default=0), cfg.max_seq_len, note=False)
     if cfg.family in BLOCK_FAMILIES and not args.guide:
         given = {k: v for k, v in kw.items() if v is not None and (k != "block_length" or args.block_given)}
-        check_block(cfg, decided(cfg, given), given, max(map(len, rows.values()), default=1), flag_name)
+        check_block(cfg, settled(cfg, given), given, max(map(len, rows.values()), default=1), flag_name)
     for line, row in rows.items():     # a batch is as long as its longest prompt, whose own check covers it
         try:
             checks.check_prompt(cfg, torch.tensor([row]), gen_length, None, kw["top_p"], kw["top_k"], kw["alg_temp"])

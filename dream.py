@@ -8,7 +8,9 @@ Dream's settings ask for (QuotaThreshold, SampledPositions); then the parts one 
 import torch
 import torch.nn.functional as F
 
-from sampler import NEG_INF, Dream, Proposal, Schedule, Threshold, is_parallel, parallel_rule
+from cache import CACHE_POLICIES, CachePolicy
+from sampler import (NEG_INF, Canvas, Dream, Family, Proposal, Schedule, Threshold, answer_canvas, is_parallel,
+                     parallel_rule, stop_rule)
 
 
 class QuotaThreshold(Threshold):
@@ -89,35 +91,53 @@ class DreamCanvas(Dream):
         return p
 
 
-def dream_parts(cfg, st, generator, device, whole_canvas: bool):
-    """Dream's step rule and selection rule from the call's settings `st` (defaults already decided,
-    fastdllm.resolve). Its schedule ranks as the official call does at the official width (ties decide alike):
-    Dream's own sampler a topk over the canvas, Fast-dLLM's a topk over [s, the fed chunk's end); FlashDLM's takes
-    the block's masks alone."""
-    select = parallel_rule(st) or (Schedule(lambda at: (at.s, 0), topk=True) if whole_canvas else Schedule()
+def whole_canvas(st, given: dict) -> bool:
+    """Dream's own whole-canvas sampler (`diffusion_generate`, docs/official.md 5) is asked for by block_length=None."""
+    return "block_length" in given and given["block_length"] is None and st.guide is None
+
+
+def dream_defaults(cfg, st, given) -> dict:
+    """Dream ranks by entropy, and by the max probability under a parallel rule (maskgit_plus, as Fast-dLLM's)."""
+    return dict(remasking=st.remasking or ("maskgit_plus" if is_parallel(st.select, st.threshold, st.factor) else
+                                           "entropy"))
+
+
+def dream_parts(model, st, given, generator, c: Canvas, eos):
+    """Dream's step rule, selection rule, cache policy and stop rule from the call's settings `st` (defaults already
+    decided). Its schedule ranks as the official call does at the official width (ties decide alike): Dream's own
+    sampler a topk over the canvas, Fast-dLLM's a topk over [s, the fed chunk's end); FlashDLM's takes the block's
+    masks alone."""
+    whole, mask_id = whole_canvas(st, given), model.config.mask_id
+    cache = st.cache if isinstance(st.cache, CachePolicy) else CACHE_POLICIES[st.cache]()
+    select = parallel_rule(st) or (Schedule(lambda at: (at.s, 0), topk=True) if whole else Schedule()
                                    if st.cache == "free" else
                                    Schedule(lambda at: (0, at.span[1] - at.e) if at.span else (0, 0), topk=True))
     if st.propose is not None:
-        return st.propose, select
+        return st.propose, select, cache, stop_rule(st, c, eos, mask_id)
     schedule = not is_parallel(select)
     origin = st.remasking == "origin" and schedule
     kw = dict(steps=st.steps, n_blocks=st.gen_length // st.block_length, block_length=st.block_length,
               temperature=st.temperature, alg=st.remasking, top_p=st.top_p, top_k=st.top_k, eps=st.eps,
-              generator=generator, mask_id=cfg.mask_id, device=device, schedule=schedule and not origin)
-    rule = (DreamCanvas(until_done=st.threshold is not None, origin=origin, **kw) if whole_canvas else
+              generator=generator, mask_id=mask_id, device=c.x.device, schedule=schedule and not origin)
+    rule = (DreamCanvas(until_done=st.threshold is not None, origin=origin, **kw) if whole else
             (DreamFree if st.cache == "free" else Dream)(**kw))
-    if whole_canvas and st.threshold is not None:
+    if whole and st.threshold is not None:
         select = QuotaThreshold(st.threshold)
     if st.alg_temp and schedule and not origin:    # the official widths: the canvas, the fed chunk, the block
-        pad = ((lambda at: (at.s, 0)) if whole_canvas else (lambda at: (0, 0)) if st.cache == "free"
+        pad = ((lambda at: (at.s, 0)) if whole else (lambda at: (0, 0)) if st.cache == "free"
                else (lambda at: (0, (at.span[1] if at.span else int(at.fed[-1]) + 1) - at.e)))
         select = SampledPositions(st.alg_temp, generator, pad, rule.first_token)
-    return rule, select
+    return rule, select, cache, stop_rule(st, c, eos, mask_id)
 
 
-def check_dream(st, given: dict, whole_canvas: bool, bad):
+def check_dream(cfg, st, given: dict, longest: int, name=lambda key: key):
     """What a Dream call refuses: each of Dream's samplers implements some of the rules, so say which one does what
-    was asked (bad(msg) raises)."""
+    was asked."""
+    def bad(msg):
+        raise ValueError(msg)
+    whole = whole_canvas(st, given)
+    if given.get("sub_block") is not None:
+        bad(f"{name('sub_block')} is Fast-dLLM v2's: Dream denoises each block whole; drop {name('sub_block')}")
     if st.select is None and (st.threshold is not None or st.factor is not None) and given.get("remasking") not in (
             None, "maskgit_plus"):
         bad(f"remasking={given['remasking']!r} does not apply with threshold/factor on Dream: Fast-dLLM's parallel "
@@ -127,21 +147,24 @@ def check_dream(st, given: dict, whole_canvas: bool, bad):
     free, custom, threshold = st.cache == "free", st.select is not None, st.threshold
     parallel = is_parallel(st.select, threshold, st.factor)
     n_blocks = st.gen_length // st.block_length
-    if whole_canvas and (st.cache != "none" or parallel and threshold is None and not custom):
+    if whole and (st.cache != "none" or parallel and threshold is None and not custom):
         bad("Dream's whole-canvas sampler (block_length=None) has no cache or factor rule: pass a "
             "block_length to use Fast-dLLM's block sampler")
-    if whole_canvas and custom:
+    if whole and custom:
         bad("Dream's whole-canvas sampler (block_length=None) has its own rules: a custom select rule needs a "
             "block_length (Fast-dLLM's block sampler)")
-    if whole_canvas and threshold is not None and st.gen_length % st.steps:
+    if whole and threshold is not None and st.gen_length % st.steps:
         bad(f"Dream's whole-canvas threshold rule spreads the {st.gen_length} masks evenly over the "
             f"steps: steps ({st.steps}) must divide gen_length")
-    if not whole_canvas and not free and st.remasking != "entropy" and not parallel:
+    if not whole and not free and st.remasking != "entropy" and not parallel:
         bad(f"Fast-dLLM's Dream block sampler ranks tokens by entropy; remasking={st.remasking!r} "
             f"needs Dream's whole-canvas sampler (block_length=None) or cache='free'")
-    if not whole_canvas and not free and not parallel and st.steps // n_blocks < 2:
+    if not whole and not free and not parallel and st.steps // n_blocks < 2:
         bad(f"Fast-dLLM's Dream block sampler needs >= 2 steps per block (got {st.steps // n_blocks}): "
             f"raise steps to at least {2 * n_blocks}, or use threshold/factor or cache='free'")
     if custom and free:
         bad("FlashDLM's FreeCache sampler for Dream has its own schedule: a custom select rule needs "
             "cache 'none', 'prefix' or 'dual'")
+
+
+DREAM = Family(dream_defaults, check_dream, answer_canvas, dream_parts)

@@ -19,16 +19,13 @@ from functools import partial
 from typing import Callable, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 import checks
 import sampler as S
-from blockdiff import (FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, V2_SUB_BLOCK, block_causal, block_parts, check_block,
-                       grid_canvas, grid_output)
-from cache import CACHE_POLICIES, CachePolicy, Compiled, KVCache, Refresh
-from dream import dream_parts
-from guided import guided_parts
-from llada2 import STEPS as LLADA2_STEPS
+from blockdiff import BLOCK, FAMILIES as BLOCK_FAMILIES
+from cache import CachePolicy, Compiled, KVCache, Refresh
+from dream import DREAM
+from guided import GUIDED
 
 
 def pad_prompts(rows: list[list[int]], pad_id: int):
@@ -252,92 +249,54 @@ class Plan:
                                  row_nfe=stats["row_nfe"].tolist(), row_committed=stats["row_committed"].tolist())
 
 
-def decided(cfg, options: dict) -> Settings:
-    """The call's settings with every default decided: the method's (Settings) and the family's (its remasking, its
-    block and sub-block, one token a step)."""
+# Each family's part of the set-up (its defaults, its refusals, its canvas and its parts), from its own file.
+FAMILIES = {"llada": S.LLADA, "dream": DREAM, **dict.fromkeys(BLOCK_FAMILIES, BLOCK)}
+
+
+def family_of(cfg, st) -> S.Family:
+    """The family whose parts decode this call: guided diffusion's with a guide, else the model's (a causal LM, which
+    check_call refuses, counts as LLaDA until then)."""
+    return GUIDED if st.guide is not None else FAMILIES.get(cfg.family, S.LLADA)
+
+
+def settings(cfg, options: dict) -> Settings:
+    """The call's settings with every default decided: the method's (Settings), the family's own (its remasking, its
+    block and sub-block, its steps), then one block and one token a step where still left None."""
     st = Settings(**checks.known(options, Settings))
-    guided = st.guide is not None
-    dream, block = cfg.family == "dream", cfg.family in BLOCK_FAMILIES and not guided
-    parallel = S.is_parallel(st.select, st.threshold, st.factor)
-    remasking = (("maskgit_plus" if parallel else "entropy") if dream else "low_confidence" if cfg.family == "llada"
-                 else ("low_confidence_dynamic" if st.threshold is not None else "low_confidence_static")
-                 if cfg.family == "sdar" else None)
-    block_length = ((cfg.block or SDAR_BLOCK) if block and options.get("block_length") is None   # its trained block
-                    else st.block_length)
-    steps = (block_length if block and cfg.family == "sdar" else LLADA2_STEPS if block and cfg.family == "llada2"
-             else st.gen_length)                                                       # one token a step
-    sub_block = min(V2_SUB_BLOCK, block_length) if block and cfg.family == "fastdllm_v2" else None
-    return dataclasses.replace(st, remasking=st.remasking or remasking, steps=steps if st.steps is None or guided
-                               else st.steps, block_length=st.gen_length if guided else block_length or st.gen_length,
-                               sub_block=sub_block if st.sub_block is None else st.sub_block)
-
-
-def resolve(model, prompt, options: dict, attention_mask, generator, on_step) -> tuple[Settings, bool]:
-    """The call's settings decided and every check passed -> (settings, whether this is Dream's own whole-canvas
-    sampler)."""
-    cfg, st = model.config, decided(model.config, options)
-    whole_canvas = cfg.family == "dream" and options.get("block_length", Settings.block_length) is None and not st.guide
-    checks.check_call(model, prompt, st, attention_mask, generator, on_step, whole_canvas, Settings(), options)
-    if cfg.family in BLOCK_FAMILIES and st.guide is None:
-        check_block(cfg, st, options, prompt.shape[1])
-    return st, whole_canvas
+    st = dataclasses.replace(st, **family_of(cfg, st).defaults(cfg, st, options))
+    return dataclasses.replace(st, block_length=st.block_length or st.gen_length,
+                               steps=st.gen_length if st.steps is None else st.steps)
 
 
 def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=None):
     """Turn the settings into the parts the loop calls, once: everything here depends only on the call's settings,
     so the loop has no branch on a setting. -> (the plan, the canvas it starts from: [prompt, MASK x gen_length])."""
-    st, whole_canvas = resolve(model, prompt, options, attention_mask, generator, on_step)
     cfg, device = model.config, model.lm_head.weight.device
-    (B, P), generator = prompt.shape, generator or torch.Generator(device).manual_seed(0)
+    st = settings(cfg, options)
+    family = family_of(cfg, st)
+    checks.check_call(model, prompt, st, attention_mask, generator, on_step, Settings(), options)  # one line, named
+    family.check(cfg, st, options, prompt.shape[1])                                                 # the same, its own
+    generator = generator or torch.Generator(device).manual_seed(0)
     eos = torch.tensor(sorted(set(st.eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
-    block = cfg.family in BLOCK_FAMILIES and st.guide is None
-    if block:       # block diffusion: each row on one grid from position 0, its answer right after its prompt
-        x, lengths, blocks = grid_canvas(prompt.to(device), attention_mask, st.gen_length, st.block_length, cfg.family,
-                                         cfg.mask_id)
-        spans, pos, mask = torch.stack([torch.zeros_like(lengths), lengths], -1), None, block_causal(
-            x.shape[1], st.block_length, device)
-    else:           # the answer after a common prompt width; left-padded rows: real tokens count from 0
-        x = F.pad(prompt.to(device), (0, st.gen_length), value=cfg.mask_id)
-        blocks = [(s, s + st.block_length) for s in range(P, x.shape[1], st.block_length)]
-        lengths = (attention_mask.to(device).long().sum(-1) if attention_mask is not None else
-                   torch.full((B,), P, device=device))
-        spans, pos, mask = torch.stack([P - lengths, torch.full_like(lengths, P)], -1), None, None
-        if attention_mask is not None and (attention_mask == 0).any():   # pads neither attend nor are attended to
-            m = F.pad(attention_mask.to(device).bool(), (0, st.gen_length), value=True)
-            pos, mask = (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
-    fill = cfg.pad_id if block and cfg.pad_id is not None else int(eos[0])    # what an ended answer is filled with
-    if st.guide is not None:    # FlashDLM's guided diffusion: one block; a committed end token ends the answer
-        (step_rule, select, cache), stop_run = guided_parts(model, st, Settings(), x[:, :P], attention_mask, pos, eos), 1
-    elif block:
-        (step_rule, select, cache), stop_run = block_parts(cfg, st, generator), st.stop_at_eos
-    else:
-        step_rule, select = (dream_parts if cfg.family == "dream" else S.llada_parts)(cfg, st, generator, device,
-                                                                                      whole_canvas)
-        cache, stop_run = st.cache if isinstance(st.cache, CachePolicy) else CACHE_POLICIES[st.cache](), st.stop_at_eos
+    c = family.canvas(prompt.to(device), attention_mask, st, cfg, eos)
+    step_rule, select, cache, stop = family.parts(model, st, options, generator, c, eos)
     cache = Refresh(cache) if st.refresh_every_step else cache
-    end_of_text = getattr(step_rule, "end_of_text", S.EndOfText)     # LLaDA2: once its block is final
-    stop = st.stop or (end_of_text(spans[:, 1:], eos, cfg.mask_id, stop_run, fill) if stop_run else S.NoStop())
-    cut = cfg.family == "llada2" or stop_run and cfg.family == "fastdllm_v2"     # as the official answers end
-    output = (partial(grid_output, lengths=lengths, shortest=int(lengths.min()), P=P, fill=fill,
-                      eos=eos if cut else None, gen=st.gen_length if cfg.family == "llada2" else None)
-              if block else lambda x: x)
     compiled = st.compile and cache.fixed_width and (st.compile if isinstance(st.compile, Compiled) else Compiled())
-    kv = (compiled.cache if compiled else KVCache.for_model)(model, B, x.shape[1], cache.spare) if cache.keeps_cache else None
-    rule = lambda name: getattr(step_rule, name, getattr(S.StepRule, name))   # noqa: E731  a fork's may not subclass it
-    spb, post, L = rule("steps_per_block"), rule("max_post_steps"), x.shape[1]
+    (B, L), blocks = c.x.shape, c.blocks
+    kv = (compiled.cache if compiled else KVCache.for_model)(model, B, L, cache.spare) if cache.keeps_cache else None
+    # The step rule's protocol: sampler.StepRule's attributes (a fork's rule may not subclass it: theirs by default).
+    spb, exact, post, reads_block, edits = (getattr(step_rule, k, getattr(S.StepRule, k)) for k in (
+        "steps_per_block", "exact_steps", "max_post_steps", "reads_block", "edits"))
     ar = torch.arange(L, device=device)
     plan = Plan(blocks=blocks, cache=cache, step_rule=step_rule, select=select, stop=stop, model=model,
                 layers=partial(compiled, model) if compiled else model.hidden, kv=kv,
-                pos=ar.expand(B, L) if pos is None else pos, mask=mask, undecided=getattr(
-                    step_rule, "undecided", None) or (lambda x: x == cfg.mask_id), mask_id=cfg.mask_id, shift=cfg.shift,
-                prompt=spans, grid=st.block_length if block else 0, exact_steps=rule("exact_steps"),
-                patience=spb + st.block_length + post,
-                calls_per_block=1 if S.is_parallel(select) else max(spb, 1),
-                eos=eos, ar=ar, output=output,
+                pos=ar.expand(B, L) if c.pos is None else c.pos, mask=c.mask,
+                undecided=getattr(step_rule, "undecided", None) or (lambda x: x == cfg.mask_id), mask_id=cfg.mask_id,
+                shift=cfg.shift, prompt=c.prompt, grid=c.grid, exact_steps=exact, patience=spb + st.block_length + post,
+                calls_per_block=1 if S.is_parallel(select) else max(spb, 1), eos=eos, ar=ar, output=c.output,
                 next_end={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)},
-                answer_at=spans[:, 1].tolist(), reads_block=rule("reads_block"), edits=rule("edits"),
-                max_post_steps=post)
-    return plan, x
+                answer_at=c.prompt[:, 1].tolist(), reads_block=reads_block, edits=edits, max_post_steps=post)
+    return plan, c.x
 
 
 @torch.inference_mode()

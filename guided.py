@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from cache import FreeCache, KVCache, NoCache, PrefixCache
 from model import ModelConfig
-from sampler import NEG_INF, Proposal, Schedule, StepRule, argmax_except
+from sampler import NEG_INF, Canvas, Family, Proposal, Schedule, StepRule, answer_canvas, argmax_except, stop_rule
 
 # The settings only guided diffusion reads (defaults: fastdllm.Settings); without a guide each is refused (checks.py).
 OWN = ("speculative", "accept", "accept_k", "accept_ratio", "accept_threshold", "verify_chunk")
@@ -240,7 +240,7 @@ class GuidedFreeCache(FreeCache):
         return torch.where(fed < self.last(at)[:, None], at.x.shape[1], fed)
 
 
-def check_guided(model, st, defaults):
+def check_guided(cfg, st, given: dict, longest: int, name=lambda key: key):
     """A loaded causal guide sharing the model's token ids, then check_guided_settings."""
     if isinstance(guide := st.guide, str):
         raise ValueError(f"guide must be a loaded causal model, not the path {guide!r}: load it with "
@@ -248,8 +248,8 @@ def check_guided(model, st, defaults):
     if not isinstance(guide, torch.nn.Module) or not getattr(getattr(guide, "config", None), "causal", False):
         raise ValueError(f"guide must be a causal LM loaded with model.load_model (a Qwen2-format checkpoint, e.g. "
                          f"Qwen/Qwen2.5-1.5B-Instruct for Dream), not {type(guide).__name__}")
-    check_guide(model.config, guide.config)
-    check_guided_settings(st, defaults)
+    check_guide(cfg, guide.config)
+    check_guided_settings(st, type(st)(), name)
 
 
 def check_guided_settings(st, defaults, name=lambda key: key):
@@ -339,13 +339,22 @@ def check_guide(model_cfg: ModelConfig, guide_cfg: ModelConfig, model_tok=None, 
                              f"the guide must use the diffusion model's tokenizer (the same token ids)")
 
 
-def guided_parts(model, st, defaults, prompt, attention_mask, pos, eos):
-    """A guided call's step rule, selection rule and cache policy (fastdllm.make_plan), its checks passed: one block
-    over the answer; "dual" is "prefix" there (the only block has no suffix), "free" the aggressive caching."""
-    check_guided(model, st, defaults)
-    B, L, mask_id = prompt.shape[0], prompt.shape[1] + st.gen_length, model.config.mask_id
-    real = None if pos is None else F.pad(attention_mask.to(prompt.device).bool(), (0, st.gen_length), value=True)
+def guided_defaults(cfg, st, given) -> dict:
+    """One block over the answer, one token a step as the schedule (the guide decides how many a step commits)."""
+    return dict(block_length=st.gen_length, steps=st.gen_length)
+
+
+def guided_parts(model, st, given, generator, c: Canvas, eos):
+    """A guided call's step rule, selection rule, cache policy and stop rule (fastdllm.make_plan): one block over the
+    answer; "dual" is "prefix" there (the only block has no suffix), "free" the aggressive caching; a committed end
+    token ends the answer (FlashDLM's rule, k = 1)."""
+    B, L, mask_id = c.x.shape[0], c.x.shape[1], model.config.mask_id
+    real = None if c.pos is None else c.mask[:, 0, -1]          # (B, L): the real positions (an answer's row of keys)
     accept = partial(accept_drafts, rule=st.accept, k=st.accept_k, ratio=st.accept_ratio, threshold=st.accept_threshold)
-    rule = Guided(Guide(st.guide, B, L, pos, real), accept, st.verify_chunk, eos, mask_id, st.speculative, prompt)
+    rule = Guided(Guide(st.guide, B, L, c.pos, real), accept, st.verify_chunk, eos, mask_id, st.speculative,
+                  c.x[:, :L - st.gen_length])
     feed = GuidedFreeCache() if st.cache == "free" else NoCache() if st.cache == "none" else PrefixCache()
-    return rule, Schedule(), feed
+    return rule, Schedule(), feed, stop_rule(st, c, eos, mask_id, run=1)
+
+
+GUIDED = Family(guided_defaults, check_guided, answer_canvas, guided_parts)

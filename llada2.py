@@ -39,7 +39,7 @@ class LLaDA2(StepRule):
         self.opts = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, mask_id=mask_id)
         self.sample = sample
 
-    def end_of_text(self, *args):
+    def end_of_text(self, *args):       # stop_at_eos: once the finished answer holds an end token, and its block is final
         return AfterBlock(self, *args)
 
     def start_block(self, x, s: int, e: int):

@@ -8,10 +8,12 @@ where it may not commit. Each family's set-up and refusals: sampler.llada_parts 
 clocks: FreeCache's, its whole-canvas sampler's), blockdiff.py, llada2.py, guided.py. Feeds: cache.py.
 """
 import struct
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from cache import CACHE_POLICIES, CachePolicy
 
 NEG_INF = float("-inf")
 # The remasking rules each step rule implements (LLaDA.propose; dream_sample and Dream.propose, Dream's `alg`):
@@ -321,15 +323,78 @@ def parallel_rule(st):
                          Factor(st.factor) if st.factor is not None else None)
 
 
-def llada_parts(cfg, st, generator, device, whole_canvas: bool = False):
-    """LLaDA's step rule and selection rule from the call's settings `st` (defaults already decided,
-    fastdllm.resolve): its schedule ranked as the official call ranks at the official width around the block [s, e)
-    (ties decide alike): FlashDLM's topk over the canvas, Fast-dLLM's sort of the fed chunk."""
+# ---------------------------------------------------------------------------------------- a family's set-up
+class Canvas(NamedTuple):
+    """Where a call's rows sit (a family's `canvas`): the canvas it starts from and what the model call needs."""
+    x: torch.Tensor            # (B, L) the prompts and the masked answers
+    blocks: list               # [(s, e)] the blocks of the answers, left to right
+    prompt: torch.Tensor       # (B, 2) long: each row's prompt [begin, end) on the canvas
+    pos: torch.Tensor | None   # (B, L) RoPE positions, or None: 0 .. L-1 in every row
+    mask: torch.Tensor | None  # (B or 1, 1, L, L) bool attention mask, or None: every key
+    grid: int                  # a block-causal model's grid (blockdiff.py); 0: none
+    fill: int                  # what an ended answer's masks become
+    output: Callable           # the canvas -> generate()'s ids
+
+
+class Family(NamedTuple):
+    """A decoding family's part of a call's set-up (fastdllm.make_plan), all from the family's own file: LLADA here,
+    dream.DREAM, blockdiff.BLOCK (Fast-dLLM v2, SDAR, LLaDA2), guided.GUIDED (FlashDLM's guided diffusion)."""
+    defaults: Callable   # (cfg, st, given) -> {setting: value}: its own defaults, for the settings left None
+    check: Callable      # (cfg, st, given, longest, name) -> None: what it refuses beyond checks.py's, in one line
+                         #   naming the setting (name(key): as the caller words it; longest: the longest prompt)
+    canvas: Callable     # (prompt, attention_mask, st, cfg, eos) -> Canvas
+    parts: Callable      # (model, st, generator, canvas, eos) -> (step rule, selection rule, cache policy, stop rule)
+
+
+def answer_canvas(prompt, attention_mask, st, cfg, eos) -> Canvas:
+    """[prompt, MASK x gen_length], the answers after a common prompt width, in blocks of block_length. A left-padded
+    row's real tokens count from position 0 (pos) and its pads neither attend nor are attended to (mask), so each row
+    decodes as it would alone."""
+    (B, P), device = prompt.shape, prompt.device
+    x = F.pad(prompt, (0, st.gen_length), value=cfg.mask_id)
+    lengths = attention_mask.to(device).long().sum(-1) if attention_mask is not None else torch.full((B,), P,
+                                                                                                     device=device)
+    pos = mask = None
+    if attention_mask is not None and (attention_mask == 0).any():
+        m = F.pad(attention_mask.to(device).bool(), (0, st.gen_length), value=True)
+        pos, mask = (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
+    return Canvas(x, [(s, s + st.block_length) for s in range(P, x.shape[1], st.block_length)],
+                  torch.stack([P - lengths, torch.full_like(lengths, P)], -1), pos, mask, 0, int(eos[0]), lambda x: x)
+
+
+def stop_rule(st, c: Canvas, eos, mask_id: int, run=None, kind=None):
+    """A fork's stop= as given, or the end-of-text rule the settings ask for (stop_at_eos; run: a family's own),
+    or none."""
+    run = st.stop_at_eos if run is None else run
+    return st.stop or ((kind or EndOfText)(c.prompt[:, 1:], eos, mask_id, run, c.fill) if run else NoStop())
+
+
+def llada_defaults(cfg, st, given) -> dict:
+    return dict(remasking=st.remasking or "low_confidence")
+
+
+def check_llada(cfg, st, given: dict, longest: int, name=lambda key: key):
+    """What a LLaDA call refuses beyond checks.py's (name: the caller's word for a setting; longest: the longest
+    prompt)."""
+    if given.get("sub_block") is not None:
+        raise ValueError(f"{name('sub_block')} is Fast-dLLM v2's: LLaDA denoises each block whole; drop "
+                         f"{name('sub_block')}")
+
+
+def llada_parts(model, st, given, generator, c: Canvas, eos):
+    """LLaDA's step rule, selection rule, cache policy and stop rule from the call's settings `st`: its schedule
+    ranked as the official call ranks at the official width around the block [s, e) (ties decide alike): FlashDLM's
+    topk over the canvas, Fast-dLLM's sort of the fed chunk."""
     select = parallel_rule(st) or (Schedule(lambda at: (at.s, at.x.shape[1] - at.e), topk=True) if st.cache == "free"
                                    else Schedule(lambda at: (at.s - at.span[0], at.span[1] - at.e) if at.span else (0, 0)))
-    return st.propose or LLaDA(steps_per_block=st.steps // (st.gen_length // st.block_length),
+    rule = st.propose or LLaDA(steps_per_block=st.steps // (st.gen_length // st.block_length),
                                temperature=st.temperature, remasking=st.remasking, generator=generator,
-                               mask_id=cfg.mask_id), select
+                               mask_id=model.config.mask_id)
+    cache = st.cache if isinstance(st.cache, CachePolicy) else CACHE_POLICIES[st.cache]()
+    return rule, select, cache, stop_rule(st, c, eos, model.config.mask_id)
+
+
+LLADA = Family(llada_defaults, check_llada, answer_canvas, llada_parts)
 
 
 def eos_reached(x, P, e: int, eos: torch.Tensor, mask_id: int, run: int | bool):
