@@ -32,8 +32,10 @@ def block_causal(batch: int, queries: int, keys: int, block: int, start: int = 0
     return (q >= torch.arange(keys)[None, :] // block)[None, None].expand(batch, 1, queries, keys)
 
 
-def close(logits, ref, atol=1e-5):
-    """Our (B, T, V) logits against a golden summary (argmax, top-5 ids and values, logsumexp, probe columns)."""
+def close(logits, ref, atol=5e-5):
+    """Our (B, T, V) logits against a golden summary (argmax, top-5 ids and values, logsumexp, probe columns), within
+    float32 noise: at logits up to ~20, 7.6e-6 on the recording machine, 1.3e-5 and 1.4e-5 on an AVX-512 VM under two
+    of MKL's code paths (the summation order of the same float32 sums)."""
     logits = logits.double()
     top = logits.topk(5, dim=-1)
     assert list(logits.shape) == ref["shape"] and logits.argmax(-1).tolist() == ref["argmax"]
@@ -45,7 +47,7 @@ def close(logits, ref, atol=1e-5):
 
 @pytest.mark.parametrize("name,block", [("bidirectional", None), ("block_causal_32", 32), ("block_causal_8", 8)])
 def test_forward_matches_the_official_logits(llada2, name, block):
-    """float32, within 1e-5 (measured 7.6e-6 at logits up to ~20): the whole canvas, and the block-causal forward
+    """float32, within float32 noise (`close`): the whole canvas, and the block-causal forward
     the official generate() runs (its 0 / -inf mask as our boolean one)."""
     f = GOLD["forward"]
     ids = torch.tensor(f["input_ids"])
