@@ -200,6 +200,33 @@ class Factor:
         return p.open & (rank < count)
 
 
+def entropy(logits):
+    """(B, n, V) logits -> (B, n) entropies in nats, in the logits' dtype, as torch.distributions.Categorical computes
+    them (DiffusionGemma's acceptance reads these very bits: a near-tie decides alike)."""
+    logp = logits - logits.logsumexp(-1, keepdim=True)
+    return -(logp.clamp(min=torch.finfo(logp.dtype).min) * logp.softmax(-1)).sum(-1)
+
+
+class EntropyBound:
+    """The entropy bound (EB-Sampler, arXiv 2505.24857; DiffusionGemma's acceptance): in the proposal's order (most
+    confident first), the longest run of open positions whose entropies, summed less the largest, stay <= bound; the
+    first always passes. Entropies of p.logits in `dtype` (EB-Sampler's fork: float64; DiffusionGemma: float32, whose
+    confidence is the negative entropy, so its order is lowest entropy first, as the official sort)."""
+    parallel = True
+
+    def __init__(self, bound: float, dtype=torch.float64):
+        self.bound, self.dtype = bound, dtype
+
+    def __call__(self, p: Proposal, at):
+        h = torch.zeros(p.conf.shape, dtype=self.dtype, device=p.conf.device)
+        h[:, at.cols] = entropy(p.logits.to(self.dtype))                   # (B, N) at the block columns at.cols
+        order = p.conf.argsort(dim=-1, descending=True, stable=True)
+        h = h.gather(-1, order).masked_fill(~p.open.gather(-1, order), 0)   # closed positions (conf -inf) sort last
+        count = (h.cumsum(-1) - h.cummax(-1).values <= self.bound).sum(-1, keepdim=True)   # the run's length
+        take = torch.arange(order.shape[-1], device=order.device) < count   # (B, N) in that order
+        return p.open & torch.zeros_like(take).scatter_(-1, order, take)
+
+
 # ---------------------------------------------------------------------------------------- step rules
 class StepRule:
     """A family's way to propose, with its state (the schedule, Dream's clock): start_block(x, s, e) at a block's

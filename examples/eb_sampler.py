@@ -13,7 +13,8 @@ commits, never the family's order; the paper also names entropy and margin. Entr
 whole vocabulary. Any cache (the rule reads only the block's logits); on Dream, Fast-dLLM's block sampler opens a
 block's first position alone at its first step, so that step commits it alone.
 
-Contract parts used: select= (a rule(p, at) with parallel = True), p.open, p.conf, p.logits at at.cols.
+Contract parts used: select= (a rule(p, at) with parallel = True), p.open, p.conf, p.logits at at.cols; the rule
+is sampler.EntropyBound, which DiffusionGemma's acceptance shares.
 
     python examples/eb_sampler.py --model demo/llada-arith --gen-length 32 --block-length 8 --gamma 0.01 --prompt "..."
 """
@@ -23,24 +24,16 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
+from sampler import EntropyBound  # noqa: E402
 
-class EBSampler:
-    parallel = True      # the rule decides how many tokens a step commits
+
+class EBSampler(EntropyBound):
+    """EB-Sampler's rule is sampler.EntropyBound over the step rule's own order, entropies in float64."""
 
     def __init__(self, gamma: float = 0.01):
         if not gamma >= 0:
             raise ValueError(f"EB-Sampler's gamma is an entropy bound in nats, >= 0 (got {gamma})")
-        self.gamma = gamma
-
-    def __call__(self, p, at):
-        logp = p.logits.double().log_softmax(-1)                            # (B, n, V) at the block columns at.cols
-        h = torch.zeros(p.conf.shape, dtype=logp.dtype, device=logp.device)
-        h[:, at.cols] = -(logp.exp() * logp).sum(-1)                        # (B, N) entropies
-        order = p.conf.argsort(dim=-1, descending=True, stable=True)        # the proxy: most confident first
-        h = h.gather(-1, order).masked_fill(~p.open.gather(-1, order), 0)   # closed positions (conf -inf) sort last
-        count = (h.cumsum(-1) - h.cummax(-1).values <= self.gamma).sum(-1, keepdim=True)   # longest valid prefix
-        take = torch.arange(order.shape[-1], device=order.device) < count   # (B, N) in sorted order
-        return p.open & torch.zeros_like(take).scatter_(-1, order, take)
+        super().__init__(gamma, dtype=torch.float64)
 
 
 if __name__ == "__main__":
