@@ -159,6 +159,7 @@ class Plan:
     eos: torch.Tensor         # the end-of-text ids (answer_tokens)
     ar: torch.Tensor          # arange(L): spans and columns as views, no kernel
     output: Callable          # the canvas -> generate()'s ids (a block-diffusion batch's layout; else as is)
+    view: Callable            # the canvas -> on_step's: output's layout without its end cut (an edit may move the end)
     after: dict               # block start -> the next block's end (a read reports the next block's masked columns)
     answer_at: list           # each row's answer start on the canvas, on the host (stats["final"])
     reads_block: bool         # the step rule reads logits at every block column, not only the masked (LLaDA2.1's)
@@ -333,9 +334,9 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     end_of_text = getattr(step_rule, "end_of_text", S.EndOfText)     # LLaDA2: once its block is final
     stop = st.stop or (end_of_text(spans[:, 1:], eos, cfg.mask_id, stop_run, fill) if stop_run else S.NoStop())
     cut = cfg.family == "llada2" or stop_run and cfg.family == "fastdllm_v2"     # as the official answers end
-    output = (partial(grid_output, lengths=lengths, shortest=int(lengths.min()), P=P, fill=fill,
-                      eos=eos if cut else None, gen=st.gen_length if cfg.family == "llada2" else None)
-              if block else lambda x: x)
+    view = (partial(grid_output, lengths=lengths, shortest=int(lengths.min()), P=P, fill=fill,
+                    gen=st.gen_length if cfg.family == "llada2" else None) if block else lambda x: x)
+    output = partial(view, eos=eos) if cut else view
     compiled = st.compile and cache.fixed_width and (st.compile if isinstance(st.compile, Compiled) else Compiled())
     kv = (compiled.cache if compiled else KVCache.for_model)(model, B, x.shape[1], cache.spare) if cache.keeps_cache else None
     rule = lambda name: getattr(step_rule, name, getattr(S.StepRule, name))   # noqa: E731  a fork's may not subclass it
@@ -347,7 +348,7 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
                 prompt=spans, grid=st.block_length if block else 0, exact_steps=rule("exact_steps"),
                 patience=spb + st.block_length + post,
                 calls_per_block=1 if S.is_parallel(select) else max(spb, 1),
-                eos=eos, ar=ar, output=output,
+                eos=eos, ar=ar, output=output, view=view,
                 after={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)},
                 answer_at=spans[:, 1].tolist(), reads_block=rule("reads_block"), edits=rule("edits"),
                 max_post_steps=post)
@@ -363,11 +364,11 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
     "seconds", "answer_tokens", "tokens_per_s": README "Python API"). settings: the fields of `Settings`.
     attention_mask: (B, P) 1/0 for left-padded prompts: each row decodes as it would alone. generator: the only
     source of randomness (default: one seeded 0). on_step(x, stats): called after every step, the canvas live (in the
-    layout of the ids it returns).
+    layout of the ids it returns, not yet cut at an end token: Plan.view).
     A block-diffusion model (blockdiff.py) answers to a grid block's edge: ids (B, P + answer), shorter answers
     filled with its pad id."""
     plan, x = make_plan(model, prompt, settings, attention_mask, generator, on_step)
-    show = (lambda x, stats: on_step(plan.output(x), stats)) if on_step else (lambda x, stats: None)
+    show = (lambda x, stats: on_step(plan.view(x), stats)) if on_step else (lambda x, stats: None)
     stats = dict(nfe=0, row_nfe=0, row_committed=0, fed=[], committed=[], edited=[], filled=[], calls_saved=0,
                  guide_calls=0)
     t0, p, take, seen = time.perf_counter(), None, None, plan.start(x)
