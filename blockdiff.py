@@ -231,10 +231,11 @@ def block_canvas(prompt, attention_mask, st, cfg, eos) -> Canvas:
     x, lengths, blocks = grid_canvas(prompt, attention_mask, st.gen_length, st.block_length, cfg.family, cfg.mask_id)
     fill = cfg.pad_id if cfg.pad_id is not None else int(eos[0])      # what an ended answer is filled with
     cut = cfg.family == "llada2" or st.stop_at_eos and cfg.family == "fastdllm_v2"
-    output = partial(grid_output, lengths=lengths, shortest=int(lengths.min()), P=prompt.shape[1], fill=fill,
-                     eos=eos if cut else None, gen=st.gen_length if cfg.family == "llada2" else None)
+    view = partial(grid_output, lengths=lengths, shortest=int(lengths.min()), P=prompt.shape[1], fill=fill,
+                   gen=st.gen_length if cfg.family == "llada2" else None)
     return Canvas(x, blocks, torch.stack([torch.zeros_like(lengths), lengths], -1), None,
-                  block_causal(x.shape[1], st.block_length, x.device), st.block_length, fill, output)
+                  block_causal(x.shape[1], st.block_length, x.device), st.block_length, fill,
+                  partial(view, eos=eos) if cut else view, view)
 
 
 def block_parts(model, st, given, generator, c: Canvas, eos):

@@ -145,6 +145,7 @@ class Plan:
     eos: torch.Tensor         # the end-of-text ids (answer_tokens)
     ar: torch.Tensor          # arange(L): spans and columns as views, no kernel
     output: Callable          # the canvas -> generate()'s ids (a block-diffusion batch's layout; else as is)
+    view: Callable            # the canvas -> on_step's: output's layout without its end cut (an edit may move the end)
     next_end: dict            # block start -> the next block's end (a read reports the next block's open columns)
     answer_at: list           # each row's answer start on the canvas, on the host (stats["final"])
     reads_block: bool         # the step rule reads logits at every block column, not only the masked (LLaDA2.1's)
@@ -294,7 +295,7 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
                 undecided=getattr(step_rule, "undecided", None) or (lambda x: x == cfg.mask_id), mask_id=cfg.mask_id,
                 shift=cfg.shift, prompt=c.prompt, grid=c.grid, exact_steps=exact, patience=spb + st.block_length + post,
                 calls_per_block=1 if S.is_parallel(select) else max(spb, 1), eos=eos, ar=ar, output=c.output,
-                next_end={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)},
+                view=c.view,                next_end={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)},
                 answer_at=c.prompt[:, 1].tolist(), reads_block=reads_block, edits=edits, max_post_steps=post)
     return plan, c.x
 
@@ -308,11 +309,11 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
     "seconds", "answer_tokens", "tokens_per_s": README "Python API"). settings: the fields of `Settings`.
     attention_mask: (B, P) 1/0 for left-padded prompts: each row decodes as it would alone. generator: the only
     source of randomness (default: one seeded 0). on_step(x, stats): called after every step, the canvas live (in the
-    layout of the ids it returns).
+    layout of the ids it returns, not yet cut at an end token: Plan.view).
     A block-diffusion model (blockdiff.py) answers to a grid block's edge: ids (B, P + answer), shorter answers
     filled with its pad id."""
     plan, x = make_plan(model, prompt, settings, attention_mask, generator, on_step)
-    show = (lambda x, stats: on_step(plan.output(x), stats)) if on_step else (lambda x, stats: None)
+    show = (lambda x, stats: on_step(plan.view(x), stats)) if on_step else (lambda x, stats: None)
     stats = dict(nfe=0, row_nfe=0, row_committed=0, fed=[], committed=[], edited=[], filled=[], calls_saved=0,
                  guide_calls=0)
     t0, p, take, seen = time.perf_counter(), None, None, plan.start(x)

@@ -361,6 +361,7 @@ class Canvas(NamedTuple):
     grid: int                  # a block-causal model's grid (blockdiff.py); 0: none
     fill: int                  # what an ended answer's masks become
     output: Callable           # the canvas -> generate()'s ids
+    view: Callable             # the canvas -> on_step's: output's layout without its end cut (an edit may move the end)
 
 
 class Family(NamedTuple):
@@ -371,6 +372,10 @@ class Family(NamedTuple):
                          #   naming the setting (name(key): as the caller words it; longest: the longest prompt)
     canvas: Callable     # (prompt, attention_mask, st, cfg, eos) -> Canvas
     parts: Callable      # (model, st, generator, canvas, eos) -> (step rule, selection rule, cache policy, stop rule)
+
+
+def same(x):
+    return x
 
 
 def answer_canvas(prompt, attention_mask, st, cfg, eos) -> Canvas:
@@ -386,7 +391,7 @@ def answer_canvas(prompt, attention_mask, st, cfg, eos) -> Canvas:
         m = F.pad(attention_mask.to(device).bool(), (0, st.gen_length), value=True)
         pos, mask = (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
     return Canvas(x, [(s, s + st.block_length) for s in range(P, x.shape[1], st.block_length)],
-                  torch.stack([P - lengths, torch.full_like(lengths, P)], -1), pos, mask, 0, int(eos[0]), lambda x: x)
+                  torch.stack([P - lengths, torch.full_like(lengths, P)], -1), pos, mask, 0, int(eos[0]), same, same)
 
 
 def stop_rule(st, c: Canvas, eos, mask_id: int, run=None, kind=None):

@@ -73,7 +73,12 @@ FIELDS = {
     "threshold": (lambda v: is_num(v) and v > 0, "a number > 0 (above 1: one token per step) or null"),
     "factor": (lambda v: is_num(v) and v > 0, "a number > 0 or null"),
     "block_length": (lambda v: is_int(v) and v >= 0, "an integer >= 0 (0 = one block)"), "steps": COUNT,
+    "editing_threshold": (lambda v: is_num(v) and 0 <= v <= 1, "a number in [0, 1] or null"),      # LLaDA2.1's
+    "max_post_steps": (lambda v: is_int(v) and v >= 0, "an integer >= 0"), "num_to_transfer": COUNT,
 }
+# The request fields a refusal of the settings may name (generate()'s gen_length is max_tokens's canvas).
+SETTINGS = ("max_tokens", "temperature", "seed", "top_k", "top_p", "cache", "remasking", "guide", "threshold",
+            "factor", "block_length", "steps", "editing_threshold", "max_post_steps", "num_to_transfer")
 # OpenAI fields that do not apply to a diffusion LM: accepted (with OpenAI's type) and ignored.
 IGNORED = {"user": STR, "metadata": OBJ, "store": BOOL, "service_tier": STR, "presence_penalty": NUM,
            "frequency_penalty": NUM, "logit_bias": OBJ, "parallel_tool_calls": BOOL, "prompt_cache_key": STR,
@@ -139,6 +144,17 @@ def check_fields(body: dict, path: str, takes: tuple):
         check = known[name]
         if check is not None and v is not None and not check[0](v):
             raise ApiError(400, f"'{name}' must be {check[1]} (got {quoted(v)})", name, "invalid_value")
+
+
+def field_named(message: str, sent) -> str | None:
+    """The request field a one-line refusal of the settings is about, its `param`: every refusal names the setting
+    it refuses (docs/errors.md), so the first field the message names, preferring those the request sent (`sent`)."""
+    words = {}
+    for m in re.finditer(r"\w+", message):
+        words.setdefault("max_tokens" if m[0] == "gen_length" else m[0], m.start())
+    named = sorted((words[f], f) for f in SETTINGS if f in words)
+    field = next((f for _, f in named if f in sent), named[0][1] if named else None)
+    return "max_completion_tokens" if field == "max_tokens" and "max_completion_tokens" in sent else field
 
 
 def json_object(raw: bytes) -> dict:

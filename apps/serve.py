@@ -37,8 +37,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)     # the method's modules (fastdllm.py, model.py, ...) live at the repository's root
 import checks  # noqa: E402
 import cli  # noqa: E402
-from api import (CLIENT_GONE, ApiError, JsonHandler, check_fields, check_text, choice, chunk, envelope, get,
-                 json_object, prompt_fields, quoted, shutting_down, stop_scan, tokens, usage)
+import denoise  # noqa: E402
+from api import (CLIENT_GONE, ApiError, JsonHandler, check_fields, check_text, choice, chunk, envelope, field_named,
+                 get, json_object, prompt_fields, quoted, shutting_down, stop_scan, tokens, usage)
 from chat import decode  # noqa: E402
 from tools.flags import Refused  # noqa: E402
 
@@ -55,10 +56,10 @@ class Job:
     """One answer of a request (a prompt, or one of its n copies): its ids and decoding settings, the key of
     the batches it may join, and the request's queue its results go to."""
 
-    def __init__(self, ids, max_tokens, kw, *, index, key, seed, shows_seed, guided, stops, out, want_steps):
+    def __init__(self, ids, max_tokens, kw, *, index, key, seed, shows_seed, guided, stops, out, want_steps, sent):
         self.ids, self.max_tokens, self.kw, self.index, self.key = ids, max_tokens, kw, index, key
         self.seed, self.shows_seed, self.guided, self.stops, self.out = seed, shows_seed, guided, stops, out
-        self.want_steps = want_steps
+        self.want_steps, self.sent = want_steps, sent      # sent: the request's fields (an error's param)
         self.cancelled = False            # set by the handler when its client has gone
         self.queued = time.perf_counter()
 
@@ -70,7 +71,7 @@ class Job:
         k = self.kw
         return {"cache": k["cache"], "threshold": k["threshold"], "factor": k["factor"],
                 "block_length": k["gen_length"] if self.guided else k["block_length"], "steps": k["steps"],
-                "temperature": k["temperature"], "guide": self.guided}
+                "temperature": k["temperature"], "guide": self.guided} | {n: k[n] for n in denoise.EDITING if n in k}
 
 
 class Request:
@@ -94,8 +95,9 @@ class Request:
 
 class Engine:
     """The one thread that owns the model. Handler threads submit() a request's jobs; each job gets ("step",
-    {"ids": canvas, "final": tokens final once unmasked}) events if it wants them, then ("done", result) or ("error", ApiError). others() says whether
-    another request could still come to join a batch (a connection not waiting for its answer)."""
+    {"ids": canvas, "final", "committed": by the model}) after each call of its answer if it wants them (denoise.py),
+    then ("done", result) or ("error", ApiError). others() says whether another request could still come to join a
+    batch (a connection not waiting for its answer)."""
 
     def __init__(self, model, args, log, others=lambda: False):
         self.model, self.args, self.log, self.others = model, args, log, others
@@ -181,30 +183,29 @@ class Engine:
                     self.run([job])
                 return
             if isinstance(e, ValueError):   # generate()'s one-line messages about settings and prompts
-                err = ApiError(400, str(e), code="invalid_value")
+                err = ApiError(400, str(e), field_named(str(e), batch[0].sent), "invalid_value")
             else:
                 traceback.print_exc()
                 err = ApiError(500, f"decoding failed: {type(e).__name__}: {e}", code="server_error")
             batch[0].put("error", err)
 
     def decode(self, batch: list[Job]):
-        rows, mask_id = [j.ids for j in batch], self.model.config.mask_id
+        rows = [j.ids for j in batch]
         P = max(map(len, rows))                 # left padding puts every answer at canvas column P
-        prev = [None] * len(batch)
+        calls = denoise.Calls(len(batch))
         started = time.perf_counter()
         first, k = batch[0], batch[0].kw
 
         def on_step(x, stats):
-            # A row's step event: its canvas after a step that changed it (read only when a client streams steps).
+            # A row's step event after each call of its answer, with its canvas and what the model committed in it
+            # (read only when a client streams steps: docs/serve.md, "The per-step event stream").
             if self.aborting:
                 raise shutting_down()
             if any(j.want_steps and not j.cancelled for j in batch):
-                canvas = x[:, P:].tolist()
+                canvas, committed = x[:, P:].tolist(), calls.step(stats)
                 for i, job in enumerate(batch):
-                    before = prev[i] or [mask_id] * len(canvas[i])
-                    if job.want_steps and not job.cancelled and canvas[i] != before and mask_id in before:
-                        job.put("step", {"ids": canvas[i], "final": stats["final"][i]})
-                    prev[i] = canvas[i]
+                    if job.want_steps and not job.cancelled and committed[i] is not None:
+                        job.put("step", {"ids": canvas[i], "final": stats["final"][i], "committed": committed[i]})
             if all(j.cancelled for j in batch):
                 raise Cancelled
 
@@ -245,6 +246,7 @@ class App:
         self.texts = {}               # token id -> its text, for the event stream
         # An unguided request on a guided server ("guide": false) gets the CLI's default threshold, not none.
         self.threshold = cli.CLI_DEFAULTS["threshold"] if args.guide else args.threshold
+        self.accepts = denoise.accepts(model, args.block_length)    # what a request may set on this model (info)
 
     def write_log(self, line: str):     # whole, in one write: print() writes the newline apart from its line
         if not self.args.quiet:
@@ -274,6 +276,10 @@ class App:
         kw = {n: get(body, n, getattr(a, n)) for n in ("block_length", "steps", "cache", "temperature", "remasking",
                                                       "top_p", "top_k")}
         kw["top_p"] = None if kw["top_p"] == 1 else kw["top_p"]       # top_p 1 means "off"
+        # LLaDA2.1's editing (null: off, and the server's other two with it); another model's generate() refuses it.
+        ed, edit = denoise.EDITING, body["editing_threshold"] if "editing_threshold" in body else a.editing_threshold
+        if ed[0] in self.accepts["settings"] or any(body.get(n) is not None for n in ed):
+            kw |= {n: get(body, n, None if edit is None else getattr(a, n)) for n in ed[1:]} | {ed[0]: edit}
         for field in ("remasking", "top_p", "top_k"):     # the family's own options, named by their field
             try:      # (the server's flags were checked at start)
                 checks.check_family(self.cfg, **{"remasking": None, field: kw[field] if field in body else None})
@@ -356,11 +362,11 @@ class App:
                     raise ValueError(f"steps must be at most the model's {self.cfg.max_seq_len} positions (got "
                                      f"{k['steps']}); every step commits at least one token")
             except ValueError as e:
-                raise ApiError(400, str(e), None, "invalid_value") from None
+                raise ApiError(400, str(e), field_named(str(e), body), "invalid_value") from None
             key = (guided, *sorted(k.items()))
             jobs += [Job(ids, max_tokens, k, index=i * n + c, key=("sampled", group, i, c) if sampled else key,
                          seed=(seed + c) % 2**64 if sampled else seed, shows_seed=drawn or sampled and n > 1,
-                         guided=guided, stops=stops, out=out, want_steps=stream) for c in range(n)]
+                         guided=guided, stops=stops, out=out, want_steps=stream, sent=tuple(body)) for c in range(n)]
         include_usage = bool(get(body, "stream_options", {}).get("include_usage"))
         return Request(kind, self.name, jobs, out, stream, include_usage, n)
 
@@ -379,11 +385,12 @@ class App:
     def info(self) -> dict:
         a = self.args
         return {"model": self.name, "family": self.cfg.family, "max_positions": self.cfg.max_seq_len,
-                "chat_template": self.chat.chat, "guide": a.guide, "cache_modes": list(cli.CACHE_POLICIES),
+                "chat_template": self.chat.chat, "guide": a.guide, **self.accepts,
                 "mask": self.token_text(self.cfg.mask_id),
                 "defaults": {"max_tokens": None if a.fit_gen_length else a.gen_length, "block_length": a.block_length,
                              "steps": a.steps, "cache": a.cache, "threshold": a.threshold, "factor": a.factor,
-                             "temperature": a.temperature, "guide": self.guide is not None}}
+                             "temperature": a.temperature, "guide": self.guide is not None} |
+                {n: getattr(a, n) for n in denoise.EDITING if n in self.accepts["settings"]}}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -552,34 +559,12 @@ class Handler(JsonHandler):
         self.sse(b"[DONE]")
 
     def denoise_stream(self, req: Request):
-        """Our per-step stream for the page: "start", one "step" per model call of this answer with the
-        positions it committed, "done" with the answer and its cost, then [DONE] (docs/serve.md)."""
-        app, (job,) = self.app, req.jobs
-        mask_id, gen = app.cfg.mask_id, job.kw["gen_length"]
-        cell = lambda p, t: {"pos": p, "id": t, "text": app.token_text(t), "end": t in app.chat.stop_ids}
+        """Our per-step stream for the page: "start", a "step" per model call of the answer, "done" (denoise.py)."""
         events = self.sse_start(req)
-        if events is None:
-            return
-        self.sse({"type": "start", "id": req.id, "model": app.name, "prompt": decode(app.chat.tok, job.ids, False),
-                  "prompt_tokens": len(job.ids), "gen_length": gen, "max_tokens": job.max_tokens,
-                  "block_length": gen if job.guided else job.kw["block_length"] or gen,
-                  "mask": app.token_text(mask_id), "settings": job.settings()})
-        prev, step = [mask_id] * gen, 0
-        for _, kind, payload in events:
-            if kind == "error":
-                self.sse({"type": "error"} | payload.body())
-                break
-            canvas = payload["ids"]
-            new = [cell(p, t) for p, (t, old) in enumerate(zip(canvas, prev)) if t != old]
-            prev = canvas
-            if kind == "step":
-                step += 1
-                self.sse({"type": "step", "step": step, "committed": new, "masks_left": canvas.count(mask_id)})
-                continue
-            text, reason, n = app.finish(job, canvas)
-            self.sse({"type": "done", "text": text, "finish_reason": reason, "filled": new,
-                      "usage": usage(len(job.ids), n), "fastdllm": payload["fastdllm"]})
-        self.sse(b"[DONE]")
+        if events is not None:
+            for event in denoise.events(self.app, req, events):
+                self.sse(event)
+            self.sse(b"[DONE]")
 
 
 class Server(ThreadingHTTPServer):

@@ -171,6 +171,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.pdf and not args.out:
         p.error("--pdf writes beside methods.md: add --out FOLDER")
+    if args.out and not (os.path.isdir(args.out) and os.access(args.out, os.W_OK | os.X_OK)):   # before the rows run
+        why = "is not a writable folder" if os.path.isdir(args.out) else "is not a folder" if os.path.exists(
+            args.out) else "does not exist"
+        p.exit(2, f"error: --out {args.out} {why}: create it (mkdir -p) or pick another; nothing was run\n")
     torch.set_num_threads(args.threads)
     model_dir = os.path.join(ROOT, "demo", "llada-arith")
     models = {}      # (dtype, quantize) -> the model, loaded once

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 import cli
+import denoise
 import serve
 from chat import Chat, streamer
 from fastdllm import generate
 from model import load_model
-from test_serve import at_once, events, post, solo
+from test_serve import at_once, events, post, request, solo
 from tools.checkpoint import make_release
 from tools.step_count import counted
 
@@ -92,7 +93,8 @@ def test_a_batch_with_early_stop_equals_each_row_alone(release, ends_sometimes):
 
 def test_streaming_shows_each_call_and_ends_on_the_output(release, capsys):
     """on_step: once a call, each canvas in the output's layout, a committed token never changes (LLaDA2.1: one
-    before stats["final"]), the last one is what generate() returns; the CLI's streamer prints exactly the answer."""
+    before stats["final"]), the last one is what generate() returns (before LLaDA2's cut at the end token); the CLI's
+    streamer prints exactly the answer."""
     family, _, G, model, chat = release
     p, P, mask = prompts(chat)[0], prompts(chat)[0].shape[1], model.config.mask_id
     seen, finals, printer = [], [], streamer(chat, P, mask)
@@ -103,7 +105,10 @@ def test_streaming_shows_each_call_and_ends_on_the_output(release, capsys):
         printer(x, st)
     out, stats = generate(model, p, gen_length=32, block_length=G, cache="prefix", threshold=0.9, on_step=on_step,
                           **EXTRA.get(family, {}))
-    assert len(seen) == stats["nfe"] and all(s.shape == out.shape for s in seen) and torch.equal(seen[-1], out)
+    assert len(seen) == stats["nfe"] and all(s.shape == out.shape for s in seen)
+    last, end = seen[-1][0, P:].tolist(), model.config.eos_id
+    cut = last.index(end) + 1 if family.startswith("llada2") and end in last else len(last)
+    assert out[0, P:].tolist() == last[:cut] + [model.config.pad_id] * (len(last) - cut)
     for before, after in zip(seen, seen[1:]):
         kept = before != mask       # LLaDA2.1 may edit the answer's committed tokens, never the prompt
         kept[:, P:] &= family not in EXTRA
@@ -114,6 +119,110 @@ def test_streaming_shows_each_call_and_ends_on_the_output(release, capsys):
     assert finals[-1] >= out.shape[1] - P and (family not in EXTRA or min(finals) < out.shape[1] - P)
     assert (seen[0] == mask).sum() > (seen[-1] == mask).sum() == 0
     assert capsys.readouterr().out == chat.answer(out[0, P:].tolist())
+
+
+def replayed(steps: list, cut: list = ()) -> list:
+    """The answer the stream's events build, each one checked against the contract (docs/serve.md, "The per-step
+    event stream"): a commit or a fill decides a mask, once; an edit rewrites a token; masks_left never grows and
+    counts what is left."""
+    canvas = [None] * (len(steps[0]["committed"] + steps[0]["filled"]) + steps[0]["masks_left"])
+    for e in steps:
+        for c in e["committed"] + e["filled"]:
+            assert canvas[c["pos"]] is None, (c, canvas)
+            canvas[c["pos"]] = c["id"]
+        for c in e["edited"]:
+            assert canvas[c["pos"]] not in (None, c["id"]), (c, canvas)
+            canvas[c["pos"]] = c["id"]
+        assert e["masks_left"] == canvas.count(None)
+    for c in cut:
+        canvas[c["pos"]] = c["id"]
+    return canvas
+
+
+def test_the_step_view_has_a_step_per_call_and_counts_that_add_up(release, ends_sometimes):
+    """denoise.Calls and Answer, the server's step view, on generate()'s on_step with early stop and an end token
+    the model sometimes writes (issue 46: the view was cut at the end token, so LLaDA2.1's edits and Fast-dLLM v2's
+    later commits after an end token showed as masks coming back and cells nobody committed): a step per call of the
+    answer, commits the model's own count (where the answer runs past the gen_length positions shown, at most: the
+    model commits there too), edits only where a rule edits, and the replay is generate()'s answer."""
+    family, _, G, _, chat = release
+    kw = dict(gen_length=32, block_length=G, cache="prefix", threshold=0.9, stop_at_eos=True, **EXTRA.get(family, {}))
+    ended = edited = 0
+    for p in prompts(chat):
+        P, calls, steps, answer = p.shape[1], denoise.Calls(1), [], []
+
+        def on_step(x, st):
+            row = x[0, P:].tolist()
+            answer[:] = answer or [denoise.Answer(min(32, len(row)), ends_sometimes.config.mask_id, lambda q, t: {
+                "pos": q, "id": t})]
+            (committed,) = calls.step(st)
+            if committed is not None:
+                steps.append(answer[0].step(row, committed))
+        out, stats = generate(ends_sometimes, p, on_step=on_step, **kw)
+        ids = out[0, P:P + len(answer[0].canvas)].tolist()
+        assert replayed(steps, answer[0].end(ids)) == ids and len(steps) == stats["row_nfe"][0] == stats["nfe"]
+        committed, shown = sum(len(e["committed"]) for e in steps), len(answer[0].canvas)
+        assert committed == stats["row_committed"][0] if shown == out.shape[1] - P else \
+            committed <= stats["row_committed"][0]
+        ended += any(e["filled"] for e in steps) or ends_sometimes.config.eos_id in ids
+        edited += any(e["edited"] for e in steps)
+    assert ended and bool(edited) == (family in EXTRA)
+
+
+def test_the_event_stream_has_a_step_per_call_and_counts_that_add_up(release, served):
+    """POST /v1/denoise/stream (issue 46: on LLaDA2.1 20 step events for 36 calls, committing 209 cells over 32
+    positions, masks_left 0 -> 5, and the page at "-197 masked"): a step event per call of the answer, the
+    replay of its changes (then done's cut) the answer the chat endpoint gives."""
+    family = release[0]
+    app, port = served
+    edited = 0
+    for q in QUESTIONS[:2]:
+        body = {"messages": [{"role": "user", "content": q}]}
+        ev = events(port, "/v1/denoise/stream", body)
+        start, steps, done = ev[0], ev[1:-1], ev[-1]
+        assert [e["step"] for e in steps] == list(range(1, done["fastdllm"]["nfe"] + 1))
+        assert start["positions"] == len(replayed(steps)) and start["settings"] == done["fastdllm"]["settings"]
+        canvas = replayed(steps, done["cut"])
+        one = post(port, "/v1/chat/completions", body)["choices"][0]
+        assert app.chat.answer(canvas) == done["text"] == one["message"]["content"]
+        assert done["fastdllm"]["nfe"] == one["fastdllm"]["nfe"] == solo(app, q)[1]
+        assert [e["final"] for e in steps] == sorted(e["final"] for e in steps)
+        edited += sum(len(e["edited"]) for e in steps)
+    assert bool(edited) == (family in EXTRA)
+
+
+EDITING = {"editing_threshold": 0.5, "max_post_steps": 2, "num_to_transfer": 2}
+
+
+def test_the_server_lists_and_takes_what_the_model_accepts(release, served):
+    """Issue 46: a LLaDA2.1 server took none of its editing settings per request, showed them nowhere, and
+    /v1/denoise/info listed the cache "free", which the model refuses. Now info lists the model's caches and settings
+    (as generate()'s own checks answer them); on LLaDA2 a request sets the editing settings, its answer's settings say
+    them and it is the CLI's decode with them; a value the model refuses is one line naming its field."""
+    family = release[0]
+    app, port = served
+    status, info = request(port, "GET", "/v1/denoise/info")
+    assert status == 200 and info["cache_modes"] == ["none", "prefix", "dual"]
+    assert (set(EDITING) <= set(info["settings"])) == family.startswith("llada2")
+    assert ("steps" in info["settings"], "top_k" in info["settings"]) == ((False, False) if family == "fastdllm_v2"
+                                                                           else (True, True))
+    q = QUESTIONS[1]
+    refused = [({"cache": "free"}, "cache"), ({"top_k": 5}, "top_k" if family == "fastdllm_v2" else None)]
+    if family.startswith("llada2"):
+        got = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": q}], **EDITING})
+        choice = got["choices"][0]
+        assert {k: choice["fastdllm"]["settings"][k] for k in EDITING} == EDITING
+        assert choice["message"]["content"] == solo(app, q, **EDITING)[0]
+        assert info["defaults"]["editing_threshold"] == EXTRA.get(family, {}).get("editing_threshold")
+        refused += [({"editing_threshold": 2}, "editing_threshold"), ({"num_to_transfer": 0}, "num_to_transfer"),
+                    ({"editing_threshold": None, "max_post_steps": 3}, "max_post_steps")]
+        refused += [({"steps": 4}, "steps")] if family in EXTRA else []       # steps and edits do not mix
+    else:
+        refused += [({"editing_threshold": 0.5}, "editing_threshold"), ({"num_to_transfer": 2}, "num_to_transfer")]
+    for fields, param in refused:
+        status, r = request(port, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": q}],
+                                                                     **fields})
+        assert (status, r.get("error", {}).get("param")) == ((400, param) if param else (200, None)), (fields, r)
 
 
 @pytest.mark.parametrize("cache", ["prefix", "dual"])

@@ -81,6 +81,19 @@ def test_by_default_nothing_is_written(monkeypatch, capsys, tmp_path):
     assert "--pdf writes beside methods.md: add --out FOLDER" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where,why", [("missing/deeper", "does not exist"), ("a-file", "is not a folder")])
+def test_an_out_that_cannot_be_written_is_refused_before_any_row(monkeypatch, capsys, tmp_path, where, why):
+    """Issue 46: `--out <missing folder>` ran every row (7 minutes at -n 200), then failed with a traceback. The
+    folder is checked first: one line, status 2, no row run."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(compare, "measure", lambda *a, **k: pytest.fail("a row ran before --out was checked"))
+    out = tmp_path / where
+    with pytest.raises(SystemExit) as e:
+        compare.main(["-n", "1", "--out", str(out)])
+    assert e.value.code == 2 and capsys.readouterr().err == (f"error: --out {out} {why}: create it (mkdir -p) or pick "
+                                                              f"another; nothing was run\n")
+
+
 def test_without_matplotlib_the_tables_are_written_and_one_line_says_how(monkeypatch, capsys, tmp_path):
     monkeypatch.setattr(compare, "ROWS", compare.ROWS[:1])
     monkeypatch.setitem(sys.modules, "matplotlib", None)      # `import matplotlib` raises ImportError

@@ -312,31 +312,41 @@ def test_many_clients_streamed_and_not(server):
     assert not errors and not any(t.is_alive() for t in threads)
 
 
-def test_denoise_stream_one_event_per_step(server):
-    """The page's stream: start, one step event per model call whose committed tokens, with the final fill,
-    are exactly the answer; and GET / is the page that reads it."""
+@pytest.mark.parametrize("threshold", [0.7, None])
+def test_denoise_stream_one_event_per_step(server, threshold):
+    """The page's stream: start, one step event per model call, whose committed cells are the model's
+    (tokens_per_call x nfe of them) and whose filled cells are the early stop's end of text, each position once:
+    together exactly the answer; and GET / is the page that reads it. (The fill was sent as committed, and the
+    page guessed which were which.)"""
     app, port = server
-    ev = events(port, "/v1/denoise/stream", chat(PROMPT, threshold=0.7))
+    ev = events(port, "/v1/denoise/stream", chat(PROMPT, threshold=threshold))
     start, steps, done = ev[0], ev[1:-1], ev[-1]
-    assert start["type"] == "start" and start["gen_length"] == 32 and start["block_length"] == 8
-    assert start["prompt"] == PROMPT and start["mask"] == "<|mdm_mask|>"
-    assert [e["type"] for e in steps] == ["step"] * len(steps) and done["type"] == "done"
+    assert start["type"] == "start" and start["gen_length"] == start["positions"] == 32 and start["block_length"] == 8
+    assert start["prompt"] == PROMPT and start["mask"] == "<|mdm_mask|>" and start["block_offset"] == 0
+    assert [e["type"] for e in steps] == ["step"] * len(steps) and done["type"] == "done" and done["cut"] == []
     assert len(steps) == done["fastdllm"]["nfe"] and [e["step"] for e in steps] == list(range(1, len(steps) + 1))
     canvas = [app.cfg.mask_id] * 32
-    for e in steps + [{"committed": done["filled"]}]:
-        assert e["committed"] or e is not steps[0]
-        for cell in e["committed"]:
-            assert canvas[cell["pos"]] == app.cfg.mask_id      # each position committed once
+    for e in steps:
+        assert e["committed"] and e["edited"] == [] and (e["filled"] == [] or e is steps[-1])
+        for cell in e["committed"] + e["filled"]:
+            assert canvas[cell["pos"]] == app.cfg.mask_id      # each position decided once
             canvas[cell["pos"]] = cell["id"]
             assert cell["text"] == app.token_text(cell["id"]) and cell["end"] == (cell["id"] in app.chat.stop_ids)
-    assert app.cfg.mask_id not in canvas
-    assert app.chat.answer(canvas) == done["text"] == solo(app, PROMPT, threshold=0.7)[0]
+        assert e["masks_left"] == canvas.count(app.cfg.mask_id)
+    assert all(c["end"] for c in steps[-1]["filled"]) and steps[-1]["filled"]     # the demo's answer ends early
+    x = done["fastdllm"]
+    assert sum(len(e["committed"]) for e in steps) == round(x["tokens_per_call"] * x["nfe"])
+    assert app.chat.answer(canvas) == done["text"] == solo(app, PROMPT, threshold=threshold)[0]
 
     status, page = request(port, "GET", "/")
     assert status == 200 and "/v1/denoise/stream" in page
     assert "http://" not in page and "https://" not in page         # no external URL: it works offline
     status, info = request(port, "GET", "/v1/denoise/info")
     assert status == 200 and info["defaults"]["cache"] == "dual" and info["guide"] is None
+    assert info["cache_modes"] == ["none", "prefix", "dual", "free"] and info["remasking_modes"] == ["low_confidence",
+                                                                                                    "random"]
+    assert set(info["settings"]) == {"cache", "block_length", "steps", "threshold", "factor", "temperature",
+                                     "remasking"}
     status, models = request(port, "GET", "/v1/models")
     assert status == 200 and [m["id"] for m in models["data"]] == [DEMO]
 
@@ -356,10 +366,10 @@ BAD = [  # (body or raw bytes, status, param, code, words in the message)
     (chat(PROMPT * 3), 400, "messages", "context_length_exceeded", "default max_tokens 32"),
     (chat(PROMPT, n=99), 400, "n", "unsupported", "at most 8"),
     (chat(PROMPT, stream="yes"), 400, "stream", "invalid_value", "true or false"),
-    (chat(PROMPT, temperature=-1), 400, None, "invalid_value", "temperature must be >= 0"),
-    (chat(PROMPT, cache="bogus"), 400, None, "invalid_value", "unknown cache mode"),
+    (chat(PROMPT, temperature=-1), 400, "temperature", "invalid_value", "temperature must be >= 0"),
+    (chat(PROMPT, cache="bogus"), 400, "cache", "invalid_value", "unknown cache mode"),
     (chat(PROMPT, threshold="high"), 400, "threshold", "invalid_value", "a number"),
-    (chat(PROMPT, threshold=0.9, factor=1.0), 400, None, "invalid_value", "not both"),
+    (chat(PROMPT, threshold=0.9, factor=1.0), 400, "threshold", "invalid_value", "not both"),
     (chat(PROMPT, guide=True), 400, "guide", "invalid_value", "no guide"),
     # Issue 39: the family's options name their field (generate() found them, with param null)
     (chat(PROMPT, top_k=5), 400, "top_k", "invalid_value", "top_k is a Dream option"),
@@ -848,6 +858,20 @@ def test_shutdown_503_tells_clients_not_to_retry():
                                                 "param": None, "code": "unavailable"}
         status, headers, _ = raw_answer(http.client.HTTPConnection("127.0.0.1", port, timeout=TIMEOUT), chat(""))
         assert status == 400 and "x-should-retry" not in headers       # a client's own error: nothing to retry
+
+
+@pytest.mark.parametrize("fields,param", [
+    ({"temperature": -1}, "temperature"), ({"cache": "banana"}, "cache"), ({"threshold": 0.9, "factor": 1}, "threshold"),
+    ({"steps": 5}, "steps"), ({"steps": 100}, "steps"), ({"max_completion_tokens": 16, "steps": 3}, "steps"),
+    ({"editing_threshold": 0.5}, "editing_threshold"), ({"max_post_steps": 2}, "max_post_steps"),    # at decode time
+    ({"top_k": 3, "cache": "none"}, "top_k")])
+def test_every_refusal_of_a_setting_names_its_field(server, fields, param):
+    """Issue 46: generate()'s refusals of a request's settings came back with `param: null`; every one names the
+    field it refuses (the first the message names, of those sent), here and at decode time alike."""
+    _, port = server
+    for path in ("/v1/chat/completions", "/v1/denoise/stream"):
+        status, r = request(port, "POST", path, chat(PROMPT, **fields))
+        assert status == 400 and r["error"]["param"] == param and r["error"]["code"] == "invalid_value", r
 
 
 @pytest.mark.parametrize("path,body,param,words,not_words", [

@@ -85,11 +85,12 @@ INK = """(() => {     // how far down the trace canvas anything is drawn, in pix
     for (let x = 0; x < c.width; x++) if (d[(y * c.width + x) * 4 + 3]) return y + 1;
   return 0;
 })()"""
-WALK = """(() => {     // drag the slider over every frame and read the step line of each
+WALK = """(() => {     // drag the slider over every frame and read the step line of each (and what it highlights)
   const s = $("scrub"), out = [];
   for (let k = 1; k <= Number(s.max); k++) {
     s.value = k; s.dispatchEvent(new Event("input"));
-    out.push($("step").textContent.split(" \\u00b7 ")[0]);
+    out.push({line: $("step").textContent, new: document.querySelectorAll("#canvas .tok.new").length,
+              edit: document.querySelectorAll("#canvas .tok.edit").length});
   }
   return out;
 })()"""
@@ -240,8 +241,31 @@ def truth(base: str, prompt: str, **settings) -> dict:
     done = events[-1]
     n = done["fastdllm"]["nfe"]
     labels = [f"step {e['step']} of {n}" for e in events if e["type"] == "step"]
-    labels += [f"after step {n}: the rest filled with end of text"] if done["filled"] else []
+    labels += [f"after step {n}: cut at the end token"] if done["cut"] else []
     return {"answer": done["text"], "nfe": str(n), "labels": labels, "events": events}
+
+
+def step_lines(want: dict) -> list:
+    """The step line the page must show at each frame: the stream's own counts of each kind of change."""
+    n, out = want["nfe"], []
+    for e in want["events"]:
+        if e["type"] == "step":
+            counts = [f"{len(e['committed'])} committed"] + [f"{len(e[k])} {what}" for k, what in (
+                ("edited", "edited"), ("filled", "filled with end of text")) if e[k]]
+            out.append(" · ".join([f"step {e['step']} of {n}", *counts, f"{e['masks_left']} masked"]))
+        elif e["type"] == "done" and e["cut"]:
+            out.append(f"after step {n}: cut at the end token · {len(e['cut'])} after it replaced · 0 masked")
+    return out
+
+
+def final_ids(events: list) -> list:
+    """The answer's ids as the stream's changes leave them, every kind in its order."""
+    ids = [None] * events[0]["positions"]
+    for e in events[1:]:
+        for kind in ("committed", "edited", "filled", "cut"):
+            for c in e.get(kind, []):
+                ids[c["pos"]] = c["id"]
+    return ids
 
 
 def long_answer(gen: int = 2048, steps: int = 1024) -> list:
@@ -253,10 +277,11 @@ def long_answer(gen: int = 2048, steps: int = 1024) -> list:
     text = "".join(c["text"] for c in cells).replace("\n", "")
     settings = {"cache": "dual", "threshold": None}
     events = [{"type": "start", "id": "x", "model": "m", "prompt": "p", "prompt_tokens": 1, "gen_length": gen,
-               "max_tokens": gen, "block_length": 64, "mask": "<|mdm_mask|>", "settings": settings}]
-    events += [{"type": "step", "step": k + 1, "committed": [c], "masks_left": gen - k - 1}
-               for k, c in enumerate(cells)]
-    events.append({"type": "done", "text": text, "finish_reason": "stop", "filled": fill,
+               "positions": gen, "max_tokens": gen, "block_length": 64, "block_offset": 0, "mask": "<|mdm_mask|>",
+               "settings": settings}]
+    events += [{"type": "step", "step": k + 1, "committed": [c], "edited": [], "filled": fill if k == steps - 1 else [],
+                "masks_left": 0 if k == steps - 1 else gen - k - 1, "final": gen} for k, c in enumerate(cells)]
+    events.append({"type": "done", "text": text, "finish_reason": "stop", "cut": [],
                    "usage": {"prompt_tokens": 1, "completion_tokens": steps, "total_tokens": steps + 1},
                    "fastdllm": {"nfe": steps, "tokens_per_call": 1.0, "gen_length": gen, "batch_size": 1,
                                 "seconds": 10.0, "tokens_per_s": 102.4, "settings": settings}})
@@ -295,7 +320,7 @@ def same_run(page: Page, want: dict) -> list:
         out.append(f"an error: {s['error']!r}")
     if (s["answer"], s["nfe"]) != (want["answer"], want["nfe"]):
         out.append(f"answer {s['answer']!r} NFE {s['nfe']}, the server's {want['answer']!r} NFE {want['nfe']}")
-    labels = page.js(WALK)
+    labels = [f["line"].split(" · ")[0] for f in page.js(WALK)]
     if labels != want["labels"]:
         out.append(f"the frames are {labels}, the server's {want['labels']}")
     return out
@@ -342,22 +367,25 @@ END_COLOURS = """(() => {
 def fill(threshold):
     """The early stop sets the positions after a finished answer to end of text within the step that ended it.
     The page counted them as committed ("step 16 of 16 · 17 committed" one token per step) and drew them
-    yellow, as committed this step, where the legend says end of text is grey. The truth is generate()'s own
-    count: tokens_per_call x NFE tokens committed by the model, the rest of the step events' cells filled."""
+    yellow, as committed this step, where the legend says end of text is grey. The stream says which cells the
+    model committed and which the stop filled; they must agree with generate()'s own count (tokens_per_call x NFE
+    tokens committed by the model), and the page must show them so."""
     def run_check(page, base):
         want = truth(base, PROMPT, threshold=threshold)
-        steps, done = [e for e in want["events"] if e["type"] == "step"], want["events"][-1]
-        x = done["fastdllm"]
-        filled = sum(len(e["committed"]) for e in steps) - round(x["tokens_per_call"] * x["nfe"])
-        last = len(steps[-1]["committed"]) - filled
+        steps, x = [e for e in want["events"] if e["type"] == "step"], want["events"][-1]["fastdllm"]
+        committed, filled = (sum(len(e[k]) for e in steps) for k in ("committed", "filled"))
+        last = len(steps[-1]["committed"])
         label = f"step {x['nfe']} of {x['nfe']} · {last} committed" + \
-            f" · {filled} filled with end of text" * bool(filled) + " · 0 masked"
+            f" · {len(steps[-1]['filled'])} filled with end of text" * bool(steps[-1]["filled"]) + " · 0 masked"
         page.load(f"threshold={threshold or 'off'}&speed=0")
         page.click()
         s = page.settle()
         out = [] if s["step"] == label else [f"the last step reads {s['step']!r}, not {label!r}"]
         if not filled:
             out.append("the server's stream has no fill to check (the demo's answer should end early)")
+        if committed != round(x["tokens_per_call"] * x["nfe"]) or committed + filled != 32:
+            out.append(f"the stream commits {committed} and fills {filled} of 32 positions; generate() committed "
+                       f"{x['tokens_per_call'] * x['nfe']:.0f}")
         time.sleep(0.7)               # the cells' colour transition
         c = page.js(END_COLOURS)
         if c["highlighted"] != last:
@@ -502,7 +530,7 @@ def long(page, base):
     s = page.settle(timeout=60)
     print(f"    long: settled in {time.monotonic() - t0:.1f} s")
     out = [] if not s["busy"] and not s["replaying"] else ["still busy after 60 s"]
-    if s["frames"] != 1025 or s["nfe"] != "1024" or s["answer"] != json.loads(events[-2][6:])["text"]:
+    if s["frames"] != 1024 or s["nfe"] != "1024" or s["answer"] != json.loads(events[-2][6:])["text"]:
         out.append(f"{s['frames']} frames, NFE {s['nfe']}, an answer of {len(s['answer'])} characters")
     if s["overflow"] > 0:
         out.append(f"the page is {s['overflow']} px wider than the window")
@@ -576,6 +604,57 @@ def no_info(page, base):
     return out + same_run(page, truth(base, PROMPT, threshold=0.9))
 
 
+# How each step's canvas shows on the page: its highlighted cells, and the ids its cells hold (from their titles).
+CANVAS = """[...document.querySelectorAll("#canvas .tok")]
+  .map(s => (s.title.match(/\\(id (\\d+)\\)/) || [])[1] || null)"""
+
+
+@check("edits")
+def edits(page, base):
+    """LLaDA2.1 edits the block's committed tokens (T2T). On a tiny LLaDA2.1 (tools/checkpoint.py --release) the page
+    ended at "-197 masked", its fill row over the whole canvas, 20 trace rows for NFE 36: the stream sent an event
+    only for a call that left a mask, and the page drew each position as committed once. On a server of its own:
+    a frame per call, each frame's step line the stream's counts (committed, edited, filled, masked), its edited
+    cells highlighted as edited, its committed ones as committed, and the last frame the stream's final ids."""
+    tmp = tempfile.mkdtemp()
+    made = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "checkpoint.py"), os.path.join(tmp, "l21"),
+                           "--release", "inclusionAI/LLaDA2.1-mini"], capture_output=True, text=True, timeout=120)
+    if made.returncode:
+        return [f"tools/checkpoint.py failed: {made.stderr.strip()[-300:]}"]
+    server = serve(os.path.join(tmp, "l21"), "--gen-length", "32", "--threshold", "0.7", "--editing-threshold", "0.5")
+    own = Page(page.browser, address(server))
+    try:
+        want = truth(own.base, "Hello")
+        own.load("prompt=Hello&speed=0")
+        own.click()
+        s = own.settle()
+        out = [f"the page shows an error: {s['error']!r}"] if s["error"] else []
+        steps = [e for e in want["events"] if e["type"] == "step"]
+        if not (len(steps) == int(want["nfe"]) == s["frames"] - bool(want["events"][-1]["cut"])):
+            out.append(f"{s['frames']} frames for {len(steps)} step events and NFE {want['nfe']}")
+        if not any(e["edited"] for e in steps):
+            out.append("the stream has no edit to check (the tiny LLaDA2.1 should edit at 0.5)")
+        frames, lines = own.js(WALK), step_lines(want)
+        if [f["line"] for f in frames] != lines:
+            bad = next(i for i, (f, w) in enumerate(zip([f["line"] for f in frames] + [None] * len(lines), lines))
+                       if f != w)
+            out.append(f"frame {bad + 1} reads {frames[bad]['line'] if bad < len(frames) else None!r}, the stream's "
+                       f"{lines[bad]!r} ({len(frames)} frames, {len(lines)} lines)")
+        for k, (f, e) in enumerate(zip(frames, steps), 1):
+            if (f["new"], f["edit"]) != (len(e["committed"]), len(e["edited"])):
+                out.append(f"frame {k} highlights {f['new']} committed and {f['edit']} edited, the stream's "
+                           f"{len(e['committed'])} and {len(e['edited'])}")
+                break
+        ids = [None if i is None else int(i) for i in own.js(CANVAS)]
+        if ids != final_ids(want["events"]):
+            out.append(f"the last frame's ids {ids} are not the stream's {final_ids(want['events'])}")
+        return out + same_run(own, want)
+    finally:
+        server.terminate()
+        server.wait(20)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def server_down(page: Page, server: subprocess.Popen) -> list:
     """The server stopped after the page loaded: pressing Denoise says so."""
     page.load("speed=0")
@@ -596,6 +675,7 @@ def number(low, kind=float, above=False):
 
 
 QUERY = {"threshold": lambda v: None if v in ("none", "off") else number(0, above=True)(v), "cache": str,
+         "editing_threshold": lambda v: None if v in ("none", "off") else number(0)(v),
          "max_tokens": number(1, int), "block_length": number(1, int), "guide": lambda v: {"1": True, "0": False}[v],
          "prompt": str, "step": number(0, int), "speed": number(0, int)}
 
@@ -641,6 +721,21 @@ def screenshot(page: Page, base: str, args) -> list:
     return out
 
 
+def serve(model: str, *flags) -> subprocess.Popen:
+    """`python apps/serve.py` on a free port, quiet; address() reads where it listens."""
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "apps", "serve.py"), "--model", model, "--port", "0",
+                             "--quiet", *flags], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env=os.environ | {"OMP_NUM_THREADS": "1"})
+
+
+def address(server: subprocess.Popen) -> str:
+    line = server.stdout.readline()
+    found = re.search(r"http://[0-9.]+:\d+/", line)
+    if not found:
+        raise RuntimeError(f"serve.py did not start (it printed {line!r}; exit status {server.poll()})")
+    return found[0]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.error = lambda message: p.exit(2, f"error: page_check.py: {message} (see --help)\n")     # one line, no usage
@@ -664,13 +759,10 @@ def main():
     width, height = map(int, args.size.split("x"))
     tmp = tempfile.mkdtemp()
     # A batch window of 300 ms keeps each stream open long enough for a second press to land during it.
-    server = subprocess.Popen([sys.executable, os.path.join(ROOT, "apps", "serve.py"), "--model", "demo/llada-arith",
-                               "--gen-length", "32", "--block-length", "8", "--port", "0", "--quiet",
-                               "--batch-window", "300"], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                              env=os.environ | {"OMP_NUM_THREADS": "1"})
+    server = serve("demo/llada-arith", "--gen-length", "32", "--block-length", "8", "--batch-window", "300")
     browser, failed = None, []
     try:
-        base = re.search(r"http://[0-9.]+:\d+/", server.stdout.readline())[0]
+        base = address(server)
         browser = Browser(exe, os.path.join(tmp, "profile"))
         browser.open(width, height)
         page = Page(browser, base)
