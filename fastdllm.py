@@ -269,14 +269,21 @@ def settings(cfg, options: dict) -> Settings:
                                steps=st.gen_length if st.steps is None else st.steps)
 
 
+def checked(model, prompt, options: dict, attention_mask=None, generator=None, on_step=None) -> Settings:
+    """The call's settings, every default decided and every check passed: checks.py's, then the family's own (a
+    refusal is one line naming the setting and the fix)."""
+    st = settings(model.config, options)
+    checks.check_call(model, prompt, st, attention_mask, generator, on_step, Settings(), options)
+    family_of(model.config, st).check(model.config, st, options, prompt.shape[1])
+    return st
+
+
 def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=None):
     """Turn the settings into the parts the loop calls, once: everything here depends only on the call's settings,
     so the loop has no branch on a setting. -> (the plan, the canvas it starts from: [prompt, MASK x gen_length])."""
     cfg, device = model.config, model.lm_head.weight.device
-    st = settings(cfg, options)
+    st = checked(model, prompt, options, attention_mask, generator, on_step)
     family = family_of(cfg, st)
-    checks.check_call(model, prompt, st, attention_mask, generator, on_step, Settings(), options)  # one line, named
-    family.check(cfg, st, options, prompt.shape[1])                                                 # the same, its own
     generator = generator or torch.Generator(device).manual_seed(0)
     eos = torch.tensor(sorted(set(st.eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
     c = family.canvas(prompt.to(device), attention_mask, st, cfg, eos)
@@ -295,7 +302,7 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
                 undecided=getattr(step_rule, "undecided", None) or (lambda x: x == cfg.mask_id), mask_id=cfg.mask_id,
                 shift=cfg.shift, prompt=c.prompt, grid=c.grid, exact_steps=exact, patience=spb + st.block_length + post,
                 calls_per_block=1 if S.is_parallel(select) else max(spb, 1), eos=eos, ar=ar, output=c.output,
-                view=c.view,                next_end={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)},
+                view=c.view, next_end={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)},
                 answer_at=c.prompt[:, 1].tolist(), reads_block=reads_block, edits=edits, max_post_steps=post)
     return plan, c.x
 

@@ -17,7 +17,7 @@ from api import usage
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_REMASKING
 from cache import CACHE_POLICIES
 from chat import decode
-from fastdllm import decided, resolve
+from fastdllm import checked, settings
 from llada2 import EDITING_ONLY
 from sampler import DREAM_REMASKING, LLADA_REMASKING
 
@@ -31,7 +31,7 @@ NEEDS = {"max_post_steps": {"editing_threshold": 0.5}, "num_to_transfer": {"edit
 
 
 def accepts(model, block_length) -> dict:
-    """What a request may set on this model, as generate()'s own checks answer (fastdllm.resolve: no model call)
+    """What a request may set on this model, as generate()'s own checks answer (fastdllm.checked: no model call)
     for a one-token prompt and one block: {"cache_modes", "remasking_modes", "settings"}."""
     cfg = model.config
     gen = block_length or cfg.block or 32
@@ -39,7 +39,7 @@ def accepts(model, block_length) -> dict:
 
     def takes(**kw) -> bool:
         try:
-            resolve(model, prompt, dict(gen_length=gen, block_length=block_length) | kw, None, None, None)
+            checked(model, prompt, dict(gen_length=gen, block_length=block_length) | kw)
             return True
         except ValueError:
             return False
@@ -103,7 +103,7 @@ def events(app, req, worker):
     a block-diffusion model's grid starts at the prompt's first token, so its answer starts `block_offset` into one."""
     (job,), cfg = req.jobs, app.cfg
     mask_id, gen = cfg.mask_id, job.kw["gen_length"]
-    G = gen if job.guided else decided(cfg, dict(gen_length=gen, block_length=job.kw["block_length"])).block_length
+    G = gen if job.guided else settings(cfg, dict(gen_length=gen, block_length=job.kw["block_length"])).block_length
     cell = lambda p, t: {"pos": p, "id": t, "text": app.token_text(t), "end": t in app.chat.stop_ids}  # noqa: E731
     answer, step = None, 0
     for _, kind, payload in worker:
