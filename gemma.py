@@ -171,9 +171,10 @@ class DiffusionGemma(nn.Module):
         g = self.config.gemma
         return list(zip(g.kv_heads, g.head_dims))
 
-    def embed_scale(self) -> float:
-        """sqrt(hidden) rounded to the weights' dtype, as the official embedding casts it (53.0 in bf16 for 2816)."""
-        return float(torch.tensor(self.config.dim ** 0.5).to(self.embed.weight.dtype))
+    def embed_scale(self):
+        """sqrt(hidden) rounded to the weights' dtype, as the official embedding casts it (53.0 in bf16 for 2816): a
+        0-dim tensor (a constant under torch.compile, a scalar for any device's tensors)."""
+        return torch.tensor(self.config.dim ** 0.5).to(self.embed.weight.dtype)
 
     def encode(self, ids, cache, slots, valid, pos=None):
         """The causal encoder. ids (B, T): committed tokens at cache slots `slots` (T,); valid (B, S): the cache slots

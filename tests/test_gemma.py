@@ -82,8 +82,8 @@ def test_embedding_scale_is_cast_to_the_weights_dtype():
     with torch.device("meta"):
         from gemma import DiffusionGemma
         m = DiffusionGemma(dataclasses.replace(cfg, dim=2816)).to(torch.bfloat16)
-    assert m.embed_scale() == 53.0
-    assert abs(m.float().embed_scale() - 2816 ** 0.5) < 1e-5
+    assert m.embed_scale().item() == 53.0
+    assert abs(m.float().embed_scale().item() - 2816 ** 0.5) < 1e-5
 
 
 def test_cache_has_each_layers_shape(dg):
@@ -305,3 +305,52 @@ def test_golden_randomness_of_every_fixed_length_run(dg, name):
     unfinished = [calls for calls, row in zip(res["decoder_forward_passes"], res["sequences"]) if row[-1] != 0]
     assert unfinished and all(calls == sum(res["steps_per_canvas"]) for calls in unfinished)
     assert set(out["decoder_calls"]) == {sum(res["steps_per_canvas"])}
+
+
+# ------------------------------------------------------------------------------------------------ the release's format
+
+def test_release_format_at_tiny_size_loads_and_chats(tmp_path):
+    """tools/checkpoint.py --release google/diffusiongemma-26B-A4B-it: the release's config keys (no per_layer_config),
+    two shards with their index, stacked experts, a vision tower; its chat format is Gemma 4's turns."""
+    from chat import Chat
+    from tools.gemma_checkpoint import TEXT_TINY, make_gemma_release, sizes
+    folder = str(tmp_path / "dg")
+    make_gemma_release(folder)
+    model = load_model(folder)
+    assert "per_layer_config" not in json.load(open(os.path.join(folder, "config.json")))["text_config"]
+    assert model.config.gemma.head_dims == (16,) * 5 + (32,) and model.config.eos_ids == (1, 106, 50)
+    assert sizes(TEXT_TINY)[0] == sum(p.numel() for p in model.parameters())
+    chat = Chat(folder, model.config)
+    assert chat.style == "gemma4" and {1, 106} <= chat.stop_ids
+    text = chat.render([{"role": "system", "content": "Be brief. "}, {"role": "user", "content": " hi "},
+                        {"role": "assistant", "content": "<|channel>thought\nhm<channel|>yo"},
+                        {"role": "user", "content": "bye"}])
+    assert text == ("<bos><|turn>system\nBe brief.<turn|>\n<|turn>user\nhi<turn|>\n<|turn>model\nyo<turn|>\n"
+                    "<|turn>user\nbye<turn|>\n<|turn>model\n")
+    # and what jinja2 renders from the checkpoint's template text, as transformers' apply_chat_template does
+    jinja2 = pytest.importorskip("jinja2")
+    from chat import chat_template
+    template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(chat_template(folder))
+    messages = [{"role": "system", "content": "Be brief. "}, {"role": "user", "content": " hi "},
+                {"role": "assistant", "content": "yo"}, {"role": "user", "content": "bye"}]
+    assert chat.render(messages) == template.render(messages=messages, bos_token="<bos>", add_generation_prompt=True)
+
+
+def test_a_template_that_closes_the_thought_channel_gets_it(tmp_path):
+    """The larger Gemma 4 templates open the answer with an empty, closed thought channel when thinking is off (their
+    default): where the checkpoint's template text does, so does ours."""
+    from chat import Chat
+    from tools.gemma_checkpoint import make_gemma_release
+    folder = str(tmp_path / "dg")
+    make_gemma_release(folder)
+    with open(os.path.join(folder, "chat_template.jinja"), "a") as f:
+        f.write("{%- if not enable_thinking | default(false) -%}{{- '<|channel>thought\\n<channel|>' -}}{%- endif -%}")
+    chat = Chat(folder, read_config(folder))
+    assert chat.render([{"role": "user", "content": "hi"}]).endswith("<|turn>model\n<|channel>thought\n<channel|>")
+
+
+def test_release_sizes_are_the_published_ones():
+    """26B parameters with about 4B active (the model card; the vision tower, not counted here, is the rest)."""
+    from tools.gemma_checkpoint import sizes
+    total, active = sizes()
+    assert 24.5e9 < total < 26e9 and 3.5e9 < active < 4.5e9
