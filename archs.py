@@ -6,6 +6,7 @@ this table and never on a folder name. A new checkpoint of a known architecture 
 DiffuCoder: Dream) needs no row; a new architecture is a row with its reader and its weight table.
 """
 import json
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,6 +43,10 @@ class Arch:
     mask_token: str | None = None   # config.json names no mask id: this special token's id in the tokenizer files
     generation_ids: tuple = ()      # ids read from generation_config.json, not config.json (the official decode's)
     fused_qkv: bool = False    # q, k, v stored as one projection (LLaDA2's attention.query_key_value)
+    module: str = ""           # the nn.Module class that runs it, "file.Class" ("": model.Transformer)
+    uniform: bool = False      # uniform-state diffusion: the canvas starts as random tokens, there is no [MASK]
+    skip: tuple = ()           # checkpoint tensor-name prefixes never read (a vision tower of a text-only model)
+    unpack: Callable = lambda key, read: ((key, read),)   # (name, read) -> the tensors it stores, each (name, read)
 
 
 def arch_of(hf: dict) -> str | None:
@@ -71,6 +76,31 @@ def read_llada(hf: dict) -> dict:
                 n_heads=hf["n_heads"], n_kv_heads=hf.get("n_kv_heads") or hf["n_heads"], ffn_dim=hf["mlp_hidden_size"],
                 rope_theta=hf["rope_theta"], norm_eps=hf["rms_norm_eps"], qkv_bias=bool(hf.get("include_qkv_bias")),
                 max_seq_len=hf["max_sequence_length"], mask_id=hf.get("mask_token_id", 126336))
+
+
+# The checkpoint's small files, for the ids its config.json leaves out (model.read_config).
+
+def read_json(path: str) -> dict:
+    """A small JSON file of a checkpoint as a dict; {} if it is missing or unreadable (its owner reports that)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def added_token_id(model_dir: str, content: str) -> int | None:
+    """The id of the special token `content` in the folder's tokenizer files (tokenizer.json, tokenizer_config.json,
+    added_tokens.json), or None (no file, no such token)."""
+    added = read_json(os.path.join(model_dir, "tokenizer.json")).get("added_tokens")
+    found = [t.get("id") for t in added if isinstance(t, dict) and t.get("content") == content] if isinstance(
+        added, list) else []
+    decoder = read_json(os.path.join(model_dir, "tokenizer_config.json")).get("added_tokens_decoder")
+    found += [int(i) for i, t in decoder.items() if isinstance(t, dict) and t.get("content") == content
+              and str(i).isdigit()] if isinstance(decoder, dict) else []
+    found.append(read_json(os.path.join(model_dir, "added_tokens.json")).get(content))
+    return next((i for i in found if type(i) is int), None)
 
 
 # LLaDA-MoE's configuration class stores routing switches its forward never reads (docs/official.md 8): the
@@ -284,6 +314,158 @@ LLADA2_WEIGHTS = {
     "lm_head.weight": "lm_head.weight",
 }
 
+# ----------------------------------------------------------------------------------------------------------
+# DiffusionGemma (google/diffusiongemma-26B-A4B-it; config.json model_type "diffusion_gemma", its text model under
+# text_config; the official classes: huggingface/transformers v5.23.0, src/transformers/models/diffusion_gemma/;
+# docs/diffusiongemma.md). One Gemma 4 stack run two ways: a causal encoder that fills the KV cache and a
+# bidirectional decoder that denoises a canvas of random tokens (gemma.py).
+
+@dataclass(frozen=True)
+class GemmaConfig:
+    """What DiffusionGemma adds to ModelConfig (whose head_dim, n_kv_heads and rope_theta are its sliding layers')."""
+    sliding: tuple             # per layer: True = sliding-window attention, False = full attention
+    head_dims: tuple           # per layer: one head's width (a full layer's: global_head_dim)
+    kv_heads: tuple            # per layer: key/value heads (a full layer's: num_global_key_value_heads)
+    window: int                # sliding_window: a sliding layer's encoder query sees the `window` keys up to itself
+    full_rope_theta: float
+    full_rope_fraction: float  # proportional RoPE (full layers): the share of the head's frequency pairs that rotate
+    softcap: float             # final_logit_softcapping: logits = softcap * tanh(logits / softcap)
+    canvas: int                # canvas_length: the tokens one canvas denoises
+    image_token: int | None    # image_token_id: refused in a prompt (text only)
+
+
+# text_config keys -> the values fastdllm implements. The first six are Gemma 4 switches DiffusionGemma's classes never
+# read: another value asks for a part (per-layer embeddings, shared KV layers, a double-wide MLP, attention
+# softcapping, a V projection on full layers, a dense-only block) the official code does not build either, so what
+# the checkpoint means is unknown. The others the official code reads, and another value would change it.
+DG_FIXED = {"hidden_size_per_layer_input": (None, 0), "num_kv_shared_layers": (None, 0),
+             "use_double_wide_mlp": (None, False), "attn_logit_softcapping": (None,), "attention_k_eq_v": (None, True),
+             "enable_moe_block": (None, True), "attention_bias": (None, False),
+             "hidden_activation": (None, "gelu_pytorch_tanh"), "tie_word_embeddings": (None, True),
+             "use_bidirectional_attention": (None, "vision")}
+
+
+def read_diffusion_gemma(hf: dict) -> dict:
+    """DiffusionGemma's config.json: its text_config, the full layers' head size and key/value heads from
+    per_layer_config (transformers 5.23 writes it, and it wins) or else the release's global_head_dim /
+    num_global_key_value_heads, the two RoPE settings, the MoE sizes, the softcap and canvas_length. Every value
+    the official forward reads is implemented; any other is one line naming the key."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError("config.json has no text_config object: re-download the checkpoint")
+
+    def refuse(key, why, where="text_config."):
+        raise ValueError(f"config.json sets {where}{key} = {json.dumps(hf.get(key) if where == '' else text.get(key))}"
+                         f"; {why}")
+    if hf.get("tie_word_embeddings", True) is not True:
+        refuse("tie_word_embeddings", "the official code then unties the encoder from the decoder, which no release "
+                                      "does: fastdllm runs true only", where="")
+    for key, values in DG_FIXED.items():
+        if text.get(key) not in values:
+            refuse(key, f"fastdllm implements DiffusionGemma with {key} = {json.dumps(values[-1])} only")
+    n, ints = text["num_hidden_layers"], lambda *v: all(type(x) is int and x > 0 for x in v)
+    kinds = text.get("layer_types") or ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)]
+    if not (type(n) is int and isinstance(kinds, list) and len(kinds) == n and kinds[-1] == "full_attention"
+            and set(kinds) <= {"sliding_attention", "full_attention"}):
+        refuse("layer_types", f"it must give sliding_attention or full_attention for each of the {n} layers, the "
+                              f"last one full_attention")
+    rope = text.get("rope_parameters") or {}
+    full, window = rope.get("full_attention") or {}, rope.get("sliding_attention") or {}
+    if not (full.get("rope_type") == "proportional" and full.get("factor", 1.0) == 1.0 and
+            window.get("rope_type", "default") == "default" and window.get("partial_rotary_factor", 1.0) == 1.0 and
+            0 < full.get("partial_rotary_factor", 1.0) <= 1 and type(full.get("rope_theta")) in (int, float)
+            and full["rope_theta"] > 0):
+        refuse("rope_parameters", "fastdllm runs proportional RoPE (factor 1) on full layers and default RoPE on "
+                                  "sliding ones, as the release sets them")
+    head_dim, kv = text["head_dim"], text["num_key_value_heads"]
+    per_layer = text.get("per_layer_config")
+    if per_layer is None:       # the release's keys: every full layer alike
+        glob = {"head_dim": text.get("global_head_dim", 512),
+                "num_key_value_heads": text.get("num_global_key_value_heads") or kv}
+        per_layer = {str(i): glob for i, k in enumerate(kinds) if k == "full_attention"}
+    if not (isinstance(per_layer, dict) and all(isinstance(v, dict) and set(v) <= {"head_dim", "num_key_value_heads"}
+                                                and str(k).isdigit() and int(k) < n for k, v in per_layer.items())):
+        refuse("per_layer_config", "it must map layer indices to head_dim and num_key_value_heads only")
+    layer = [per_layer.get(str(i), {}) for i in range(n)]
+    head_dims = tuple(c.get("head_dim", head_dim) for c in layer)
+    kv_heads = tuple(c.get("num_key_value_heads", kv) for c in layer)
+    heads, experts, top_k, ffn = (text.get(k) for k in ("num_attention_heads", "num_experts", "top_k_experts",
+                                                        "moe_intermediate_size"))
+    if not ints(heads, *head_dims, *kv_heads) or any(heads % h for h in kv_heads) or any(d % 2 for d in head_dims):
+        raise ValueError(f"config.json's attention does not fit: {heads} query heads, head sizes {set(head_dims)}, "
+                         f"key/value heads {set(kv_heads)} (each dividing the query heads, head sizes even)")
+    if not ints(experts, top_k, ffn) or top_k > experts:
+        raise ValueError(f"config.json gives num_experts = {experts!r}, top_k_experts = {top_k!r}, "
+                         f"moe_intermediate_size = {ffn!r}: positive, and top-k at most the experts")
+    canvas, softcap, sliding_window = hf.get("canvas_length", 256), text.get("final_logit_softcapping", 30.0), \
+        text["sliding_window"]
+    if not ints(canvas, sliding_window):
+        raise ValueError(f"config.json gives canvas_length = {canvas!r}, text_config.sliding_window = "
+                         f"{sliding_window!r}: each a positive integer")
+    if not (type(softcap) in (int, float) and softcap > 0):
+        refuse("final_logit_softcapping", "the official head always softcaps: it must be a positive number")
+    gemma = GemmaConfig(sliding=tuple(k == "sliding_attention" for k in kinds), head_dims=head_dims,
+                        kv_heads=kv_heads, window=sliding_window, full_rope_theta=full["rope_theta"],
+                        full_rope_fraction=full.get("partial_rotary_factor", 1.0), softcap=float(softcap),
+                        canvas=canvas, image_token=hf.get("image_token_id"))
+    moe = MoEConfig(n_experts=experts, top_k=top_k, ffn_dim=ffn, sparse=(True,) * n)
+    return dict(vocab_size=text["vocab_size"], dim=text["hidden_size"], n_layers=n, n_heads=heads, n_kv_heads=kv,
+                head_dim=head_dim, ffn_dim=text["intermediate_size"], rope_theta=window["rope_theta"],
+                norm_eps=text["rms_norm_eps"], max_seq_len=text["max_position_embeddings"], mask_id=None,
+                tie_embeddings=True, moe=moe, gemma=gemma)
+
+
+def unpack_gemma_experts(key: str, read):
+    """DiffusionGemma stores each layer's experts stacked: experts.gate_up_proj (experts, 2 * ffn, dim), every
+    expert's gate rows then its up rows, and experts.down_proj (experts, dim, ffn). Read once, handed on as one
+    tensor per expert and projection, named as DG_WEIGHTS names them (the loader's per-expert path)."""
+    if key.endswith(".experts.gate_up_proj"):
+        t = read()
+        f = t.shape[1] // 2
+        return [(f"{key}[{e}].{half}", lambda e=e, h=h: t[e, h * f:(h + 1) * f])
+                for e in range(t.shape[0]) for h, half in enumerate(("gate", "up"))]
+    if key.endswith(".experts.down_proj"):
+        t = read()
+        return [(f"{key}[{e}]", lambda e=e: t[e]) for e in range(t.shape[0])]
+    return ((key, read),)
+
+
+# The official save writes the weights the encoder and decoder share once, under the decoder's names; only the
+# encoder's layer scalars are its own. lm_head is the embedding (not stored).
+DG = "model.decoder.layers.{}."
+DG_WEIGHTS = {
+    "embed.weight": "model.decoder.embed_tokens.weight",
+    "norm.weight": "model.decoder.norm.weight",
+    "self_cond.pre_norm.weight": "model.decoder.self_conditioning.pre_norm.weight",
+    "self_cond.mlp.w_gate.weight": "model.decoder.self_conditioning.gate_proj.weight",
+    "self_cond.mlp.w_up.weight": "model.decoder.self_conditioning.up_proj.weight",
+    "self_cond.mlp.w_down.weight": "model.decoder.self_conditioning.down_proj.weight",
+    "layers.{}.attn_norm.weight": DG + "input_layernorm.weight",
+    "layers.{}.attn.wq.weight": DG + "self_attn.q_proj.weight",
+    "layers.{}.attn.wk.weight": DG + "self_attn.k_proj.weight",
+    "layers.{}.attn.wv.weight": DG + "self_attn.v_proj.weight",            # sliding layers only (full: V = K)
+    "layers.{}.attn.wo.weight": DG + "self_attn.o_proj.weight",
+    "layers.{}.attn.q_norm.weight": DG + "self_attn.q_norm.weight",
+    "layers.{}.attn.k_norm.weight": DG + "self_attn.k_norm.weight",
+    "layers.{}.post_attn_norm.weight": DG + "post_attention_layernorm.weight",
+    "layers.{}.mlp_norm.weight": DG + "pre_feedforward_layernorm.weight",
+    "layers.{}.mlp.w_gate.weight": DG + "mlp.gate_proj.weight",
+    "layers.{}.mlp.w_up.weight": DG + "mlp.up_proj.weight",
+    "layers.{}.mlp.w_down.weight": DG + "mlp.down_proj.weight",
+    "layers.{}.post_mlp_norm.weight": DG + "post_feedforward_layernorm_1.weight",
+    "layers.{}.moe.expert_norm.weight": DG + "pre_feedforward_layernorm_2.weight",
+    "layers.{}.moe.router.weight": DG + "router.proj.weight",
+    "layers.{}.moe.router_scale": DG + "router.scale",
+    "layers.{}.moe.per_expert_scale": DG + "router.per_expert_scale",
+    "layers.{}.moe.w_gate.{}": DG + "experts.gate_up_proj[{}].gate",       # unpack_gemma_experts' names
+    "layers.{}.moe.w_up.{}": DG + "experts.gate_up_proj[{}].up",
+    "layers.{}.moe.w_down.{}": DG + "experts.down_proj[{}]",               # (dim, ffn): loaded transposed
+    "layers.{}.post_moe_norm.weight": DG + "post_feedforward_layernorm_2.weight",
+    "layers.{}.post_ffn_norm.weight": DG + "post_feedforward_layernorm.weight",
+    "layers.{}.scalar": DG + "layer_scalar",
+    "layers.{}.encoder_scalar": "model.encoder.language_model.layers.{}.layer_scalar",
+}
+
 ARCHS = {
     "llada": Arch("LLaDA-8B", "llada", ("llada",), read_llada, LLADA_WEIGHTS, rope_fp32=True, fixed=dict(
         block_type="llama", layer_norm_type="rms", activation_type="silu", rope=True, alibi=False,
@@ -319,5 +501,11 @@ ARCHS = {
     "llada2_moe": Arch("LLaDA2", "llada2", ("llada2_moe",), read_llada2, LLADA2_WEIGHTS, fused_qkv=True,
                        architectures=("LLaDA2MoeModelLM",), mask_token="<|mask|>", generation_ids=("eos_token_id",),
                        fixed=dict(hidden_act="silu", rope_scaling=None, use_bias=False)),
+    # DiffusionGemma: text only. Its end and pad ids are generation_config.json's (the release's config.json also
+    # lists the end ids; a converted copy may not).
+    "diffusion_gemma": Arch("DiffusionGemma", "diffusion_gemma", ("diffusion_gemma",), read_diffusion_gemma,
+                            DG_WEIGHTS, fixed={}, module="gemma.DiffusionGemma", uniform=True,
+                            generation_ids=("eos_token_id", "pad_token_id"), unpack=unpack_gemma_experts,
+                            skip=("model.encoder.vision_tower.", "model.encoder.embed_vision.")),
 }
 WEIGHT_MAP = {name: a.weights for name, a in ARCHS.items()}

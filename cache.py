@@ -26,22 +26,22 @@ import torch
 
 class KVCache:
     """Preallocated keys/values over the whole canvas, one (B, n_kv_heads, L + spare, head_dim) tensor per layer,
-    allocated once per generate() call. `spare` slots past the canvas are a discard slot: a row that must keep
-    what it has (a frozen FreeCache block) writes there instead of branching, so every step has the same shapes."""
+    allocated once per generate() call; `shapes` lists each layer's (n_kv_heads, head_dim). `spare` slots past the
+    canvas are a discard slot: a row that must keep what it has (a frozen FreeCache block) writes there instead of
+    branching, so every step has the same shapes."""
 
-    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, length: int, head_dim: int, device, dtype,
-                 spare: int = 0):
-        shape = (batch, n_kv_heads, length + spare, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+    def __init__(self, shapes: list, batch: int, length: int, device, dtype, spare: int = 0):
+        self.k = [torch.zeros(batch, h, length + spare, d, device=device, dtype=dtype) for h, d in shapes]
+        self.v = [torch.zeros(batch, h, length + spare, d, device=device, dtype=dtype) for h, d in shapes]
         self.length = length
         self.rows = torch.arange(batch, device=device)[:, None]
 
     @classmethod
     def for_model(cls, model, batch: int, length: int, spare: int = 0) -> "KVCache":
-        cfg = model.config
-        p = model.lm_head.weight
-        return cls(cfg.n_layers, batch, cfg.n_kv_heads, length, cfg.head_dim, p.device, p.dtype, spare)
+        """Each layer's (n_kv_heads, head_dim): config.json's, or model.kv_shapes() (DiffusionGemma's layers differ)."""
+        cfg, p = model.config, model.lm_head.weight
+        shapes = model.kv_shapes() if hasattr(model, "kv_shapes") else [(cfg.n_kv_heads, cfg.head_dim)] * cfg.n_layers
+        return cls(shapes, batch, length, p.device, p.dtype, spare)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor):
         """Write k, v (B, n_kv_heads, T, head_dim) at canvas slots (T,) (every row) or (B, T) (row by row) in

@@ -159,18 +159,21 @@ def render_trace(steps: list[list[int]], tok, mask_id: int, end_ids: set[int]) -
 # ----------------------------------------------------------------------------------------------------------
 # Chat templates and special ids, from the checkpoint's own files (docs/models.md: each checkpoint's facts)
 
-# The three chat formats of the released checkpoints, written out in Chat.render: LLaDA's Llama-3-style headers
-# (LLaDA-8B-Instruct, LLaDA-1.5), Qwen's ChatML (Dream-v0, Dream-Coder, DiffuCoder) and the role tags of Ant's
-# Ling 2.0 tokenizer (LLaDA-MoE: docs/models.md says what is known of its template). Each is named by its turn
-# markers; the last one ends an assistant turn.
+# The chat formats of the released checkpoints, written out in Chat.render: LLaDA's Llama-3-style headers
+# (LLaDA-8B-Instruct, LLaDA-1.5), Qwen's ChatML (Dream-v0, Dream-Coder, DiffuCoder), the role tags of Ant's
+# Ling 2.0 tokenizer (LLaDA-MoE: docs/models.md says what is known of its template) and Gemma 4's turns
+# (DiffusionGemma; docs/diffusiongemma.md). Each is named by its turn markers; the last one ends an assistant turn.
 STYLES = {"llada": ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"), "chatml": ("<|im_start|>", "<|im_end|>"),
-          "ling": ("<role>", "</role>", "<|role_end|>")}
+          "ling": ("<role>", "</role>", "<|role_end|>"), "gemma4": ("<|turn>", "<turn|>")}
 # A ChatML template's default system prompt is one string literal: '<|im_start|>system\n' + text + '<|im_end|>'.
 DEFAULT_SYSTEM = re.compile(r"<\|im_start\|>system(?:\\n|\n)((?:[^'\"\\<]|\\.)*)<\|im_end\|>")
 # A Ling template ends its system turn with a thinking switch: the literal 'detailed thinking off', or
 # 'detailed thinking ' + thinking_option after {% set thinking_option = 'off' %}.
 THINKING = re.compile(r"""detailed thinking (?:(on|off)\b|['"]\s*\+\s*thinking_option)""")
 THINKING_OPTION = re.compile(r"""set\s+thinking_option\s*=\s*['"](on|off)['"]""")
+# A Gemma 4 template that, with thinking off (its default), opens the answer with an empty, closed thought channel
+# (the larger Gemma 4 checkpoints' templates do; the E-series' do not): the literal '<|channel>thought\n<channel|>'.
+NO_THINKING = "<|channel>thought\n<channel|>"
 
 
 def chat_template(model_dir: str) -> str | None:
@@ -240,22 +243,26 @@ class Chat:
         if text is None:
             # A folder without a template (our test fixtures, the demo): the family's format as LLaDA-8B-Instruct's
             # and Dream-v0-Instruct's templates write it, used when the tokenizer has its markers.
-            self.style = "llada" if cfg.family == "llada" else "chatml"
-            self.system = None if self.style == "llada" else "You are a helpful assistant."
-            self.bos = "<|startoftext|>" if self.style == "llada" else ""
+            self.style = {"llada": "llada", "diffusion_gemma": "gemma4"}.get(cfg.family, "chatml")
+            self.system = None if self.style != "chatml" else "You are a helpful assistant."
+            self.bos = {"llada": "<|startoftext|>", "gemma4": "<bos>"}.get(self.style, "")
+            self.no_thinking = ""
         else:
             where = f"{model_dir}: its chat template"
             self.style = template_style(text)
             if self.style is None and chat:
                 raise ValueError(f"{where} is neither LLaDA's (<|start_header_id|> ... <|eot_id|>), ChatML "
-                                 f"(<|im_start|> ... <|im_end|>) nor Ling's (<role>HUMAN</role> ... <|role_end|>), "
-                                 f"the three fastdllm writes out: pass --no-chat to send the raw prompt")
+                                 f"(<|im_start|> ... <|im_end|>), Ling's (<role>HUMAN</role> ... <|role_end|>) nor "
+                                 f"Gemma 4's (<|turn> ... <turn|>), the four fastdllm writes out: pass --no-chat to "
+                                 f"send the raw prompt")
             try:   # ChatML: its default system prompt; Ling: the thinking switch that ends its system turn
                 self.system = (None if not chat else default_system(text) if self.style == "chatml" else
                                thinking_line(text) if self.style == "ling" else None)
             except ValueError as e:
                 raise ValueError(f"{where} {e}: pass --no-chat to send the raw prompt") from None
             self.bos = (token_name(names.get("bos_token")) or "") if "bos_token" in text else ""
+            # The jinja source spells the newline as a backslash and an n.
+            self.no_thinking = NO_THINKING if NO_THINKING.replace("\n", "\\n") in text else ""
         markers = STYLES.get(self.style, ())
         present = [self.tok.token_to_id(m) is not None for m in markers]
         if text is not None and chat and not all(present):
@@ -281,6 +288,17 @@ class Chat:
             return self.bos + turns + "<|start_header_id|>assistant<|end_header_id|>\n\n"
         if self.style == "ling":
             return self.render_ling(messages)
+        if self.style == "gemma4":
+            # Gemma 4's turns (DiffusionGemma), as its template writes a conversation of text without tools: bos,
+            # <|turn>role\n + the content trimmed + <turn|>\n per message (assistant -> model, its thought channels
+            # dropped), then <|turn>model\n, and the empty thought channel when the template pre-seeds one.
+            def content(m):
+                text = m["content"] if m["role"] != "assistant" else re.sub(r"<\|channel>.*?<channel\|>", "",
+                                                                            m["content"], flags=re.S)
+                return text.strip()
+            turns = "".join(f"<|turn>{'model' if m['role'] == 'assistant' else m['role']}\n{content(m)}<turn|>\n"
+                            for m in messages)
+            return self.bos + turns + "<|turn>model\n" + self.no_thinking
         # ChatML (Qwen2.5: Dream, Dream-Coder, DiffuCoder): the template's default system prompt when none is given.
         if self.system is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system}] + messages

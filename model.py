@@ -15,6 +15,8 @@ guides them, and nothing else.
 - The guide of FlashDLM's guided diffusion (arXiv 2505.21467; docs/official.md 7.2; Qwen2.5-1.5B-Instruct for Dream-7B,
   `model_type: "qwen2"`): the same Qwen2 blocks as Dream, but an ordinary autoregressive LM: causal attention,
   no logits shift, and usually a tied LM head. guided.Guide holds its state (the KV cache of committed text).
+- DiffusionGemma (`model_type: "diffusion_gemma"`): a network of its own, gemma.py (a Gemma 4 MoE stack run as a
+  causal encoder and a bidirectional decoder), which `build` makes from its row of ARCHS.
 
 The diffusion families are run *bidirectionally*: a diffusion LM predicts every masked position from the whole
 canvas, so attention has no causal mask; only the guide masks the future. What each checkpoint architecture needs
@@ -22,6 +24,7 @@ canvas, so attention has no causal mask; only the guide masks the future. What e
 straight from the Hugging Face safetensors, with no `transformers` and no remote code. Decoding policies live in
 sampler.py, the loop in fastdllm.py, the KV cache in cache.py.
 """
+import importlib
 import json
 import math
 import os
@@ -31,7 +34,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from archs import ARCHS, WEIGHT_MAP, MoEConfig, arch_of  # noqa: F401  (model.WEIGHT_MAP for callers)
+from archs import ARCHS, WEIGHT_MAP, GemmaConfig, MoEConfig, added_token_id, arch_of, read_json  # noqa: F401 (callers)
 
 
 @dataclass
@@ -58,6 +61,7 @@ class ModelConfig:
     clip_qkv: float | None = None  # clamp q, k, v to [-c, c] (LLaDA-MoE clip_qkv)
     rope_fraction: float = 1.0     # RoPE rotates the first head_dim * this dims (partial_rotary_factor)
     moe: MoEConfig | None = None
+    gemma: GemmaConfig | None = None   # DiffusionGemma's own settings (its row of ARCHS builds gemma.DiffusionGemma)
     head_dim: int = 0          # one head's width (0: dim / n_heads; SDAR's config.json sets its own)
     block: int = 0             # a block-diffusion model's trained block (Fast-dLLM v2 bd_size, SDAR block_size); 0: none
     # The architecture's facts (its row of ARCHS, when not given): the logits shift (Dream, Fast-dLLM v2 keep the
@@ -215,6 +219,7 @@ class MoE(nn.Module):
     """
     stacks = ("w_gate", "w_up", "w_down")
     transposed = ("w_down",)   # (experts, ffn, dim): each expert's down_proj (dim, ffn) is loaded transposed
+    act = staticmethod(F.silu)   # SwiGLU experts (DiffusionGemma's are GeGLU)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -236,15 +241,19 @@ class MoE(nn.Module):
 
     def forward(self, x):
         B, T, D = x.shape
-        E, Fe, _ = self.w_gate.shape
         x = x.reshape(B * T, D)                                           # (N, D): routing is per token
-        weights, ids = self.route(x)                                      # (N, k) each
+        y = self.mix(x, *self.route(x))
+        return (y if self.shared is None else y + self.shared(x)).view(B, T, D)
+
+    def mix(self, x, weights, ids):
+        """(N, D) tokens, their experts' weights and ids (N, k) each -> the weighted sum of those experts (N, D)."""
+        E, Fe, _ = self.w_gate.shape
         weights = weights.to(x.dtype)
         if ids.numel() < E:
             # Fewer (token, expert) pairs than experts (a step of a few tokens): gather the chosen experts' weights
             # by index, as gpt-fast's mixtral-moe does, and read only those.
             w_gate, w_up, w_down = (self.stack(name, ids) for name in MoE.stacks)      # (N, k, ffn, D)
-            h = F.silu(torch.einsum("nd,nkfd->nkf", x, w_gate)) * torch.einsum("nd,nkfd->nkf", x, w_up)
+            h = self.act(torch.einsum("nd,nkfd->nkf", x, w_gate)) * torch.einsum("nd,nkfd->nkf", x, w_up)
             y = torch.einsum("nkf,nkfd->nd", h * weights[..., None], w_down)
         else:
             # Otherwise gathered copies (N, k, ffn, D) would move more bytes than the experts themselves: run every
@@ -252,11 +261,9 @@ class MoE(nn.Module):
             # reads each expert once; the union of a step's routed experts may be fewer (docs/benchmarks.md).
             combine = x.new_zeros(x.shape[0], E).scatter(1, ids, weights)   # (N, E)
             w_gate, w_up, w_down = (self.stack(name).flatten(0, 1) for name in MoE.stacks)   # (E * ffn, D)
-            h = F.silu(F.linear(x, w_gate)) * F.linear(x, w_up)                                # (N, E * ffn)
+            h = self.act(F.linear(x, w_gate)) * F.linear(x, w_up)                              # (N, E * ffn)
             y = (h.view(-1, E, Fe) * combine[..., None]).flatten(1) @ w_down
-        if self.shared is not None:
-            y = y + self.shared(x)
-        return y.view(B, T, D)
+        return y
 
     def stack(self, name: str, ids=None):
         """The stacked weight `name`, the experts `ids` gathered if given. An int8 stack (quantize="int8") is
@@ -365,6 +372,12 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x if rows is None else x[:, rows]))
 
 
+def build(cfg: ModelConfig) -> nn.Module:
+    """The network of the config's row of ARCHS: Transformer, or the class the row names (DiffusionGemma)."""
+    where, _, name = ARCHS[cfg.arch].module.rpartition(".")
+    return getattr(importlib.import_module(where), name)(cfg) if name else Transformer(cfg)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Loading: a local folder or a Hugging Face repo id -> Transformer, strict, shard by shard, no float32 copy.
 
@@ -451,13 +464,14 @@ def read_config(model_dir: str) -> ModelConfig:
         if type(value) is not int or value < 1:
             raise ValueError(f"{path} gives the model {name} = {value!r}, not a positive integer: "
                              f"re-download the checkpoint")
-    if cfg.head_dim * cfg.n_heads != cfg.dim and not hf.get("head_dim") or cfg.n_heads % cfg.n_kv_heads:
+    if cfg.head_dim * cfg.n_heads != cfg.dim and not (hf.get("text_config") or hf).get("head_dim") or \
+            cfg.n_heads % cfg.n_kv_heads:
         raise ValueError(f"{path}: a width of {cfg.dim} does not split into {cfg.n_heads} heads, or {cfg.n_heads} "
                          f"heads into {cfg.n_kv_heads} key/value heads: re-download the checkpoint")
     if cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
         raise ValueError(f"{path}: RoPE would rotate {cfg.rotary_dim} of a head's {cfg.head_dim} dims "
                          f"(partial_rotary_factor {cfg.rope_fraction}), not a positive even number: fix the config")
-    if not cfg.causal and (type(cfg.mask_id) is not int or not 0 <= cfg.mask_id < cfg.vocab_size):
+    if not (cfg.causal or arch.uniform) and (type(cfg.mask_id) is not int or not 0 <= cfg.mask_id < cfg.vocab_size):
         raise ValueError(f"{path}: mask_token_id {cfg.mask_id!r} is not a token id below {cfg.vocab_size}: "
                          f"re-download the checkpoint")
     if not all(type(i) is int and i >= 0 for i in cfg.eos_ids):
@@ -468,29 +482,6 @@ def read_config(model_dir: str) -> ModelConfig:
         if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{path} gives {key} = {value!r}, not a positive number: re-download the checkpoint")
     return cfg
-
-
-def read_json(path: str) -> dict:
-    """A small JSON file of a checkpoint as a dict; {} if it is missing or unreadable (its owner reports that)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def added_token_id(model_dir: str, content: str) -> int | None:
-    """The id of the special token `content` in the folder's tokenizer files (tokenizer.json, tokenizer_config.json,
-    added_tokens.json), or None (no file, no such token)."""
-    added = read_json(os.path.join(model_dir, "tokenizer.json")).get("added_tokens")
-    found = [t.get("id") for t in added if isinstance(t, dict) and t.get("content") == content] if isinstance(
-        added, list) else []
-    decoder = read_json(os.path.join(model_dir, "tokenizer_config.json")).get("added_tokens_decoder")
-    found += [int(i) for i, t in decoder.items() if isinstance(t, dict) and t.get("content") == content
-              and str(i).isdigit()] if isinstance(decoder, dict) else []
-    found.append(read_json(os.path.join(model_dir, "added_tokens.json")).get(content))
-    return next((i for i in found if type(i) is int), None)
 
 
 def shard_files(model_dir: str) -> list[str]:
@@ -524,7 +515,7 @@ def checkpoint_names(cfg: ModelConfig, model: nn.Module | None = None) -> dict[s
     An expert's tensor is one row of a stacked parameter: our name is '<stacked>.<expert>'."""
     if model is None:
         with torch.device("meta"):
-            model = Transformer(cfg)
+            model = build(cfg)
     params = dict(model.named_parameters())          # a tied head is listed once, as the embedding
     out = {}
     for ours, theirs in WEIGHT_MAP[cfg.arch].items():
@@ -577,7 +568,7 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None, quanti
     model_dir = resolve_model_dir(name_or_path)
     cfg = read_config(model_dir)
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = build(cfg)
     params = dict(model.named_parameters())
     names = checkpoint_names(cfg, model)
     targets = int8_targets(model) if int8 else {}
@@ -586,38 +577,42 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None, quanti
     for shard, path in enumerate(files, 1):
         try:
             with safe_open(path, framework="pt", device="cpu") as f:
-                for key in f.keys():
-                    ours = names.get(key)
-                    if ours is None and key == "lm_head.weight" and cfg.tie_embeddings:
-                        raise ValueError("the checkpoint stores lm_head.weight but config.json sets "
-                                         "tie_word_embeddings: true (the head is the embedding): set it to false")
-                    if ours is None:
-                        raise ValueError(f"unexpected tensor {key!r} in {os.path.basename(path)}: this is not a "
-                                         f"{ARCHS[cfg.arch].title} checkpoint of the layout config.json describes")
-                    if ours in loaded:
-                        raise ValueError(f"tensor {key!r} is stored twice (again in {os.path.basename(path)}): "
-                                         f"the checkpoint is inconsistent, re-download it")
-                    t = f.get_tensor(key) if int8 is None else read_once(path, key)
-                    stack, shape, flip = stored_shape(params, ours)
-                    if tuple(t.shape) != shape:
-                        raise ValueError(f"tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
-                                         f"{shape}: the checkpoint and its config disagree")
-                    if not t.is_floating_point():
-                        raise ValueError(f"tensor {key!r} has dtype {t.dtype}, not a float: this checkpoint is "
-                                         f"quantized or corrupt; fastdllm loads float16/bfloat16/float32 weights")
-                    if (stack or ours) in targets:
-                        int8_store(state, params, ours, t.to(device=device, dtype=dtype), int8, stack, flip)
-                    elif stack is None:
-                        state[ours] = t.to(device=device, dtype=dtype)
-                    else:   # expert e of a stack: fill its row of the one preallocated tensor
-                        if stack not in state:
-                            state[stack] = torch.empty(params[stack].shape, device=device, dtype=dtype)
-                        state[stack][int(ours.rpartition(".")[2])].copy_(t.t() if flip else t)
-                    loaded.add(ours)
-                    done += t.nbytes
-                    del t
-                    if progress:
-                        progress(shard, len(files), done, total)
+                for stored in f.keys():
+                    if stored.startswith(ARCHS[cfg.arch].skip):     # (a vision tower) never read
+                        continue
+                    reader = lambda k=stored: f.get_tensor(k) if int8 is None else read_once(path, k)  # noqa: E731
+                    for key, read in ARCHS[cfg.arch].unpack(stored, reader):   # one tensor, or those it packs
+                        ours = names.get(key)
+                        if ours is None and key == "lm_head.weight" and cfg.tie_embeddings:
+                            raise ValueError("the checkpoint stores lm_head.weight but config.json sets "
+                                             "tie_word_embeddings: true (the head is the embedding): set it to false")
+                        if ours is None:
+                            raise ValueError(f"unexpected tensor {key!r} in {os.path.basename(path)}: this is not a "
+                                             f"{ARCHS[cfg.arch].title} checkpoint of the layout config.json describes")
+                        if ours in loaded:
+                            raise ValueError(f"tensor {key!r} is stored twice (again in {os.path.basename(path)}): "
+                                             f"the checkpoint is inconsistent, re-download it")
+                        t = read()
+                        stack, shape, flip = stored_shape(params, ours)
+                        if tuple(t.shape) != shape:
+                            raise ValueError(f"tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
+                                             f"{shape}: the checkpoint and its config disagree")
+                        if not t.is_floating_point():
+                            raise ValueError(f"tensor {key!r} has dtype {t.dtype}, not a float: this checkpoint is "
+                                             f"quantized or corrupt; fastdllm loads float16/bfloat16/float32 weights")
+                        if (stack or ours) in targets:
+                            int8_store(state, params, ours, t.to(device=device, dtype=dtype), int8, stack, flip)
+                        elif stack is None:
+                            state[ours] = t.to(device=device, dtype=dtype)
+                        else:   # expert e of a stack: fill its row of the one preallocated tensor
+                            if stack not in state:
+                                state[stack] = torch.empty(params[stack].shape, device=device, dtype=dtype)
+                            state[stack][int(ours.rpartition(".")[2])].copy_(t.t() if flip else t)
+                        loaded.add(ours)
+                        done += t.nbytes
+                        del t
+                        if progress:
+                            progress(shard, len(files), done, total)
         except SafetensorError as e:
             raise ValueError(f"{os.path.basename(path)} is not a readable safetensors file ({e}): "
                              f"it is truncated or corrupt, re-download it") from None

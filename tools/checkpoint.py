@@ -27,6 +27,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from model import ModelConfig, Transformer, checkpoint_names, load_model, stored_shape  # noqa: E402
 from tools.flags import Parser, nonempty, shape_arguments, writable  # noqa: E402
+from tools import gemma_checkpoint  # noqa: E402
 
 GOLDEN = os.path.join(ROOT, "tests", "golden")
 MARKER = "random_checkpoint.json"   # written last: a folder holding it is a whole checkpoint this tool wrote
@@ -661,8 +662,9 @@ def load_random(args, hf, device, dtype):
 def main(argv=None):
     p = Parser(prog="tools/checkpoint.py", description="Write a random checkpoint in the real on-disk format.")
     p.add_argument("out", type=nonempty, nargs="?", help="the folder to write (new or empty)")
-    p.add_argument("--release", choices=RELEASES, metavar="REPO", help="a released checkpoint's exact format at "
-                   "tiny sizes (tests' size; no shape flags): " + ", ".join(RELEASES))
+    p.add_argument("--release", choices=[*RELEASES, gemma_checkpoint.REPO], metavar="REPO", help="a released "
+                   "checkpoint's exact format at tiny sizes (tests' size; no shape flags): "
+                   + ", ".join([*RELEASES, gemma_checkpoint.REPO]))
     p.add_argument("--sizes", action="store_true", help="print each released checkpoint's bf16 weight bytes at its "
                    "real size (parameters x 2), then exit")
     shape_arguments(p)
@@ -675,6 +677,10 @@ def main(argv=None):
     if args.sizes:
         for repo in RELEASES:
             print(f"{repo}: {release_bytes(repo):,} bytes ({release_bytes(repo) / 1e9:.2f} GB)")
+        # DiffusionGemma (tools/gemma_checkpoint.py): its text model, and what one token reads (top-8 of 128 experts)
+        total, active = gemma_checkpoint.sizes()
+        print(f"{gemma_checkpoint.REPO}: {2 * total:,} bytes ({2 * total / 1e9:.2f} GB); active per token "
+              f"{2 * active:,} bytes ({2 * active / 1e9:.2f} GB, {active / 1e9:.2f}B parameters)")
         return
     if not args.out:
         raise ValueError("no folder to write: pass one (or --sizes)")
@@ -684,7 +690,8 @@ def main(argv=None):
             raise ValueError(f"--{changed[0].replace('_', '-')} does not apply with --release, which writes the "
                              f"release's tiny test size: drop it")
         held_checkpoint(args.out, args.out)
-        size = make_release(args.out, args.release)
+        size = (gemma_checkpoint.make_gemma_release(args.out) if args.release == gemma_checkpoint.REPO else
+                make_release(args.out, args.release))
         print(f"{args.out}: {args.release} at tiny sizes, {size / 1e6:.2f} MB of weights")
         return
     hf = shape_config(args)
