@@ -332,6 +332,7 @@ class GemmaConfig:
     softcap: float             # final_logit_softcapping: logits = softcap * tanh(logits / softcap)
     canvas: int                # canvas_length: the tokens one canvas denoises
     image_token: int | None    # image_token_id: refused in a prompt (text only)
+    decode: tuple = ()         # generation_config.json's decode settings, (name, value) pairs: the call's defaults
 
 
 # text_config keys -> the values fastdllm implements. The first six are Gemma 4 switches DiffusionGemma's classes never
@@ -343,6 +344,12 @@ DG_FIXED = {"hidden_size_per_layer_input": (None, 0), "num_kv_shared_layers": (N
              "enable_moe_block": (None, True), "attention_bias": (None, False),
              "hidden_activation": (None, "gelu_pytorch_tanh"), "tie_word_embeddings": (None, True),
              "use_bidirectional_attention": (None, "vision")}
+
+
+# generation_config.json's decode settings -> generate()'s (the entropy bound sits in its sampler_config).
+DG_DECODE = (("steps", "max_denoising_steps"), ("entropy_bound", "entropy_bound"), ("t_min", "t_min"),
+             ("t_max", "t_max"), ("stability_threshold", "stability_threshold"),
+             ("confidence_threshold", "confidence_threshold"))
 
 
 def read_diffusion_gemma(hf: dict) -> dict:
@@ -407,11 +414,12 @@ def read_diffusion_gemma(hf: dict) -> dict:
     gemma = GemmaConfig(sliding=tuple(k == "sliding_attention" for k in kinds), head_dims=head_dims,
                         kv_heads=kv_heads, window=sliding_window, full_rope_theta=full["rope_theta"],
                         full_rope_fraction=full.get("partial_rotary_factor", 1.0), softcap=float(softcap),
-                        canvas=canvas, image_token=hf.get("image_token_id"))
+                        canvas=canvas, image_token=hf.get("image_token_id"), decode=tuple(
+                            (key, hf[name]) for key, name in DG_DECODE if name in hf))
     moe = MoEConfig(n_experts=experts, top_k=top_k, ffn_dim=ffn, sparse=(True,) * n)
     return dict(vocab_size=text["vocab_size"], dim=text["hidden_size"], n_layers=n, n_heads=heads, n_kv_heads=kv,
                 head_dim=head_dim, ffn_dim=text["intermediate_size"], rope_theta=window["rope_theta"],
-                norm_eps=text["rms_norm_eps"], max_seq_len=text["max_position_embeddings"], mask_id=None,
+                norm_eps=text["rms_norm_eps"], max_seq_len=text["max_position_embeddings"], mask_id=-1,
                 tie_embeddings=True, moe=moe, gemma=gemma)
 
 
@@ -505,7 +513,9 @@ ARCHS = {
     # lists the end ids; a converted copy may not).
     "diffusion_gemma": Arch("DiffusionGemma", "diffusion_gemma", ("diffusion_gemma",), read_diffusion_gemma,
                             DG_WEIGHTS, fixed={}, module="gemma.DiffusionGemma", uniform=True,
-                            generation_ids=("eos_token_id", "pad_token_id"), unpack=unpack_gemma_experts,
+                            generation_ids=("eos_token_id", "pad_token_id", "max_denoising_steps", "t_min", "t_max",
+                                            "stability_threshold", "confidence_threshold", "entropy_bound"),
+                            unpack=unpack_gemma_experts,
                             skip=("model.encoder.vision_tower.", "model.encoder.embed_vision.")),
 }
 WEIGHT_MAP = {name: a.weights for name, a in ARCHS.items()}

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from cache import BLOCK_CACHE_POLICIES, LLADA2_CACHE_POLICIES, CachePolicy
 from llada2 import STEPS as LLADA2_STEPS, check_llada2, llada2_parts
-from sampler import (NEG_INF, Canvas, Family, Proposal, Schedule, StepRule, Threshold, argmax_except, stop_rule,
-                     widen)
+from sampler import (NEG_INF, Canvas, Family, Parts, Proposal, Schedule, StepRule, Threshold, argmax_except,
+                     stop_rule, widen)
 
 FAMILIES = ("fastdllm_v2", "sdar", "llada2")   # the block-diffusion families (model.ModelConfig.family; llada2.py)
 SDAR_REMASKING = ("low_confidence_dynamic", "low_confidence_static", "sequential")
@@ -233,9 +233,9 @@ def block_canvas(prompt, attention_mask, st, cfg, eos) -> Canvas:
     cut = cfg.family == "llada2" or st.stop_at_eos and cfg.family == "fastdllm_v2"
     view = partial(grid_output, lengths=lengths, shortest=int(lengths.min()), P=prompt.shape[1], fill=fill,
                    gen=st.gen_length if cfg.family == "llada2" else None)
-    return Canvas(x, blocks, torch.stack([torch.zeros_like(lengths), lengths], -1), None,
-                  block_causal(x.shape[1], st.block_length, x.device), st.block_length, fill,
-                  partial(view, eos=eos) if cut else view, view)
+    L, G = x.shape[1], st.block_length
+    return Canvas(x, blocks, torch.stack([torch.zeros_like(lengths), lengths], -1), None, block_causal(L, G, x.device),
+                  lambda b: min(L, -(-b // G) * G), fill, partial(view, eos=eos) if cut else view, view)
 
 
 def block_parts(model, st, given, generator, c: Canvas, eos):
@@ -246,7 +246,7 @@ def block_parts(model, st, given, generator, c: Canvas, eos):
         getattr(rule, "sub_block", st.block_length))          # SDAR: one sub-block, the block (exact)
     if cfg.family == "llada2":
         rule, select = llada2_parts(cfg, st, generator, sdar_sample, DynamicThreshold)
-        return rule, select, policy(rule), stop_rule(st, c, eos, cfg.mask_id, kind=rule.end_of_text)
+        return Parts(rule, select, policy(rule), stop_rule(st, c, eos, cfg.mask_id, kind=rule.end_of_text))
     if cfg.family == "fastdllm_v2":
         rule = FastDLLMv2(sub_block=st.sub_block, temperature=st.temperature,
                           top_p=st.top_p, generator=generator, mask_id=cfg.mask_id)
@@ -256,7 +256,7 @@ def block_parts(model, st, given, generator, c: Canvas, eos):
                     top_k=st.top_k, top_p=st.top_p, generator=generator, mask_id=cfg.mask_id)
         select = (DynamicThreshold(st.threshold) if st.remasking == "low_confidence_dynamic" else
                   FirstMasks() if st.remasking == "sequential" else Schedule(topk=True))
-    return rule, st.select or select, policy(rule), stop_rule(st, c, eos, cfg.mask_id)
+    return Parts(rule, st.select or select, policy(rule), stop_rule(st, c, eos, cfg.mask_id))
 
 
 def check_block(cfg, st, given: dict, longest: int, name=lambda key: key):

@@ -19,6 +19,7 @@ from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_REMASKING
 from cache import CACHE_POLICIES, CachePolicy
 from guided import OWN as GUIDED_OWN
 from llada2 import OWN as LLADA2_OWN
+from uniform import OWN as GEMMA_OWN
 from sampler import DREAM_REMASKING, LLADA_REMASKING
 
 BOOLEANS = ("refresh_every_step", "speculative")
@@ -227,7 +228,8 @@ def check_call(model, prompt, st, attention_mask, generator, on_step, defaults, 
         bad("this is a causal LM (model_type qwen2), not a diffusion LM: pass it as guide= and a "
             "LLaDA or Dream checkpoint as the model")
     check_settings(st.gen_length, st.block_length, st.steps, st.cache, st.threshold, st.factor, st.temperature,
-                   st.top_p, st.top_k, st.alg_temp, st.eps, generator, grid=cfg.family in BLOCK_FAMILIES)
+                   st.top_p, st.top_k, st.alg_temp, st.eps, generator,
+                   grid=cfg.family not in ("llada", "dream", "qwen2"))   # steps and blocks per block, or canvas
     check_prompt(cfg, prompt, st.gen_length, st.remasking, st.top_p, st.top_k, st.alg_temp, attention_mask)
     check_stop(cfg, st.stop_at_eos, st.eos_ids)
     check_hooks(st, on_step)
@@ -238,9 +240,11 @@ def check_call(model, prompt, st, attention_mask, generator, on_step, defaults, 
     if st.propose is not None and ignored:
         bad(f"propose= {name(st.propose)} makes its own proposals: {', '.join(ignored)} set(s) the built-in step "
             f"rules only; give your step rule what it needs, and drop {ignored[0]}")
-    theirs = [k for k in LLADA2_OWN if given.get(k, getattr(defaults, k)) != getattr(defaults, k)]
-    if theirs and cfg.family != "llada2":
-        bad(f"{theirs[0]} is LLaDA2's (model_type llada2_moe): a {cfg.family} model does not read it; drop {theirs[0]}")
+    for family, title, own in (("llada2", "LLaDA2's (model_type llada2_moe)", LLADA2_OWN),
+                               ("diffusion_gemma", "DiffusionGemma's", GEMMA_OWN)):
+        theirs = [k for k in own if given.get(k, getattr(defaults, k)) != getattr(defaults, k)]
+        if theirs and cfg.family != family:
+            bad(f"{theirs[0]} is {title}: a {cfg.family} model does not read it; drop {theirs[0]}")
     device = model.lm_head.weight.device
     if generator is not None and generator.device.type != device.type:
         bad(f"the generator is on {generator.device.type} but the model on {device.type}: "

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from cache import CACHE_POLICIES, CachePolicy
-from sampler import (NEG_INF, Canvas, Dream, Family, Proposal, Schedule, Threshold, answer_canvas, is_parallel,
-                     parallel_rule, stop_rule)
+from sampler import (NEG_INF, Canvas, Dream, Family, Parts, Proposal, Schedule, Threshold, answer_canvas,
+                     is_parallel, parallel_rule, stop_rule)
 
 
 class QuotaThreshold(Threshold):
@@ -113,7 +113,7 @@ def dream_parts(model, st, given, generator, c: Canvas, eos):
                                    if st.cache == "free" else
                                    Schedule(lambda at: (0, at.span[1] - at.e) if at.span else (0, 0), topk=True))
     if st.propose is not None:
-        return st.propose, select, cache, stop_rule(st, c, eos, mask_id)
+        return Parts(st.propose, select, cache, stop_rule(st, c, eos, mask_id))
     schedule = not is_parallel(select)
     origin = st.remasking == "origin" and schedule
     kw = dict(steps=st.steps, n_blocks=st.gen_length // st.block_length, block_length=st.block_length,
@@ -127,7 +127,7 @@ def dream_parts(model, st, given, generator, c: Canvas, eos):
         pad = ((lambda at: (at.s, 0)) if whole else (lambda at: (0, 0)) if st.cache == "free"
                else (lambda at: (0, (at.span[1] if at.span else int(at.fed[-1]) + 1) - at.e)))
         select = SampledPositions(st.alg_temp, generator, pad, rule.first_token)
-    return rule, select, cache, stop_rule(st, c, eos, mask_id)
+    return Parts(rule, select, cache, stop_rule(st, c, eos, mask_id))
 
 
 def check_dream(cfg, st, given: dict, longest: int, name=lambda key: key):

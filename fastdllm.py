@@ -26,6 +26,7 @@ from blockdiff import BLOCK, FAMILIES as BLOCK_FAMILIES
 from cache import CachePolicy, Compiled, KVCache, Refresh
 from dream import DREAM
 from guided import GUIDED
+from uniform import GEMMA
 
 
 def pad_prompts(rows: list[list[int]], pad_id: int):
@@ -60,6 +61,12 @@ class Settings:
     editing_threshold: float | None = None   # LLaDA2.1: edit a committed token whose new proposal is above this
     max_post_steps: int | None = None  # LLaDA2.1: a block's edit-only calls once it has no mask (default 16)
     num_to_transfer: int | None = None # LLaDA2.1: masks a call commits below the threshold (default 1)
+    entropy_bound: float | None = None # DiffusionGemma: a step accepts the samples whose entropies, summed less the
+                                       #   largest, stay <= this (its generation_config.json's: 0.1)
+    t_min: float | None = None         # DiffusionGemma: its temperature runs from t_max down to t_min (0.4, 0.8)
+    t_max: float | None = None
+    stability_threshold: int | None = None     # DiffusionGemma: a canvas ends once its argmax is the same as at
+    confidence_threshold: float | None = None  #   this many last steps and its mean entropy is below this (1, 0.005)
     refresh_every_step: bool = False   # feed the whole canvas every step (checks the cache plumbing)
     stop_at_eos: bool | int = False    # True: stop after a finished block holding an end token; k: FlashDLM's rule
     eos_ids: list | None = None        # the end tokens (default the config's)
@@ -138,7 +145,8 @@ class Plan:
     mask_id: int
     shift: int                # the family's logits shift (Dream, Fast-dLLM v2: position p is predicted from p - 1)
     prompt: torch.Tensor      # (B, 2) each row's prompt [begin, end) on the canvas
-    grid: int                 # a block-causal model's grid (a query sees its own grid block and those before); 0: none
+    sees: Callable            # b -> where the keys a query of a span ending at b sees end (the canvas's end; a
+                              #   block-causal model's grid block's: a query sees its own block and those before)
     exact_steps: int | None   # a block takes exactly these calls (DreamCanvas: diffusion_generate); None: until no mask
     patience: int             # calls after which a block still open is a rule that commits nothing
     calls_per_block: int      # the fewest calls a block takes (for calls_saved)
@@ -170,9 +178,8 @@ class Plan:
             lo, hi = bisect.bisect_left(listed, a - s + self.shift), bisect.bisect_left(listed, b - s + self.shift)
             cols = cols[lo:max(lo, hi)]
             rows = cols + (s - self.shift - a)
-            # Keys a fed query sees must all have been written: the whole canvas, or a block-causal grid up to the end
-            # of the fed span's block (a KV cache starts empty).
-            seen_to = L if not self.grid else min(L, -(-b // self.grid) * self.grid)
+            # Keys a fed query sees must all have been written (a KV cache starts empty).
+            seen_to = self.sees(b)
             if self.kv is not None and not (a <= seen.written and max(seen.written, b) >= seen_to):
                 checks.refuse_unwritten(self.cache, at, (a, b), seen.written, seen_to)
             fed, span, chunk = self.ar[a:b], (a, b), slice(a, b)
@@ -251,7 +258,7 @@ class Plan:
 
 
 # Each family's part of the set-up (its defaults, its refusals, its canvas and its parts), from its own file.
-FAMILIES = {"llada": S.LLADA, "dream": DREAM, **dict.fromkeys(BLOCK_FAMILIES, BLOCK)}
+FAMILIES = {"llada": S.LLADA, "dream": DREAM, **dict.fromkeys(BLOCK_FAMILIES, BLOCK), "diffusion_gemma": GEMMA}
 
 
 def family_of(cfg, st) -> S.Family:
@@ -287,7 +294,7 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     generator = generator or torch.Generator(device).manual_seed(0)
     eos = torch.tensor(sorted(set(st.eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
     c = family.canvas(prompt.to(device), attention_mask, st, cfg, eos)
-    step_rule, select, cache, stop = family.parts(model, st, options, generator, c, eos)
+    step_rule, select, cache, stop, layers = family.parts(model, st, options, generator, c, eos)
     cache = Refresh(cache) if st.refresh_every_step else cache
     compiled = st.compile and cache.fixed_width and (st.compile if isinstance(st.compile, Compiled) else Compiled())
     (B, L), blocks = c.x.shape, c.blocks
@@ -297,10 +304,10 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
         "steps_per_block", "exact_steps", "max_post_steps", "reads_block", "edits"))
     ar = torch.arange(L, device=device)
     plan = Plan(blocks=blocks, cache=cache, step_rule=step_rule, select=select, stop=stop, model=model,
-                layers=partial(compiled, model) if compiled else model.hidden, kv=kv,
+                layers=partial(compiled, model) if compiled else layers or model.hidden, kv=kv,
                 pos=ar.expand(B, L) if c.pos is None else c.pos, mask=c.mask,
                 undecided=getattr(step_rule, "undecided", None) or (lambda x: x == cfg.mask_id), mask_id=cfg.mask_id,
-                shift=cfg.shift, prompt=c.prompt, grid=c.grid, exact_steps=exact, patience=spb + st.block_length + post,
+                shift=cfg.shift, prompt=c.prompt, sees=c.sees, exact_steps=exact, patience=spb + st.block_length + post,
                 calls_per_block=1 if S.is_parallel(select) else max(spb, 1), eos=eos, ar=ar, output=c.output,
                 view=c.view, next_end={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)},
                 answer_at=c.prompt[:, 1].tolist(), reads_block=reads_block, edits=edits, max_post_steps=post)

@@ -190,6 +190,10 @@ class DiffusionGemma(nn.Module):
         softmax as an embedding; None: a zero signal (a canvas's first step); sc_rows (B,) bool: the rows whose
         signal is used (others zero). Returns float32 logits (B, C, V), softcapped. Its keys/values are written at
         `slots` (the next encode() of the committed canvas overwrites them)."""
+        return self.logits(self.decoder(canvas, cache, slots, valid, pos, sc_logits, sc_rows))
+
+    def decoder(self, canvas, cache, slots, valid, pos=None, sc_logits=None, sc_rows=None):
+        """decode()'s hidden states (B, C, dim), before the final norm."""
         W, scale = self.embed.weight, self.embed_scale()
         emb = self.embed(canvas) * scale
         if sc_logits is None:
@@ -197,13 +201,12 @@ class DiffusionGemma(nn.Module):
         else:
             signal = F.softmax(sc_logits.to(W.dtype), dim=-1, dtype=torch.float32).to(W.dtype) @ W * scale
             signal = signal if sc_rows is None else signal * sc_rows.to(signal.dtype)[:, None, None]
-        h = self.layers_forward(self.self_cond(emb, signal), cache, slots, valid, pos, encoder=False)
-        return self.logits(h)
+        return self.layers_forward(self.self_cond(emb, signal), cache, slots, valid, pos, encoder=False)
 
-    def logits(self, h):
-        """Hidden states -> float32 logits, softcapped: cap * tanh(logits / cap)."""
+    def logits(self, h, rows=None):
+        """Hidden states (B, T, dim) -> float32 logits at rows `rows` (None: all), softcapped: cap * tanh(logits / cap)."""
         cap = self.config.gemma.softcap
-        return cap * torch.tanh(self.lm_head(self.norm(h)).float() / cap)
+        return cap * torch.tanh(self.lm_head(self.norm(h if rows is None else h[:, rows])).float() / cap)
 
     def masks(self, valid, slots, pos, encoder: bool):
         """The chunk at `slots` (T,) -> its attention masks (B, 1, T, S), True = attend: (sliding layers', full
@@ -242,13 +245,6 @@ def check_text_only(cfg, prompt):
     if image is not None and (prompt == image).any():
         raise ValueError(f"the prompt contains the image token id {image}: fastdllm runs DiffusionGemma on text only "
                          f"(its vision tower is not loaded); remove the image from the prompt")
-
-
-def check_canvas(cfg, canvas_length):
-    """The canvas the checkpoint was trained with is the only one it declares (config.json canvas_length)."""
-    if canvas_length != cfg.gemma.canvas:
-        raise ValueError(f"canvas_length {canvas_length!r} is not the checkpoint's: config.json declares "
-                         f"canvas_length {cfg.gemma.canvas}; pass that (or leave it unset)")
 
 
 def check_decode(steps, entropy_bound, t_min, t_max, stability_threshold=None, confidence_threshold=None):

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from cache import FreeCache, KVCache, NoCache, PrefixCache
 from model import ModelConfig
-from sampler import NEG_INF, Canvas, Family, Proposal, Schedule, StepRule, answer_canvas, argmax_except, stop_rule
+from sampler import (NEG_INF, Canvas, Family, Parts, Proposal, Schedule, StepRule, answer_canvas, argmax_except,
+                     stop_rule)
 
 # The settings only guided diffusion reads (defaults: fastdllm.Settings); without a guide each is refused (checks.py).
 OWN = ("speculative", "accept", "accept_k", "accept_ratio", "accept_threshold", "verify_chunk")
@@ -354,7 +355,7 @@ def guided_parts(model, st, given, generator, c: Canvas, eos):
     rule = Guided(Guide(st.guide, B, L, c.pos, real), accept, st.verify_chunk, eos, mask_id, st.speculative,
                   c.x[:, :L - st.gen_length])
     feed = GuidedFreeCache() if st.cache == "free" else NoCache() if st.cache == "none" else PrefixCache()
-    return rule, Schedule(), feed, stop_rule(st, c, eos, mask_id, run=1)
+    return Parts(rule, Schedule(), feed, stop_rule(st, c, eos, mask_id, run=1))
 
 
 GUIDED = Family(guided_defaults, check_guided, answer_canvas, guided_parts)

@@ -452,6 +452,8 @@ def read_config(model_dir: str) -> ModelConfig:
         mask = added_token_id(model_dir, arch.mask_token)
         hf = hf if mask is None else dict(hf, mask_token_id=mask)
     generation = read_json(os.path.join(model_dir, "generation_config.json")) if arch and arch.generation_ids else {}
+    generation = generation | (generation.get("sampler_config") or {}) if isinstance(generation.get(
+        "sampler_config"), dict) else generation              # DiffusionGemma's entropy bound sits in it
     hf = dict(hf, **{k: generation[k] for k in arch.generation_ids if k in generation}) if generation else hf
     try:
         cfg = ModelConfig.from_hf(hf)

@@ -358,7 +358,8 @@ class Canvas(NamedTuple):
     prompt: torch.Tensor       # (B, 2) long: each row's prompt [begin, end) on the canvas
     pos: torch.Tensor | None   # (B, L) RoPE positions, or None: 0 .. L-1 in every row
     mask: torch.Tensor | None  # (B or 1, 1, L, L) bool attention mask, or None: every key
-    grid: int                  # a block-causal model's grid (blockdiff.py); 0: none
+    sees: Callable             # b -> where the keys a query of a span ending at b sees end: the canvas's end, or a
+                               #   block-causal model's grid block's (blockdiff.py), a canvas's (uniform.py)
     fill: int                  # what an ended answer's masks become
     output: Callable           # the canvas -> generate()'s ids
     view: Callable             # the canvas -> on_step's: output's layout without its end cut (an edit may move the end)
@@ -371,7 +372,16 @@ class Family(NamedTuple):
     check: Callable      # (cfg, st, given, longest, name) -> None: what it refuses beyond checks.py's, in one line
                          #   naming the setting (name(key): as the caller words it; longest: the longest prompt)
     canvas: Callable     # (prompt, attention_mask, st, cfg, eos) -> Canvas
-    parts: Callable      # (model, st, generator, canvas, eos) -> (step rule, selection rule, cache policy, stop rule)
+    parts: Callable      # (model, st, given, generator, canvas, eos) -> Parts
+
+
+class Parts(NamedTuple):
+    """What the loop calls, from a family's settings (Family.parts)."""
+    step_rule: object
+    select: Callable
+    cache: object              # a cache.CachePolicy
+    stop: Callable
+    layers: Callable | None = None   # the model call, where the family's is its own (DiffusionGemma's); else the model's
 
 
 def same(x):
@@ -391,7 +401,8 @@ def answer_canvas(prompt, attention_mask, st, cfg, eos) -> Canvas:
         m = F.pad(attention_mask.to(device).bool(), (0, st.gen_length), value=True)
         pos, mask = (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
     return Canvas(x, [(s, s + st.block_length) for s in range(P, x.shape[1], st.block_length)],
-                  torch.stack([P - lengths, torch.full_like(lengths, P)], -1), pos, mask, 0, int(eos[0]), same, same)
+                  torch.stack([P - lengths, torch.full_like(lengths, P)], -1), pos, mask, lambda b: x.shape[1],
+                  int(eos[0]), same, same)
 
 
 def stop_rule(st, c: Canvas, eos, mask_id: int, run=None, kind=None):
@@ -423,7 +434,7 @@ def llada_parts(model, st, given, generator, c: Canvas, eos):
                                temperature=st.temperature, remasking=st.remasking, generator=generator,
                                mask_id=model.config.mask_id)
     cache = st.cache if isinstance(st.cache, CachePolicy) else CACHE_POLICIES[st.cache]()
-    return rule, select, cache, stop_rule(st, c, eos, model.config.mask_id)
+    return Parts(rule, select, cache, stop_rule(st, c, eos, model.config.mask_id))
 
 
 LLADA = Family(llada_defaults, check_llada, answer_canvas, llada_parts)

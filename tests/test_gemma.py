@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from cache import KVCache
 from conftest import GOLDEN
-from gemma import check_canvas, check_decode, check_text_only, positions
+from fastdllm import generate
+from gemma import check_decode, check_text_only, positions
 from model import load_model, read_config
 from reference_gemma import reference_generate
 
@@ -217,9 +218,8 @@ def test_bad_input_is_one_line(dg):
     with pytest.raises(ValueError, match="image token id 258880"):
         check_text_only(cfg, torch.tensor([[2, 258880, 5]]))
     check_text_only(cfg, torch.tensor([[2, 5]]))
-    with pytest.raises(ValueError, match="canvas_length 8 .*declares canvas_length 16"):
-        check_canvas(cfg, 8)
-    check_canvas(cfg, 16)
+    with pytest.raises(ValueError, match="block_length 8 is not this checkpoint's canvas: .*canvas_length 16"):
+        generate(dg[torch.float32], torch.tensor([[2, 5]]), gen_length=16, block_length=8)
     for settings, words in [((0, 0.1, 0.4, 0.8), "steps"), ((48, 0.0, 0.4, 0.8), "entropy_bound"),
                             ((48, -1, 0.4, 0.8), "entropy_bound"), ((48, 0.1, 0.8, 0.4), "t_min < t_max"),
                             ((48, 0.1, 0.4, 0.4), "t_min < t_max"), ((48, 0.1, None, 0.8), "both t_min and t_max"),
