@@ -49,8 +49,10 @@ def check_settings(gen_length, block_length, steps, cache, threshold, factor, te
         if not (optional and v is None or isinstance(v, numbers.Integral if kind is int else numbers.Real)
                 and not isinstance(v, bool)):
             bad(f"{name} must be {'an integer' if kind is int else 'a number'}{' or None' * optional} (got {v!r})")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        bad(f"generator must be a torch.Generator, not {generator!r}: e.g. torch.Generator('cpu').manual_seed(0)")
+    rows = generator if isinstance(generator, (list, tuple)) and generator else [generator]
+    if generator is not None and not all(isinstance(g, torch.Generator) for g in rows):
+        bad(f"generator must be a torch.Generator (DiffusionGemma: or a list of them, one per row), not {generator!r}: "
+            f"e.g. torch.Generator('cpu').manual_seed(0)")
     if eps is not None and not 0 < eps < 1:
         bad(f"eps must be in (0, 1) (got {eps}): Dream's time runs from 1 down to eps (default 1e-3)")
     if gen_length < 1 or block_length < 1:
@@ -246,9 +248,13 @@ def check_call(model, prompt, st, attention_mask, generator, on_step, defaults, 
         if theirs and cfg.family != family:
             bad(f"{theirs[0]} is {title}: a {cfg.family} model does not read it; drop {theirs[0]}")
     device = model.lm_head.weight.device
-    if generator is not None and generator.device.type != device.type:
-        bad(f"the generator is on {generator.device.type} but the model on {device.type}: "
+    rows = generator if isinstance(generator, (list, tuple)) else [generator]
+    if generator is not None and any(g.device.type != device.type for g in rows):
+        bad(f"the generator is on {rows[0].device.type} but the model on {device.type}: "
             f"create it with torch.Generator({device.type!r})")
+    if rows is generator and (cfg.family != "diffusion_gemma" or len(rows) != prompt.shape[0]):
+        bad(f"generator is a list of {len(rows)}: one generator per row is DiffusionGemma's (each row then draws as it "
+            f"would alone), for the {prompt.shape[0]} rows of the prompt; else pass one torch.Generator")
 
 
 # ---------------------------------------------------------------------------------------- refusals while running

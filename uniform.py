@@ -16,7 +16,8 @@ it into the KV cache through the causal encoder (cache.BlockWindow: the block be
 may still write is a row's canvas while it denoises (`GemmaStep.undecided`, the loop's `Plan.undecided`). A row whose
 finished canvas holds an end token has ended (`CanvasEnd`); what follows its first end token is padding.
 Randomness only from the generator, drawn in the official order: a canvas's start (one randint (B, C)), then per step
-the multinomial draw and the renoise (one randint (B, C)); every row draws, as officially.
+the multinomial draw and the renoise (one randint (B, C)); every row draws, as officially. With a generator per row,
+each row draws from its own as it would alone, so a batch row equals its solo run (the official's one stream cannot).
 """
 import math
 
@@ -45,12 +46,35 @@ class GemmaStep(StepRule):
 
     def start_block(self, x, s: int, e: int):
         """A canvas of random tokens for every row still answering (a row whose answer has ended keeps its padding)."""
-        B = x.shape[0]
-        start = torch.randint(0, self.vocab, (B, e - s), generator=self.generator, device=x.device)
+        (B, C), g = (x.shape[0], e - s), self.generator
         self.block, self.sc = (s, e), None
         self.denoising = ~torch.isin(x[:, self.answer_at:s], self.eos).any(-1)          # (B,)
-        self.history = torch.full((self.stability or 0, B, e - s), -1, device=x.device)  # the last argmaxes
+        self.history = torch.full((self.stability or 0, B, C), -1, device=x.device)     # the last argmaxes
+        if isinstance(g, list):      # a generator per row: each row still answering draws as it would alone
+            start = torch.zeros(B, C, dtype=torch.long, device=x.device)
+            for b in self.drawing():
+                start[b] = torch.randint(0, self.vocab, (C,), generator=g[b], device=x.device)
+        else:                        # one for the batch: every row draws, the official order
+            start = torch.randint(0, self.vocab, (B, C), generator=g, device=x.device)
         x[:, s:e] = torch.where(self.denoising[:, None], start, x[:, s:e])
+
+    def drawing(self) -> list:
+        """The rows still denoising, on the host (a read: only with a generator per row)."""
+        return [b for b, on in enumerate(self.denoising.tolist()) if on]
+
+    def draws(self, probs):
+        """A step's draws, in the official order: every position's sample from probs (B, C, V), then the renoise's random
+        tokens (B, C). One generator: for the batch at once, every row drawing; one per row: each row still denoising
+        from its own, as it would alone."""
+        (B, C, V), g = probs.shape, self.generator
+        if not isinstance(g, list):
+            sample = torch.multinomial(probs.view(B * C, V), 1, generator=g).view(B, C)
+            return sample, torch.randint(0, V, (B, C), generator=g, device=probs.device)
+        sample, noise = (torch.zeros(B, C, dtype=torch.long, device=probs.device) for _ in range(2))
+        for b in self.drawing():
+            sample[b] = torch.multinomial(probs[b], 1, generator=g[b]).view(C)
+            noise[b] = torch.randint(0, V, (C,), generator=g[b], device=probs.device)
+        return sample, noise
 
     def undecided(self, x):
         """(B, L) bool: the canvas of each row still denoising."""
@@ -67,9 +91,7 @@ class GemmaStep(StepRule):
     def propose(self, logits, at) -> Proposal:
         scaled = logits if self.t_min is None else logits / self.temperature(at.i).to(logits.device)   # (B, C, V)
         B, C, V = scaled.shape
-        probs = F.softmax(scaled, dim=-1, dtype=torch.float32)
-        sample = torch.multinomial(probs.view(B * C, V), 1, generator=self.generator).view(B, C)
-        noise = torch.randint(0, V, (B, C), generator=self.generator, device=scaled.device)   # the renoise draw
+        sample, noise = self.draws(F.softmax(scaled, dim=-1, dtype=torch.float32))
         h, argmax = entropy(scaled), scaled.argmax(-1)                                     # (B, C) each
         # Adaptive stopping: the argmax the same as at the last `stability` steps, and the mean entropy low.
         stops = torch.zeros_like(self.denoising) if self.stability is None else (
@@ -162,9 +184,10 @@ def gemma_canvas(prompt, attention_mask, st, cfg, eos) -> Canvas:
         (B,), P, device=x.device)
     L = x.shape[1]
 
-    def output(x):          # padding after a row's first end token (pad_token_id None: none)
+    def output(x):          # padding after a row's first end token (no early stop, or pad_token_id None: none)
         ended = torch.isin(x, eos) & (torch.arange(L, device=x.device) >= P)
-        return x if pad is None else x.masked_fill(ended.long().cumsum(-1) - ended.long() > 0, pad)
+        return x if pad is None or not st.stop_at_eos else x.masked_fill(ended.long().cumsum(-1) - ended.long() > 0,
+                                                                           pad)
     return Canvas(x, [(s, s + C) for s in range(P, L, C)], torch.stack([P - lengths, torch.full_like(lengths, P)], -1),
                   None, None, lambda b: min(L, P + -(-(b - P) // C) * C), pad, output, output)
 
@@ -174,8 +197,8 @@ def gemma_parts(model, st, given, generator, c: Canvas, eos):
     check_text_only(cfg, c.x)
     P = c.x.shape[1] - len(c.blocks) * st.block_length
     rule = GemmaStep(steps=st.steps, t_min=st.t_min, t_max=st.t_max, stability_threshold=st.stability_threshold,
-                     confidence_threshold=st.confidence_threshold, vocab=cfg.vocab_size, answer_at=P, eos=eos,
-                     generator=generator)
+                     confidence_threshold=st.confidence_threshold, vocab=cfg.vocab_size, answer_at=P,
+                     eos=eos if st.stop_at_eos else eos[:0], generator=generator)    # no end: every canvas decoded
     cache = st.cache if isinstance(st.cache, CachePolicy) else Recompute() if st.cache == "none" else BlockWindow()
     valid = torch.arange(c.x.shape[1], device=c.x.device) >= c.prompt[:, :1]
     layers = GemmaCall(model, rule, valid, st.block_length)

@@ -44,16 +44,18 @@ def accept(h, entropy_bound: float):
     return torch.zeros_like(keep).scatter(-1, order, keep)
 
 
-def denoise_step(model, canvas, kv, slots, valid, pos, sc, cur_step, steps, entropy_bound, t_min, t_max, generator):
+def denoise_step(model, canvas, kv, slots, valid, pos, sc, cur_step, steps, entropy_bound, t_min, t_max, generator,
+                 rule=None):
     """One step: the decoder on `canvas`, the schedule's temperature, the sample, the accepted positions and the
-    renoised next canvas. Returns (scaled logits, sample, accepted, argmax, next canvas)."""
+    renoised next canvas. rule(scaled logits, sample) -> accepted (B, C) bool replaces the entropy bound (a fork's
+    rule, written here from its formula). Returns (scaled logits, sample, accepted, argmax, next canvas)."""
     logits = model.decode(canvas, kv, slots, valid, pos, sc_logits=sc)
     if t_min is not None and t_max is not None:
         logits = logits / temperature(cur_step, steps, t_min, t_max)
     B, C, V = logits.shape
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
     sample = torch.multinomial(probs.view(B * C, V), 1, generator=generator).view(B, C)
-    accepted = accept(entropy(logits), entropy_bound)
+    accepted = accept(entropy(logits), entropy_bound) if rule is None else rule(logits, sample)
     noise = torch.randint(0, V, (B, C), generator=generator)
     return logits, sample, accepted, logits.argmax(-1), torch.where(accepted, sample, noise)
 
@@ -62,13 +64,14 @@ def denoise_step(model, canvas, kv, slots, valid, pos, sc, cur_step, steps, entr
 def reference_generate(model, prompt, attention_mask=None, canvas_length=None, max_new_tokens=256, steps=48,
                        entropy_bound=0.1, t_min=0.4, t_max=0.8, stability_threshold=1, confidence_threshold=0.005,
                        eos_ids=(1, 106, 50), pad_id=0, generator=None, start_canvas=None, official_positions=False,
-                       trace=None, force=None):
+                       trace=None, force=None, rule=None):
     """prompt (B, L) ids, attention_mask (B, L) 1 = token, 0 = padding (None: none). Decodes ceil(max_new_tokens / C)
     canvases at most (the official does not cut the last one short). Positions count each row's real tokens, so a
     padded row decodes as it would alone; official_positions=True numbers the slots instead, as the official code
     does (its padded golden runs). stability_threshold / confidence_threshold None: no adaptive stopping. trace: a
     list to append each step's (input canvas, sample, accepted, argmax, next canvas, finished rows) to. force: teacher
     forcing, for comparing steps with a recorded run: {"canvases": [c][step] input canvas, "commits": [c] canvas}.
+    rule: an acceptance rule in place of the entropy bound (denoise_step).
     Returns dict(ids (B, L + n C), decoder_calls [B], steps_per_canvas [n], tokens_per_call [B])."""
     cfg = model.config
     B, L = prompt.shape
@@ -98,7 +101,7 @@ def reference_generate(model, prompt, attention_mask=None, canvas_length=None, m
                 canvas = force["canvases"][c][steps - cur_step]
             calls += ~(done | finished)
             logits, sample, accepted, new_argmax, new_canvas = denoise_step(
-                model, canvas, kv, slots, valid, pos, sc, cur_step, steps, entropy_bound, t_min, t_max, generator)
+                model, canvas, kv, slots, valid, pos, sc, cur_step, steps, entropy_bound, t_min, t_max, generator, rule)
             if adaptive:        # a row that stopped keeps its argmax, canvas and logits
                 new_argmax = torch.where(done[:, None], argmax, new_argmax)
                 new_canvas = torch.where(done[:, None], canvas, new_canvas)
