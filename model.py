@@ -440,6 +440,7 @@ def read_config(model_dir: str) -> ModelConfig:
         hf = hf if mask is None else dict(hf, mask_token_id=mask)
     generation = read_json(os.path.join(model_dir, "generation_config.json")) if arch and arch.generation_ids else {}
     hf = dict(hf, **{k: generation[k] for k in arch.generation_ids if k in generation}) if generation else hf
+    hf = dict(hf, eos_token_id=end_ids(model_dir, hf.get("eos_token_id")))
     try:
         cfg = ModelConfig.from_hf(hf)
     except KeyError as e:
@@ -478,6 +479,22 @@ def read_json(path: str) -> dict:
         return data if isinstance(data, dict) else {}
     except (OSError, ValueError):
         return {}
+
+
+def end_ids(model_dir: str, eos):
+    """The end-of-text ids: config.json's eos_token_id (an id or a list; generation_config.json's where the family's
+    official decode reads that file: archs.Arch.generation_ids), then the tokenizer's eos_token if it is not among
+    them (tokenizer_config.json, else special_tokens_map.json): LLaDA2's official generate() ends at <|endoftext|>,
+    which no config.json of its releases names, and Dream-Coder's answer is cut at the tokenizer's eos_token."""
+    ids = list(eos) if isinstance(eos, list) else [] if eos is None else [eos]
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        token = read_json(os.path.join(model_dir, name)).get("eos_token")
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str):
+            found = added_token_id(model_dir, token)
+            ids += [found] if found is not None and found not in ids else []
+            break
+    return ids or eos
 
 
 def added_token_id(model_dir: str, content: str) -> int | None:
