@@ -47,10 +47,11 @@ def grid_length(family: str, prompt: int, gen_length: int, G: int) -> int:
 def grid_canvas(prompt, attention_mask, gen_length: int, G: int, family: str, mask_id: int, fill: int):
     """A (left-padded) prompt batch -> (canvas (B, L), the rows' prompt lengths (B,), where each row's answer ends on
     the canvas (B,), the blocks [(s, e)]). Each row is the canvas it has alone: its prompt from position 0, masks to
-    its own grid_length, then `fill` up to the longest row's (positions it never decodes, after its last grid block
-    but Fast-dLLM v2's extra token, which is predicted from the block before it). The official batch_sample gives every row the longest
-    prompt's canvas, so that a row's answer depends on its neighbours: not copied (docs/parity.md). LLaDA2's answer
-    is gen_length tokens, the rest of its last block decoded but not returned."""
+    its own grid_length, then `fill` up to the longest row's (positions it never decodes, after its last grid
+    block; Fast-dLLM v2's extra token shares a grid block with them but is predicted from the block before). The
+    official batch_sample gives every row the longest prompt's canvas, so that a row's answer depends on its
+    neighbours: not copied (docs/parity.md). LLaDA2's answer is gen_length tokens, the rest of its last block decoded
+    but not returned."""
     B, P = prompt.shape
     lengths = (attention_mask.long().sum(-1) if attention_mask is not None else torch.full((B,), P)).to(prompt.device)
     ends = torch.tensor([grid_length(family, n, gen_length, G) for n in lengths.tolist()], device=prompt.device)
@@ -137,8 +138,9 @@ class BlockStep(StepRule):
 class FastDLLMv2(BlockStep):
     """Fast-dLLM v2's batch_sample (v2/generation_functions.py): the block in sub-blocks of `sub_block` tokens, left to
     right; a step proposes the masks of the first sub-block that still has one (in any row: the batch moves together,
-    a row with none there waits, and the call is not counted as its), sampled by sample_with_top_p. The store call's token is the arg-max, as official:
-    the stored block's last row predicts the block's first position (the AR token shift)."""
+    a row with none there waits, and the call is not counted as its), sampled by sample_with_top_p. The store call's
+    token is the arg-max, as official: the stored block's last row predicts the block's first position (the AR token
+    shift)."""
 
     def __init__(self, *, sub_block: int, temperature: float = 0.0, top_p=None, generator=None, mask_id: int):
         self.sub_block, self.temperature, self.top_p = sub_block, temperature, top_p

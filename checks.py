@@ -3,7 +3,8 @@ checks.py: every check of a generate() call, in one place, each once. An impossi
 that names the problem and the fix, never deep inside torch. The CLI runs `check_early` before it loads
 gigabytes of weights; generate() runs `check_call` (all of them, and the hooks' signatures) before it decides
 anything else. While it runs, the loop checks the hooks' answers at the boundary (`proposal`, `selection`,
-`stopped`; their values in the plan's one read); the one-line refusals it raises when a check fails are at the end of this file.
+`stopped`; their values in the plan's one read); the one-line refusals it raises when a check fails are at the end
+of this file.
 Guided diffusion's own checks are guided.py's.
 """
 import dataclasses
@@ -407,8 +408,8 @@ def refuse_step(nonfinite, opened, unpredicted, outside, overwrote, unfilled, un
               if type(h).__module__ not in ("sampler", "guided", "blockdiff", "llada2", "dream")]
     if unknown:
         bad(f"{' or '.join(custom) or 'a hook'} wrote a token id outside the vocabulary [0, "
-            f"{at.head.__self__.config.vocab_size}) {step}: a stop rule fills an ended row's masks with one of the model's "
-            f"tokens (its end token or pad id), a step rule proposes token ids of the model")
+            f"{at.head.__self__.config.vocab_size}) {step}: a stop rule fills an ended row's masks with one of the "
+            f"model's tokens (its end token or pad id), a step rule proposes token ids of the model")
     bad(f"{' or '.join(custom) or 'a hook'} changed a token that was not a mask (the prompt or a committed token) "
         f"{step}: hooks may only fill masked positions (the stop rule; a step rule's start_block), and a step rule's "
         f"edits (Proposal.edit) rewrite only the block's committed tokens, never the prompt")

@@ -363,14 +363,14 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
 def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
              generator: torch.Generator | None = None, on_step=None, **settings):
     """Decode gen_length tokens after `prompt` (B, P) -> (ids (B, P + gen_length), stats: "nfe" (model calls),
-    "row_nfe", "row_committed" (per row), "fed", "committed", "filled" (per call), "final" (per row: its answer's
-    tokens no later call changes once unmasked, for a stream), "calls_saved", "guide_calls",
+    "row_nfe", "row_committed", "row_length" (per row), "fed", "committed", "filled" (per call), "final" (per row:
+    its answer's tokens no later call changes once unmasked, for a stream), "calls_saved", "guide_calls",
     "seconds", "answer_tokens", "tokens_per_s": README "Python API"). settings: the fields of `Settings`.
     attention_mask: (B, P) 1/0 for left-padded prompts: each row decodes as it would alone. generator: the only
     source of randomness (default: one seeded 0). on_step(x, stats): called after every step, the canvas live (in the
     layout of the ids it returns).
-    A block-diffusion model (blockdiff.py) answers to a grid block's edge: ids (B, P + answer), shorter answers
-    filled with its pad id."""
+    A block-diffusion model (blockdiff.py) answers to a grid block's edge: ids (B, P + answer), each row's answer
+    its own length (row_length, as alone), the rest its pad id."""
     plan, x = make_plan(model, prompt, settings, attention_mask, generator, on_step)
     show = (lambda x, stats: on_step(plan.output(x), stats)) if on_step else (lambda x, stats: None)
     stats = dict(nfe=0, row_nfe=0, row_committed=0, fed=[], committed=[], edited=[], filled=[], calls_saved=0,

@@ -490,11 +490,12 @@ def end_ids(model_dir: str, eos):
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         token = read_json(os.path.join(model_dir, name)).get("eos_token")
         token = token.get("content") if isinstance(token, dict) else token
-        if isinstance(token, str):
-            found = added_token_id(model_dir, token)
-            ids += [found] if found is not None and found not in ids else []
+        found = added_token_id(model_dir, token) if isinstance(token, str) else None
+        if found is not None:
+            return eos if found in ids else ids + [found]
+        if token is not None:
             break
-    return ids or eos
+    return eos
 
 
 def added_token_id(model_dir: str, content: str) -> int | None:

@@ -57,6 +57,18 @@ def test_the_cli_answers_a_batch_of_prompts_each_as_alone(family, tmp_path, caps
     assert batch.rstrip("\n").rpartition("\n")[0] == "\n".join(alone)
 
 
+@pytest.mark.parametrize("family", ["fastdllm_v2", "llada2.1"])
+def test_the_cli_takes_a_gen_length_below_the_block(family, tmp_path, capsys):
+    """--gen-length 16 on a model trained with blocks of 32 (Fast-dLLM v2, LLaDA2.1; no --block-length) was refused
+    as "not a multiple of block_length 32", a flag never set, and Fast-dLLM v2's generate() then raised an
+    IndexError: both answer (v2 to the end of one block: docs/parity.md; LLaDA2 16 tokens)."""
+    d = str(tmp_path / "ckpt")
+    make_release(d, EVERY[family])
+    extra = [f"--{k.replace('_', '-')}={v}" for k, v in EXTRA.get(family, {}).items()]
+    assert cli.main(["--model", d, "--gen-length", "16", "--prompt", "x", "--no-stream", *extra]) is None
+    assert capsys.readouterr().out.splitlines()[-1].startswith("NFE ")
+
+
 def prompts(chat):
     return [torch.tensor([chat.encode(chat.render([{"role": "user", "content": q}]))]) for q in QUESTIONS]
 

@@ -173,7 +173,8 @@ def test_a_padded_batch_equals_each_row_alone(v2, cache, kw):
 def test_an_answer_shorter_than_a_block(v2, gen_length, cache):
     """gen_length below the block (32): the official batch_sample decodes gen_length // 32 blocks, none, and ours
     failed with an IndexError in three places; now at least one block (docs/parity.md), as the naive decode (the exact
-    caches), and the prompts 5, 20, 32, 45 and 64 tokens long each as alone in a batch. 40: one block, as the official."""
+    caches), and the prompts 5, 20, 32, 45 and 64 tokens long each as alone in a batch. 40: one block, as the
+    official."""
     kw = dict(gen_length=gen_length, block_length=32, sub_block=8, threshold=0.9, cache=cache)
     out, stats = rows_as_alone(v2, PROMPTS, **kw)
     P = max(map(len, PROMPTS))

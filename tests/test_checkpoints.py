@@ -172,8 +172,8 @@ def test_special_ids_come_from_the_files(releases, repo):
 
 # generate()'s end of text (stop_at_eos without eos_ids), at the real ids: what each release's own files and decode
 # end the text at (docs/models.md). Dream-Coder: its tokenizer's eos <|im_end|>, which its config.json does not name.
-END_OF_TEXT = {"llada": {126081}, "lladamoe": {156892}, "llada2": {156892}, "dream": {151643},
-               "fastdllm_v2": {151645}, "sdar": {151645, 151643}, "Dream-org/Dream-Coder-v0-Instruct-7B": {151643, 151645}}
+END_OF_TEXT = {"llada": {126081}, "lladamoe": {156892}, "llada2": {156892}, "dream": {151643}, "fastdllm_v2": {151645},
+               "sdar": {151645, 151643}, "Dream-org/Dream-Coder-v0-Instruct-7B": {151643, 151645}}
 
 
 @pytest.mark.parametrize("repo", RELEASES)

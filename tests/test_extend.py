@@ -232,7 +232,8 @@ BAD_HOOKS = {
     "stop returns a bool": (dict(stop=lambda x, at, p: False), TypeError, r"stop= <lambda> returned False: a stop rule returns a \(2,\) bool"),
     "stop and stop_at_eos": (dict(stop=lambda x, at, p: None, stop_at_eos=True), ValueError, r"pass stop or stop_at_eos, not both"),
     # The class where an instance is meant: it was named "type" (select=, propose=) or "not a cache policy".
-    "select a class": (dict(select=Margin), TypeError, r"^select= Margin is a class: pass an instance, select=Margin\(\.\.\.\)$"),
+    "select a class": (dict(select=Margin), TypeError,
+                       r"^select= Margin is a class: pass an instance, select=Margin\(\.\.\.\)$"),
     "propose a class": (dict(propose=LeftToRight), TypeError, r"^propose= LeftToRight is a class: pass an instance"),
     "cache a class": (dict(cache=RefreshEvery), TypeError, r"^cache= RefreshEvery is a class: pass an instance"),
 }

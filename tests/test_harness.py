@@ -414,7 +414,7 @@ def test_compile_is_one_compiled_for_every_batch(monkeypatch):
 
     def generate(net, ids, **kw):
         given.append(kw["compile"])
-        return torch.cat([ids, ids], 1), {}
+        return torch.cat([ids, ids], 1), {"row_length": [ids.shape[1]] * ids.shape[0]}
     monkeypatch.setattr(harness, "generate", generate)
     lm.decode(None, [[5, 6]], 8)
     lm.decode(None, [[7]], 8)
