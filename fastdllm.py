@@ -379,16 +379,16 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
     for b, (s, e) in enumerate(plan.blocks):
         plan.step_rule.start_block(x, s, e)
         for i in itertools.count():
-            at, logits = plan.feed(x, seen, i, s, e)                     # 1. feed: what the cache policy names
-            p = checks.proposal(plan.step_rule.propose(logits, at), at, plan.step_rule)    # 2. propose
-            take = checks.selection(plan.select(p, at), at, plan.select)                   # 3. select
-            x[:, s:e] = torch.where(take | p.edit, p.x0, x[:, s:e])      # 4. commit (and a rule's edits)
-            ended = plan.stop(x, at, p)                                  # 5. stop
-            seen = plan.read(x, at, p, take, ended, seen, stats)         # the one host read
-            show(x, stats)                                               # on_step(the canvas, in the ids' layout)
+            at, logits = plan.feed(x, seen, i, s, e)                 # 1. feed: what the cache policy names
+            p = checks.proposal(plan.step_rule.propose(logits, at), at, plan.step_rule)  # 2. propose
+            take = checks.selection(plan.select(p, at), at, plan.select)  # 3. select
+            x[:, s:e] = torch.where(take | p.edit, p.x0, x[:, s:e])  # 4. commit (and a rule's edits)
+            ended = plan.stop(x, at, p)                              # 5. stop
+            seen = plan.read(x, at, p, take, ended, seen, stats)     # the one host read
+            show(x, stats)                                           # on_step(the canvas, in the ids' layout)
             if seen.answer_ended or seen.block_ended:
                 break
-        if seen.answer_ended:                                            # every row's answer has ended
+        if seen.answer_ended:                                    # every row's answer has ended
             stats["calls_saved"] = (len(plan.blocks) - b - 1) * plan.calls_per_block
             break
     return plan.finish(x, stats, t0)
