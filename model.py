@@ -482,20 +482,15 @@ def read_json(path: str) -> dict:
 
 
 def end_ids(model_dir: str, eos):
-    """The end-of-text ids: config.json's eos_token_id (an id or a list; generation_config.json's where the family's
-    official decode reads that file: archs.Arch.generation_ids), then the tokenizer's eos_token if it is not among
-    them (tokenizer_config.json, else special_tokens_map.json): LLaDA2's official generate() ends at <|endoftext|>,
-    which no config.json of its releases names, and Dream-Coder's answer is cut at the tokenizer's eos_token."""
+    """config.json's eos_token_id (generation_config.json's where archs.Arch.generation_ids says so), and the
+    tokenizer's eos_token (tokenizer_config.json, else special_tokens_map.json) if it is not among them: LLaDA2's
+    official generate() ends at <|endoftext|>, which no config.json of its names; Dream-Coder's answer at <|im_end|>."""
+    named = [read_json(os.path.join(model_dir, f)).get("eos_token") for f in ("tokenizer_config.json",
+                                                                                 "special_tokens_map.json")]
+    token = next((t.get("content") if isinstance(t, dict) else t for t in named if t is not None), None)
+    found = added_token_id(model_dir, token) if isinstance(token, str) else None
     ids = list(eos) if isinstance(eos, list) else [] if eos is None else [eos]
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        token = read_json(os.path.join(model_dir, name)).get("eos_token")
-        token = token.get("content") if isinstance(token, dict) else token
-        found = added_token_id(model_dir, token) if isinstance(token, str) else None
-        if found is not None:
-            return eos if found in ids else ids + [found]
-        if token is not None:
-            break
-    return eos
+    return eos if found is None or found in ids else ids + [found]
 
 
 def added_token_id(model_dir: str, content: str) -> int | None:
