@@ -162,6 +162,7 @@ class Plan:
     view: Callable            # the canvas -> on_step's: output's layout without its end cut (an edit may move the end)
     after: dict               # block start -> the next block's end (a read reports the next block's masked columns)
     answer_at: list           # each row's answer start on the canvas, on the host (stats["final"])
+    answer_length: list       # each row's answer length in the ids (a block-diffusion row's, its own: the rest fill)
     reads_block: bool         # the step rule reads logits at every block column, not only the masked (LLaDA2.1's)
     edits: bool               # the step rule may rewrite committed tokens of its block (LLaDA2.1's; the others not)
     max_post_steps: int       # calls a block may take once it has no mask (LLaDA2.1's; the others 0)
@@ -213,7 +214,7 @@ class Plan:
         """The step's one host read: the hooks' answers checked (shapes and dtypes on the host; values in the read),
         the stats, the block's (and the next block's) masked columns for the next step; then the one decision: has
         every row's answer ended, has the block."""
-        checks.shapes(p, take, ended, at.masked.shape, self.step_rule, self.select, self.stop)  # else one line naming the hook
+        checks.stopped(ended, at, self.stop)        # the hooks' answers are of the loop's shapes, else one line
         s, e = at.s, at.e
         diff, masked = x != seen.canvas, x == self.mask_id                 # (B, L): no prompt position is a mask
         with_logits = torch.zeros_like(at.masked[0]).index_fill_(0, at.cols, True)       # (N,)
@@ -223,8 +224,8 @@ class Plan:
         flags = [~torch.isfinite(p.logits.sum(-1, dtype=torch.float32)).all(),
                  (p.open & ~at.masked).any() | (edit & at.masked).any(), (p.open & ~with_logits).any(),
                  (take & ~p.open).any(), (diff & (seen.canvas != self.mask_id) & ~edited).any(),
-                 (ended[:, None] & masked).any()]
-        stats["row_nfe"] = stats["row_nfe"] + (at.masked.any(-1) | p.busy)  # device tensors until the end
+                 (ended[:, None] & masked).any(), (diff & ((x < 0) | (x >= self.model.config.vocab_size))).any()]
+        stats["row_nfe"] = stats["row_nfe"] + (at.masked.any(-1) if p.busy is None else p.busy)  # on the device
         stats["row_committed"] = stats["row_committed"] + take.sum(-1)
         values = torch.stack([*flags, p.open.any(), ended.all(), take.sum(), diff.sum(), edit.sum()])
         open_cols = masked[:, s:self.after[s]].any(0)                     # (N + N',) this block's columns, the next's
@@ -262,10 +263,12 @@ class Plan:
         torch.cuda.synchronize(x.device) if x.is_cuda else None
         seconds, out = time.perf_counter() - t0, self.output(x)
         P = out.shape[1] - x.shape[1] + int(self.prompt[:, 1].min())      # the answers start at P in the output
+        n = torch.tensor(self.answer_length, device=x.device)
         end = torch.isin(out[:, P:], self.eos)                              # tokens/s: answers, not filler
-        tokens = int(torch.where(end.any(-1), end.long().argmax(-1), end.shape[1]).sum())
+        tokens = int(torch.where(end.any(-1), end.long().argmax(-1), n).clamp(max=n).sum())
         return out, stats | dict(seconds=seconds, answer_tokens=tokens, tokens_per_s=tokens / max(seconds, 1e-9),
-                                 row_nfe=stats["row_nfe"].tolist(), row_committed=stats["row_committed"].tolist())
+                                 row_nfe=stats["row_nfe"].tolist(), row_committed=stats["row_committed"].tolist(),
+                                 row_length=self.answer_length)
 
 
 def decided(cfg, options: dict) -> Settings:
@@ -307,9 +310,11 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     (B, P), generator = prompt.shape, generator or torch.Generator(device).manual_seed(0)
     eos = torch.tensor(sorted(set(st.eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
     block = cfg.family in BLOCK_FAMILIES and st.guide is None
+    # What an ended answer is filled with (and a block-diffusion row past its own canvas):
+    fill = cfg.pad_id if block and cfg.pad_id is not None else int(eos[0]) if len(eos) else cfg.mask_id
     if block:       # block diffusion: each row on one grid from position 0, its answer right after its prompt
-        x, lengths, blocks = grid_canvas(prompt.to(device), attention_mask, st.gen_length, st.block_length, cfg.family,
-                                         cfg.mask_id)
+        x, lengths, ends, blocks = grid_canvas(prompt.to(device), attention_mask, st.gen_length, st.block_length,
+                                               cfg.family, cfg.mask_id, fill)
         spans, pos, mask = torch.stack([torch.zeros_like(lengths), lengths], -1), None, block_causal(
             x.shape[1], st.block_length, device)
     else:           # the answer after a common prompt width; left-padded rows: real tokens count from 0
@@ -321,7 +326,7 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
         if attention_mask is not None and (attention_mask == 0).any():   # pads neither attend nor are attended to
             m = F.pad(attention_mask.to(device).bool(), (0, st.gen_length), value=True)
             pos, mask = (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
-    fill = cfg.pad_id if block and cfg.pad_id is not None else int(eos[0])    # what an ended answer is filled with
+        ends = torch.full_like(lengths, x.shape[1])
     if st.guide is not None:    # FlashDLM's guided diffusion: one block; a committed end token ends the answer
         (step_rule, select, cache), stop_run = guided_parts(model, st, Settings(), x[:, :P], attention_mask, pos, eos), 1
     elif block:
@@ -334,8 +339,8 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     end_of_text = getattr(step_rule, "end_of_text", S.EndOfText)     # LLaDA2: once its block is final
     stop = st.stop or (end_of_text(spans[:, 1:], eos, cfg.mask_id, stop_run, fill) if stop_run else S.NoStop())
     cut = cfg.family == "llada2" or stop_run and cfg.family == "fastdllm_v2"     # as the official answers end
-    view = (partial(grid_output, lengths=lengths, shortest=int(lengths.min()), P=P, fill=fill,
-                    gen=st.gen_length if cfg.family == "llada2" else None) if block else lambda x: x)
+    view = (partial(grid_output, lengths=lengths, ends=ends, shortest=int(lengths.min()), P=P, fill=fill)
+            if block else lambda x: x)
     output = partial(view, eos=eos) if cut else view
     compiled = st.compile and cache.fixed_width and (st.compile if isinstance(st.compile, Compiled) else Compiled())
     kv = (compiled.cache if compiled else KVCache.for_model)(model, B, x.shape[1], cache.spare) if cache.keeps_cache else None
@@ -350,7 +355,8 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
                 calls_per_block=1 if S.is_parallel(select) else max(spb, 1),
                 eos=eos, ar=ar, output=output, view=view,
                 after={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)},
-                answer_at=spans[:, 1].tolist(), reads_block=rule("reads_block"), edits=rule("edits"),
+                answer_at=spans[:, 1].tolist(), answer_length=(ends - spans[:, 1]).tolist(),
+                reads_block=rule("reads_block"), edits=rule("edits"),
                 max_post_steps=post)
     return plan, x
 
@@ -359,39 +365,34 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
 def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
              generator: torch.Generator | None = None, on_step=None, **settings):
     """Decode gen_length tokens after `prompt` (B, P) -> (ids (B, P + gen_length), stats: "nfe" (model calls),
-    "row_nfe", "row_committed" (per row), "fed", "committed", "filled" (per call), "final" (per row: its answer's
-    tokens no later call changes once unmasked, for a stream), "calls_saved", "guide_calls",
+    "row_nfe", "row_committed", "row_length" (per row), "fed", "committed", "filled" (per call), "final" (per row:
+    its answer's tokens no later call changes once unmasked, for a stream), "calls_saved", "guide_calls",
     "seconds", "answer_tokens", "tokens_per_s": README "Python API"). settings: the fields of `Settings`.
     attention_mask: (B, P) 1/0 for left-padded prompts: each row decodes as it would alone. generator: the only
     source of randomness (default: one seeded 0). on_step(x, stats): called after every step, the canvas live (in the
     layout of the ids it returns, not yet cut at an end token: Plan.view).
-    A block-diffusion model (blockdiff.py) answers to a grid block's edge: ids (B, P + answer), shorter answers
-    filled with its pad id."""
+    A block-diffusion model (blockdiff.py) answers to a grid block's edge: ids (B, P + answer), each row's answer
+    its own length (row_length, as alone), the rest its pad id."""
     plan, x = make_plan(model, prompt, settings, attention_mask, generator, on_step)
     show = (lambda x, stats: on_step(plan.view(x), stats)) if on_step else (lambda x, stats: None)
     stats = dict(nfe=0, row_nfe=0, row_committed=0, fed=[], committed=[], edited=[], filled=[], calls_saved=0,
                  guide_calls=0)
-    t0, p, take, seen = time.perf_counter(), None, None, plan.start(x)
-    try:
-        for b, (s, e) in enumerate(plan.blocks):
-            plan.step_rule.start_block(x, s, e)
-            for i in itertools.count():
-                at, logits = plan.feed(x, seen, i, s, e)                 # 1. feed: what the cache policy names
-                p = plan.step_rule.propose(logits, at)                   # 2. propose
-                take = plan.select(p, at)                                # 3. select
-                x[:, s:e] = torch.where(take | p.edit, p.x0, x[:, s:e])  # 4. commit (and a rule's edits)
-                ended = plan.stop(x, at, p)                              # 5. stop
-                seen = plan.read(x, at, p, take, ended, seen, stats)     # the one host read
-                show(x, stats)                                           # on_step(the canvas, in the ids' layout)
-                if seen.answer_ended or seen.block_ended:
-                    break
-            if seen.answer_ended:                                        # every row's answer has ended
-                stats["calls_saved"] = (len(plan.blocks) - b - 1) * plan.calls_per_block
+    t0, seen = time.perf_counter(), plan.start(x)
+    for b, (s, e) in enumerate(plan.blocks):
+        plan.step_rule.start_block(x, s, e)
+        for i in itertools.count():
+            at, logits = plan.feed(x, seen, i, s, e)                 # 1. feed: what the cache policy names
+            p = checks.proposal(plan.step_rule.propose(logits, at), at, plan.step_rule)  # 2. propose
+            take = checks.selection(plan.select(p, at), at, plan.select)  # 3. select
+            x[:, s:e] = torch.where(take | p.edit, p.x0, x[:, s:e])  # 4. commit (and a rule's edits)
+            ended = plan.stop(x, at, p)                              # 5. stop
+            seen = plan.read(x, at, p, take, ended, seen, stats)     # the one host read
+            show(x, stats)                                           # on_step(the canvas, in the ids' layout)
+            if seen.answer_ended or seen.block_ended:
                 break
-    except (TypeError, RuntimeError, AttributeError):    # a proposal or selection the commit could not use: name it
-        if p is not None:
-            checks.shapes(p, take, None, x[:, s:e].shape, plan.step_rule, plan.select, plan.stop)
-        raise
+        if seen.answer_ended:                                    # every row's answer has ended
+            stats["calls_saved"] = (len(plan.blocks) - b - 1) * plan.calls_per_block
+            break
     return plan.finish(x, stats, t0)
 
 

@@ -31,8 +31,8 @@ class Proposal(NamedTuple):
     k_host: int | None = None   # k as one host int where the rule knows it without a read (rows with a mask left)
     edit: torch.Tensor | bool = False   # (B, N) bool: committed tokens of the block (never the prompt) the step
                                         #   rewrites with x0, whatever the selection (LLaDA2.1's T2T editing)
-    busy: torch.Tensor | bool = False   # (B,) bool: rows this call works on though they have no mask (an editing
-                                        #   rule's calls that check a block): counted in row_nfe, as alone
+    busy: torch.Tensor | None = None    # (B,) bool: the rows this call works on, each as it would alone (row_nfe
+                                        #   counts them; None: the rows with a mask in the block)
 
 
 # ---------------------------------------------------------------------------------------- sampling
