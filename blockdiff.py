@@ -8,8 +8,9 @@ family is exact, not an approximation (cache.py's BlockPrefix).
 Here are the family's parts for fastdllm.py's one loop (docs/blockdiff.md tells the method):
 - `grid_canvas` / `grid_output`: a batch on one grid. Each row's prompt starts at position 0 and its answer right
   after it (right padding with masks, as Fast-dLLM v2's batch_sample): the grid, the RoPE positions and every
-  block's keys are then the ones the row has alone. The answer runs to a grid block edge, as each official decode
-  counts it. generate() hands back the usual layout, answers after a common prompt width.
+  block's keys are then the ones the row has alone. Each row's answer runs to its own grid block edge, as each
+  official decode counts it for that row alone (never to the longest prompt's: a row decodes, stops and is counted
+  as alone). generate() hands back the usual layout, answers after a common prompt width.
 - `FastDLLMv2`, `SDAR`: the step rules. A block's first call stores the block before it, clean (the prefill
   for the first block); for Fast-dLLM v2 (the AR token shift: position p is predicted from p - 1) that call's last
   row also gives the block's first token, by arg-max. Then sub-blocks (v2) or the whole block (SDAR) are denoised.
@@ -35,39 +36,45 @@ V2_SUB_BLOCK = 8   # Fast-dLLM v2's sub-block (its small_block_size), or the blo
 
 
 # ---------------------------------------------------------------------------------------- the canvas
-def grid_length(family: str, longest: int, gen_length: int, G: int) -> int:
-    """The canvas length of a batch whose longest prompt has `longest` tokens, as each official decode counts it.
-    Fast-dLLM v2 (batch_sample): gen_length / G blocks after the longest prompt's whole blocks, plus the first token
-    of the next block (the last store call's). SDAR (block_diffusion_generate): prompt + answer rounded up to a block."""
+def grid_length(family: str, prompt: int, gen_length: int, G: int) -> int:
+    """The canvas length of one row whose prompt has `prompt` tokens, as each official decode counts it for it alone.
+    Fast-dLLM v2 (batch_sample): gen_length // G blocks after the prompt's whole blocks, plus the first token of the
+    next block (the last store call's); below one block the official decodes nothing, ours one block (docs/parity.md).
+    SDAR (block_diffusion_generate), LLaDA2: prompt + answer rounded up to a block."""
     if family == "fastdllm_v2":
-        return (longest // G + gen_length // G) * G + 1
-    return -(-(longest + gen_length) // G) * G
+        return (prompt // G + max(gen_length // G, 1)) * G + 1
+    return -(-(prompt + gen_length) // G) * G
 
 
-def grid_canvas(prompt, attention_mask, gen_length: int, G: int, family: str, mask_id: int):
-    """A (left-padded) prompt batch -> (canvas (B, L): each row's prompt from position 0 and masks after it, the
-    rows' prompt lengths (B,), the blocks [(s, e)])."""
+def grid_canvas(prompt, attention_mask, gen_length: int, G: int, family: str, mask_id: int, fill: int):
+    """A (left-padded) prompt batch -> (canvas (B, L), the rows' prompt lengths (B,), where each row's answer ends on
+    the canvas (B,), the blocks [(s, e)]). Each row is the canvas it has alone: its prompt from position 0, masks to
+    its own grid_length, then `fill` up to the longest row's (positions it never decodes, after its last grid
+    block; Fast-dLLM v2's extra token shares a grid block with them but is predicted from the block before). The
+    official batch_sample gives every row the longest prompt's canvas, so that a row's answer depends on its
+    neighbours: not copied (docs/parity.md). LLaDA2's answer is gen_length tokens, the rest of its last block decoded
+    but not returned."""
     B, P = prompt.shape
     lengths = (attention_mask.long().sum(-1) if attention_mask is not None else torch.full((B,), P)).to(prompt.device)
-    L = grid_length(family, int(lengths.max()), gen_length, G)
+    ends = torch.tensor([grid_length(family, n, gen_length, G) for n in lengths.tolist()], device=prompt.device)
+    L = int(ends.max())
     ar = torch.arange(L, device=prompt.device)
     src = (ar + P - lengths[:, None]).clamp(max=P - 1)                    # row r's token j sits at P - len_r + j
-    x = torch.where(ar < lengths[:, None], prompt.gather(1, src.clamp(max=P - 1)), mask_id)
+    x = torch.where(ar < lengths[:, None], prompt.gather(1, src), torch.where(ar < ends[:, None], mask_id, fill))
     first = int(lengths.min()) // G * G                                  # the grid block of the shortest prompt's end
     blocks = [(s, min(s + G, L)) for s in range(first, L, G)]            # Fast-dLLM v2: [L - 1, L) the extra token
-    return x, lengths, blocks
+    return x, lengths, lengths + gen_length if family == "llada2" else ends, blocks
 
 
-def grid_output(x, lengths, shortest: int, P: int, fill: int, eos=None, gen=None):
+def grid_output(x, lengths, ends, shortest: int, P: int, fill: int, eos=None):
     """The canvas -> generate()'s layout (B, P + L - shortest): row r is its prompt right-aligned at P, then its
-    answer, then `fill`. eos (Fast-dLLM v2's batch_sample, LLaDA2's generate): a row whose answer ended has `fill`
-    after its end token. gen (LLaDA2): an answer is gen tokens, the grid block's tail past them `fill`.
-    shortest: the shortest prompt's length, read once before the loop (each step's streamed canvas reads nothing)."""
+    answer up to its end on the canvas (ends (B,)), then `fill`. eos (Fast-dLLM v2's batch_sample, LLaDA2's
+    generate): a row whose answer ended has `fill` after its end token. shortest: the shortest prompt's length, read
+    once before the loop (each step's streamed canvas reads nothing)."""
     B, L = x.shape
     width = P + L - shortest
     j = torch.arange(width, device=x.device) - (P - lengths[:, None])    # (B, width): canvas position of each slot
-    end = L if gen is None else lengths[:, None] + gen
-    out = torch.where((j >= 0) & (j < end), x.gather(1, j.clamp(0, L - 1)), fill)
+    out = torch.where((j >= 0) & (j < ends[:, None]), x.gather(1, j.clamp(0, L - 1)), fill)
     if eos is not None:
         end = torch.isin(out, eos) & (torch.arange(width, device=x.device) >= P)
         out = out.masked_fill(end.long().cumsum(-1) - end.long() > 0, fill)   # after the first end token
@@ -133,8 +140,9 @@ class BlockStep(StepRule):
 class FastDLLMv2(BlockStep):
     """Fast-dLLM v2's batch_sample (v2/generation_functions.py): the block in sub-blocks of `sub_block` tokens, left to
     right; a step proposes the masks of the first sub-block that still has one (in any row: the batch moves together,
-    a row with none there waits), sampled by sample_with_top_p. The store call's token is the arg-max, as official:
-    the stored block's last row predicts the block's first position (the AR token shift)."""
+    a row with none there waits, and the call is not counted as its), sampled by sample_with_top_p. The store call's
+    token is the arg-max, as official: the stored block's last row predicts the block's first position (the AR token
+    shift)."""
 
     def __init__(self, *, sub_block: int, temperature: float = 0.0, top_p=None, generator=None, mask_id: int):
         self.sub_block, self.temperature, self.top_p = sub_block, temperature, top_p
@@ -155,6 +163,8 @@ class FastDLLMv2(BlockStep):
             rows = torch.searchsorted(at.cols, sub).clamp(max=max(len(at.masked_cols) - 1, 0))
             x0, conf = top_p_sample(logits[:, rows], self.temperature, self.top_p, self.generator, self.mask_id)
             x0, conf = widen(x0, conf, sub, open_)
+            # A row with no mask in the sub-block waits for the others: alone it would not make this call.
+            return Proposal(x0, conf, open_, open_.sum(-1), logits, busy=open_.any(-1))
         return Proposal(x0, conf, open_, open_.sum(-1), logits)
 
 
@@ -228,14 +238,15 @@ def block_canvas(prompt, attention_mask, st, cfg, eos) -> Canvas:
     """Each row on one grid from position 0, its answer right after its prompt (grid_canvas); generate()'s ids in
     the usual layout (grid_output), the answers cut at their end as the official's end (LLaDA2's always, Fast-dLLM v2's
     when it stops at end tokens)."""
-    x, lengths, blocks = grid_canvas(prompt, attention_mask, st.gen_length, st.block_length, cfg.family, cfg.mask_id)
-    fill = cfg.pad_id if cfg.pad_id is not None else int(eos[0])      # what an ended answer is filled with
+    # What an ended answer is filled with, and a row's canvas past its own end:
+    fill = cfg.pad_id if cfg.pad_id is not None else int(eos[0]) if len(eos) else cfg.mask_id
+    x, lengths, ends, blocks = grid_canvas(prompt, attention_mask, st.gen_length, st.block_length, cfg.family,
+                                           cfg.mask_id, fill)
     cut = cfg.family == "llada2" or st.stop_at_eos and cfg.family == "fastdllm_v2"
-    view = partial(grid_output, lengths=lengths, shortest=int(lengths.min()), P=prompt.shape[1], fill=fill,
-                   gen=st.gen_length if cfg.family == "llada2" else None)
+    view = partial(grid_output, lengths=lengths, ends=ends, shortest=int(lengths.min()), P=prompt.shape[1], fill=fill)
     L, G = x.shape[1], st.block_length
     return Canvas(x, blocks, torch.stack([torch.zeros_like(lengths), lengths], -1), None, block_causal(L, G, x.device),
-                  lambda b: min(L, -(-b // G) * G), fill, partial(view, eos=eos) if cut else view, view)
+                  lambda b: min(L, -(-b // G) * G), ends, fill, partial(view, eos=eos) if cut else view, view)
 
 
 def block_parts(model, st, given, generator, c: Canvas, eos):

@@ -2,8 +2,9 @@
 checks.py: every check of a generate() call, in one place, each once. An impossible request fails in one line
 that names the problem and the fix, never deep inside torch. The CLI runs `check_early` before it loads
 gigabytes of weights; generate() runs `check_call` (all of them, and the hooks' signatures) before it decides
-anything else. While it runs, the plan (fastdllm.Plan) checks the hooks' answers at the boundary (`shapes`, the
-values in its one read); the one-line refusals it raises when a check fails are at the end of this file.
+anything else. While it runs, the loop checks the hooks' answers at the boundary (`proposal`, `selection`,
+`stopped`; their values in the plan's one read); the one-line refusals it raises when a check fails are at the end
+of this file.
 Guided diffusion's own checks are guided.py's.
 """
 import dataclasses
@@ -38,17 +39,18 @@ def known(options: dict, settings_class) -> dict:
 
 
 def check_settings(gen_length, block_length, steps, cache, threshold, factor, temperature, top_p=None,
-                   top_k=None, alg_temp=None, eps=None, generator=None, grid=False):
-    """The checks that need no model. grid: a block-diffusion model's (blockdiff.check_block checks its blocks)."""
+                   top_k=None, alg_temp=None, eps=None, generator=None, grid=False, name=lambda key: key):
+    """The checks that need no model. grid: a block-diffusion model's (blockdiff.check_block checks its blocks).
+    name(key) words a setting as the caller knows it (a flag)."""
     # A wrong type gets the same one line as a wrong value, not a TypeError from deep inside torch.
-    for name, v, kind in (("gen_length", gen_length, int), ("block_length", block_length, int), ("steps", steps, int),
+    for key, v, kind in (("gen_length", gen_length, int), ("block_length", block_length, int), ("steps", steps, int),
                           ("temperature", temperature, float), ("top_k", top_k, int), ("threshold", threshold, float),
                           ("factor", factor, float), ("top_p", top_p, float), ("alg_temp", alg_temp, float),
                           ("eps", eps, float)):
-        optional = name not in ("gen_length", "block_length", "steps", "temperature")
+        optional = key not in ("gen_length", "block_length", "steps", "temperature")
         if not (optional and v is None or isinstance(v, numbers.Integral if kind is int else numbers.Real)
                 and not isinstance(v, bool)):
-            bad(f"{name} must be {'an integer' if kind is int else 'a number'}{' or None' * optional} (got {v!r})")
+            bad(f"{key} must be {'an integer' if kind is int else 'a number'}{' or None' * optional} (got {v!r})")
     rows = generator if isinstance(generator, (list, tuple)) and generator else [generator]
     if generator is not None and not all(isinstance(g, torch.Generator) for g in rows):
         bad(f"generator must be a torch.Generator (DiffusionGemma: or a list of them, one per row), not {generator!r}: "
@@ -58,13 +60,17 @@ def check_settings(gen_length, block_length, steps, cache, threshold, factor, te
     if gen_length < 1 or block_length < 1:
         bad(f"gen_length ({gen_length}) and block_length ({block_length}) must be positive")
     if not grid and gen_length % block_length:
-        bad(f"gen_length {gen_length} is not a multiple of block_length {block_length}: "
-            f"pick a block_length that divides it, e.g. {next(b for b in range(block_length, 0, -1) if gen_length % b == 0)}")
+        g, b = name("gen_length"), name("block_length")
+        bad(f"{g} {gen_length} is not a multiple of {b} {block_length}: pass a {b} that divides it, e.g. {b} "
+            f"{next(d for d in range(block_length, 0, -1) if gen_length % d == 0)}, or a {g} that is a multiple of "
+            f"{block_length}, e.g. {g} {-(-gen_length // block_length) * block_length}")
     if steps < 1:
         bad(f"steps must be >= 1 (got {steps})")
     if not grid and steps % (gen_length // block_length):
         bad(f"steps {steps} is not divisible by the number of blocks {gen_length // block_length} "
             f"(gen_length / block_length): use a multiple, e.g. steps={gen_length}")
+    if isinstance(cache, type):
+        raise TypeError(f"cache= {cache.__name__} is a class: pass an instance, cache={cache.__name__}(...)")
     if not isinstance(cache, (str, CachePolicy)):
         raise TypeError(f"cache must be a mode name ({', '.join(CACHE_POLICIES)}) or a cache.CachePolicy (subclass "
                         f"cache.CachePolicy and write its span()), not {cache!r}")
@@ -89,15 +95,16 @@ def check_settings(gen_length, block_length, steps, cache, threshold, factor, te
         bad(f"alg_temp must be >= 0 (got {alg_temp})")
 
 
-def check_early(kw: dict, defaults, name=lambda key: key):
+def check_early(kw: dict, defaults, name=lambda key: key, grid=False):
     """Every check of generate() keywords that needs no model, before any is loaded (the CLI, the benchmark, the
     server, the harness all call it; generate() runs them all again, and the model's): block_length None is one
     block and steps None one token a step, as generate() fills them in; a `guide` of any value (a path, say)
-    means a guide is coming. defaults: fastdllm.Settings; name(key) words a setting as the caller knows it."""
+    means a guide is coming. defaults: fastdllm.Settings; name(key) words a setting as the caller knows it; grid: a
+    block-diffusion model's (its gen_length need not fill whole blocks)."""
     st = SimpleNamespace(**vars(defaults) | kw)
     names = inspect.signature(check_settings).parameters
     check_settings(**{k: getattr(st, k) for k in names if hasattr(st, k)} |
-                   {"block_length": st.block_length or st.gen_length,
+                   {"block_length": st.block_length or st.gen_length, "grid": grid, "name": name,
                     "steps": st.gen_length if st.steps is None else st.steps})
     check_hooks(st)
     check_stop(None, st.stop_at_eos, None)
@@ -164,12 +171,28 @@ def check_family(cfg, remasking, top_p=None, top_k=None, alg_temp=None, name=lam
             f"samples with {name('temperature')} only; drop {name(given[0])}")
 
 
+def check_readers(cfg, given: dict, defaults, name=lambda key: key):
+    """A setting that only another family reads, on config.json alone (the programs check it before the weights):
+    LLaDA2's own (llada2.OWN), DiffusionGemma's (uniform.OWN) and Fast-dLLM v2's sub_block. given: the settings passed; defaults: fastdllm.Settings."""
+    for family, title, own in (("llada2", "LLaDA2's (model_type llada2_moe)", LLADA2_OWN),
+                               ("diffusion_gemma", "DiffusionGemma's", GEMMA_OWN)):
+        theirs = [k for k in own if given.get(k, getattr(defaults, k)) != getattr(defaults, k)]
+        if theirs and cfg.family != family:
+            bad(f"{name(theirs[0])} is {title}: a {cfg.family} model does not read it; drop {name(theirs[0])}")
+    if given.get("sub_block") is not None and cfg.family not in BLOCK_FAMILIES:
+        bad(f"{name('sub_block')} is Fast-dLLM v2's: a {cfg.family} model decodes the whole block at each step; drop "
+            f"{name('sub_block')}")
+
+
 def check_stop(cfg, stop_at_eos, eos_ids):
     """End of text: stop_at_eos is False, True or k >= 1; every end id an integer inside the vocabulary."""
     if not (isinstance(stop_at_eos, bool) or isinstance(stop_at_eos, numbers.Integral) and stop_at_eos >= 1):
         bad(f"stop_at_eos must be False, True (stop after a finished block holding an end token) or an integer "
             f"k >= 1 (FlashDLM's k end tokens in a row), not {stop_at_eos!r}")
     if eos_ids is None:
+        if cfg is not None and stop_at_eos and not cfg.eos_ids:
+            bad("stop_at_eos needs the end tokens and this checkpoint names none (no eos_token_id in config.json or "
+                "generation_config.json, no eos_token in its tokenizer files): pass eos_ids=[...]")
         return
     ids = list(eos_ids) if isinstance(eos_ids, (list, tuple, set)) else None
     if not ids or not all(isinstance(i, numbers.Integral) and not isinstance(i, bool) and 0 <= i < cfg.vocab_size
@@ -198,6 +221,8 @@ def check_hooks(st, on_step=None):
     the hook, here, not Python's own TypeError in the middle of a decode."""
     for hook, method, what, how, n in HOOKS:
         obj = on_step if hook == "on_step" else getattr(st, hook)
+        if isinstance(obj, type):       # the class, where its instance is meant (select=AboveMean)
+            raise TypeError(f"{hook}= {obj.__name__} is a class: pass an instance, {hook}={obj.__name__}(...)")
         if obj is None or hook == "cache" and not isinstance(obj, CachePolicy):
             continue
         fn = obj if method is None else getattr(obj, method, None)
@@ -242,11 +267,7 @@ def check_call(model, prompt, st, attention_mask, generator, on_step, defaults, 
     if st.propose is not None and ignored:
         bad(f"propose= {name(st.propose)} makes its own proposals: {', '.join(ignored)} set(s) the built-in step "
             f"rules only; give your step rule what it needs, and drop {ignored[0]}")
-    for family, title, own in (("llada2", "LLaDA2's (model_type llada2_moe)", LLADA2_OWN),
-                               ("diffusion_gemma", "DiffusionGemma's", GEMMA_OWN)):
-        theirs = [k for k in own if given.get(k, getattr(defaults, k)) != getattr(defaults, k)]
-        if theirs and cfg.family != family:
-            bad(f"{theirs[0]} is {title}: a {cfg.family} model does not read it; drop {theirs[0]}")
+    check_readers(cfg, given, defaults)
     device = model.lm_head.weight.device
     rows = generator if isinstance(generator, (list, tuple)) else [generator]
     if generator is not None and any(g.device.type != device.type for g in rows):
@@ -263,7 +284,7 @@ def name(hook) -> str:
     """A hook as its author wrote it: `Margin`, `<lambda>`, `LeftToRight.propose`."""
     if inspect.ismethod(hook):
         return f"{type(hook.__self__).__name__}.{hook.__name__}"
-    return hook.__name__ if inspect.isfunction(hook) else type(hook).__name__
+    return hook.__name__ if inspect.isfunction(hook) or isinstance(hook, type) else type(hook).__name__
 
 
 def described(v) -> str:
@@ -279,21 +300,24 @@ def span(wanted, at, cache) -> tuple[int, int]:
 
 
 def step_rules(x, at, p, take, ended, before, open_, plan) -> torch.Tensor:
-    """The rules the hooks' answers of one step keep (fastdllm.Plan.read): shapes and dtypes here, on the host
-    (`shapes`); the values as (6,) bool on the device, brought back by the step's one read, for `refuse_step` to name
+    """The rules the hooks' answers of one step keep (fastdllm.Plan.read): the stop rule's shape here, on the host; the
+    values as (7,) bool on the device, brought back by the step's one read, for `refuse_step` to name
     the hook that broke one: non-finite logits; a proposal that opens a decided position (or edits an open one); one
     that opens a position without logits this call; a selection outside the proposal; a change to a position that was
-    neither open nor the rule's edit of its answer; an ended row with a position still open. before: the canvas as
+    neither open nor the rule's edit of its answer; an ended row with a position still open; a token outside the
+    vocabulary (a stop rule's fill). before: the canvas as
     the last step left it; open_: (B, L) the positions still open after this step."""
-    shapes(p, take, ended, at.masked.shape, plan.step_rule, plan.select, plan.stop)
+    stopped(ended, at, plan.stop)      # the proposal's and the selection's shapes: checked as they came back
     s, e = at.s, at.e
     edit = torch.zeros_like(take) | p.edit                                # (B, N): the step rule's edits (T2T)
     with_logits = torch.zeros_like(at.masked[0]).index_fill_(0, at.cols, True)       # (N,)
     may_change = at.masked | edit & (plan.ar[s:e] >= at.prompt[:, 1:])  # (B, N): open, or an edit of the answer
     may_change = (before == at.mask_id) | F.pad(may_change, (s, x.shape[1] - e))   # (B, L): a stop rule fills masks
+    changed = x != before
     return torch.stack([~torch.isfinite(p.logits.sum(-1, dtype=torch.float32)).all(),
                         (p.open & ~at.masked).any() | (edit & at.masked).any(), (p.open & ~with_logits).any(),
-                        (take & ~p.open).any(), ((x != before) & ~may_change).any(), (ended[:, None] & open_).any()])
+                        (take & ~p.open).any(), (changed & ~may_change).any(), (ended[:, None] & open_).any(),
+                        (changed & ((x < 0) | (x >= plan.model.config.vocab_size))).any()])
 
 
 def refuse_span(cache, at, span):
@@ -317,21 +341,35 @@ def refuse_unwritten(cache, at, span, written: int, seen_to: int):
         f"and only [0, {written}) hold keys/values yet: feed from {min(a, written)} to at least {seen_to}")
 
 
-def shapes(p, take, ended, shape, step_rule, select, stop):
-    """The hooks' answers at the boundary (fastdllm.Plan.read; and when the commit fails on one of them): the
-    proposal's fields, the selection and the stop result of the shapes and dtypes the loop needs (host metadata)."""
-    B, N = shape
+def proposal(p, at, step_rule):
+    """The step rule's proposal at the boundary, before anything reads it (host metadata): its fields of the shapes
+    and dtypes the loop needs. -> p"""
+    B, N = at.masked.shape
     kind = lambda v: "bool" if v.dtype == torch.bool else "float" if v.is_floating_point() else "integer"  # noqa: E731
     for f, want, dtype in (("x0", (B, N), "integer"), ("conf", (B, N), "float"), ("open", (B, N), "bool"),
-                           ("k", (B,), "integer")):
+                           ("k", (B,), "integer"), ("edit", (B, N), "bool"), ("busy", (B,), "bool")):
         v = getattr(p, f, None)
+        if f == "edit" and v is False or f == "busy" and v is None:       # the defaults: no edit, every row with a mask
+            continue
         if not (isinstance(v, torch.Tensor) and v.shape == want and kind(v) == dtype):
             raise TypeError(f"propose= {name(step_rule)}.propose() returned {f} = {described(v)}: a sampler.Proposal "
                             f"holds {f} of shape {want} ({dtype})")
+    return p
+
+
+def selection(take, at, select):
+    """The selection rule's answer at the boundary, before the commit reads it. -> take"""
+    B, N = at.masked.shape
     if not (isinstance(take, torch.Tensor) and take.shape == (B, N) and take.dtype == torch.bool):
         refuse_answer("select=", select, take, f"a selection rule returns a ({B}, {N}) bool tensor, one row per batch "
                       f"row, True = commit")
-    if ended is not None and not (isinstance(ended, torch.Tensor) and ended.shape == (B,) and ended.dtype == torch.bool):
+    return take
+
+
+def stopped(ended, at, stop):
+    """The stop rule's answer at the boundary."""
+    B = at.masked.shape[0]
+    if not (isinstance(ended, torch.Tensor) and ended.shape == (B,) and ended.dtype == torch.bool):
         refuse_answer("stop=", stop, ended, f"a stop rule returns a ({B},) bool tensor, True = the row's answer has "
                       f"ended")
 
@@ -380,7 +418,8 @@ def slots(got, B: int, fed, cache):
                     f"{fed.numel()}) long tensor (a canvas position, or the discard slot), or None")
 
 
-def refuse_step(nonfinite, opened, unpredicted, outside, overwrote, unfilled, at, step_rule, select, stop, cache):
+def refuse_step(nonfinite, opened, unpredicted, outside, overwrote, unfilled, unknown, at, step_rule, select, stop,
+                cache):
     """The values the step's one host read brought back (fastdllm.Plan.read) broke a rule of the hooks."""
     step = f"at step {at.n + 1}"
     if nonfinite:
@@ -402,7 +441,11 @@ def refuse_step(nonfinite, opened, unpredicted, outside, overwrote, unfilled, at
         bad(f"stop= {name(stop)} ended a row that still holds masks {step}: a stop rule fills an ended row's masks "
             f"(e.g. with an end token) before it returns True for it")
     custom = [f"{hook} {name(h)}" for hook, h in (("stop=", stop), ("propose=", step_rule), ("select=", select))
-              if type(h).__module__ not in ("sampler", "guided")]
+              if type(h).__module__ not in ("sampler", "guided", "blockdiff", "llada2", "dream")]
+    if unknown:
+        bad(f"{' or '.join(custom) or 'a hook'} wrote a token id outside the vocabulary [0, "
+            f"{at.head.__self__.config.vocab_size}) {step}: a stop rule fills an ended row's masks with one of the "
+            f"model's tokens (its end token or pad id), a step rule proposes token ids of the model")
     bad(f"{' or '.join(custom) or 'a hook'} changed a token that was not a mask (the prompt or a committed token) "
         f"{step}: hooks may only fill masked positions (the stop rule; a step rule's start_block), and a step rule's "
         f"edits (Proposal.edit) rewrite only the block's committed tokens, never the prompt")

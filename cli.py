@@ -21,7 +21,7 @@ from chat import Chat, check_text, load_tokenizer, read_turns, streamer
 from fastdllm import Settings, generate, pad_prompts, settings as settled
 from guided import ACCEPT_RULES, OWN as GUIDED_OWN, check_accept, check_guide, check_guided_settings
 from model import check_readable, load_model, read_config, resolve_model_dir
-from quant import QUANTIZE, int8_quantizer
+from quant import QUANTIZE, int8_quantizer, weight_bytes
 from sampler import DREAM_REMASKING, LLADA_REMASKING
 
 
@@ -43,8 +43,9 @@ REPLACED = {"cache": (("cache",), "cache policy decides what each call feeds"),
             "propose": (("steps", "remasking", "temperature", "top_p", "top_k", "alg_temp"), "step rule makes the "
                         "proposals (and draws its own noise)"),
             "stop": (("no_early_stop",), "stop rule decides when an answer has ended")}
-DESCRIPTION = ("Fast-dLLM inference for LLaDA and Dream. The defaults are the method's headline setting; the plain "
-               "baseline is --cache none --threshold none.")
+DESCRIPTION = ("Fast-dLLM inference for diffusion LLMs: LLaDA, LLaDA-MoE, Dream and the block-diffusion Fast-dLLM v2, "
+               "SDAR, LLaDA2.0/2.1. The defaults are the method's headline setting; the plain baseline is --cache none "
+               "--threshold none.")
 
 
 def flag_name(key: str) -> str:
@@ -134,8 +135,10 @@ def load(what: str, model_dir: str, device, dtype, quantize=None):
     finally:
         if seen["shown"]:
             print("\r\x1b[K", end="", file=sys.stderr)    # clear the live line
-    size = f"{seen['total'] / 1e9:.1f} GB" if seen["total"] >= 1e8 else f"{seen['total'] / 1e6:.1f} MB"
-    print(f"loaded {what} in {time.perf_counter() - start:.2f} s ({size})", file=sys.stderr)
+    size = lambda n: f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"      # noqa: E731
+    held = f"{quantize} weights: {size(weight_bytes(model))} held, {size(seen['total'])} read" if quantize else \
+        size(seen["total"])
+    print(f"loaded {what} in {time.perf_counter() - start:.2f} s ({held})", file=sys.stderr)
     return model
 
 
@@ -179,8 +182,9 @@ def check_config(args, cfg, chat):
     (--prompt, --prompt-file's lines): ids outside the vocabulary, the mask token, the prompt + the answer beyond
     the model's positions. generate() makes them all again."""
     kw = settings(args)
-    check_early(kw | {"guide": args.guide}, flag_name)          # now with the checkpoint's own block
+    check_early(kw | {"guide": args.guide}, flag_name, cfg.family in BLOCK_FAMILIES and not args.guide)   # its block
     checks.check_family(cfg, kw["remasking"], kw["top_p"], kw["top_k"], kw["alg_temp"], name=flag_name)
+    checks.check_readers(cfg, {k: v for k, v in kw.items() if v is not None}, Settings(), flag_name)
     checks.check_stop(cfg, not args.no_early_stop, args.stop_ids)
     texts = enumerate(args.prompts, 1) if args.prompt_file else [(0, args.prompt)] if args.prompt else []
     rows = {line: chat.encode(chat.render([{"role": "user", "content": q}])) for line, q in texts if q}
@@ -262,7 +266,10 @@ def add_flags(p, omit=()):
     add("--model", default=DEFAULT_MODEL, help="Hugging Face repo id or local folder (default: %(default)s)")
     add("--prompt", help="the user message (required unless --prompt-file; with --interactive: the first turn)")
     add("--gen-length", type=int, default=argparse.SUPPRESS, help=f"tokens to generate (default: "
-        f"{CLI_DEFAULTS['gen_length']}, or the largest multiple of --block-length that fits the model)")
+        f"{CLI_DEFAULTS['gen_length']}, or the largest multiple of --block-length that fits the model). Block "
+        f"diffusion answers to a block edge: SDAR to prompt + this rounded up to a block; Fast-dLLM v2 this // "
+        f"block blocks (at least one) after the prompt's last whole block, plus one token (fewer than this by the "
+        f"prompt's part of its last block); LLaDA2 exactly this")
     add("--block-length", type=int, default=argparse.SUPPRESS, help="semi-autoregressive block size; 0 = one "
         f"block (for Dream: Dream's own whole-canvas sampler) (default: {Settings.block_length}; block diffusion: the "
         f"checkpoint's own block)")
@@ -412,10 +419,10 @@ def finish_args(p, args, hooks=(), fork=None, own=None):
     return args
 
 
-def check_early(kw: dict, name=lambda key: key):
+def check_early(kw: dict, name=lambda key: key, grid=False):
     """Every check of generate() keywords that needs no model, with Settings' defaults (a `guide` of any value,
-    a path say, means a guide is coming: guided diffusion's own checks)."""
-    checks.check_early(kw, Settings(), name)
+    a path say, means a guide is coming: guided diffusion's own checks); grid: a block-diffusion model's."""
+    checks.check_early(kw, Settings(), name, grid)
     if kw.get("guide") is not None:
         check_guided_settings(SimpleNamespace(**vars(Settings()) | kw), Settings(), name)
 
@@ -431,7 +438,8 @@ def check_flags(args, whole_blocks: bool = False):
 
 def run_batch(model, rows, args, device, on_step=None, **override):
     """generate() on prompts of any lengths (left-padded), with the CLI's settings (early stop on unless
-    --no-early-stop) -> (prompt + answer ids per row, pads dropped; stats)."""
+    --no-early-stop) -> (prompt + answer ids per row, pads dropped and each answer its own length: a block-diffusion
+    row's, as it has it alone; stats)."""
     ids, am = pad_prompts(rows, model.config.pad_id if model.config.pad_id is not None else model.config.eos_id)
     hooks = getattr(args, "hooks", {})     # a fork's stop rule replaces early stop; its step rule draws its own noise
     gen = None if "propose" in hooks else torch.Generator(device).manual_seed(args.seed)
@@ -439,7 +447,7 @@ def run_batch(model, rows, args, device, on_step=None, **override):
               guide=args.guide_model)
     x, stats = generate(model, ids.to(device), attention_mask=am.to(device), generator=gen, on_step=on_step,
                         **kw | settings(args, **override))
-    return [row[ids.shape[1] - len(r):] for row, r in zip(x.tolist(), rows)], stats
+    return [row[ids.shape[1] - len(r):][:len(r) + n] for row, r, n in zip(x.tolist(), rows, stats["row_length"])], stats
 
 
 def answer_prompts(model, chat, args, device):

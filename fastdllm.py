@@ -156,6 +156,7 @@ class Plan:
     view: Callable            # the canvas -> on_step's: output's layout without its end cut (an edit may move the end)
     next_end: dict            # block start -> the next block's end (a read reports the next block's open columns)
     answer_at: list           # each row's answer start on the canvas, on the host (stats["final"])
+    answer_length: list       # each row's answer length in the ids (a block-diffusion row's, its own: the rest fill)
     reads_block: bool         # the step rule reads logits at every block column, not only the masked (LLaDA2.1's)
     edits: bool               # the step rule may rewrite committed tokens of its block (LLaDA2.1's; the others not)
     max_post_steps: int       # calls a block may take once it has no mask (LLaDA2.1's; the others 0)
@@ -209,17 +210,17 @@ class Plan:
         row's answer."""
         s, e = at.s, at.e
         open_ = self.undecided(x)                                            # (B, L) after this step
-        broken = checks.step_rules(x, at, p, take, ended, seen.canvas, open_, self)   # (6,) bool: a hook broke a rule
-        stats["row_nfe"] = stats["row_nfe"] + (at.masked.any(-1) | p.busy)  # device tensors until the end
+        broken = checks.step_rules(x, at, p, take, ended, seen.canvas, open_, self)   # (7,) bool: a hook broke a rule
+        stats["row_nfe"] = stats["row_nfe"] + (at.masked.any(-1) if p.busy is None else p.busy)  # on the device
         stats["row_committed"] = stats["row_committed"] + take.sum(-1)
         counts = torch.stack([p.open.any(), ended.all(), take.sum(), (x != seen.canvas).sum(),
                               (torch.zeros_like(take) | p.edit).sum()])
         open_cols = open_[:, s:self.next_end[s]].any(0)                    # (N + N',) the block's columns, the next's
         got = torch.cat([broken, counts, open_cols]).tolist()              # the one host read
-        if any(got[:6]):
-            checks.refuse_step(*got[:6], at, self.step_rule, self.select, self.stop, self.cache)
-        proposed, answer_ended, committed, changed, edits = got[6:11]
-        here, after = got[11:11 + e - s], got[11 + e - s:]                   # open columns: the block's, the next's
+        if any(got[:7]):
+            checks.refuse_step(*got[:7], at, self.step_rule, self.select, self.stop, self.cache)
+        proposed, answer_ended, committed, changed, edits = got[7:12]
+        here, after = got[12:12 + e - s], got[12 + e - s:]                   # open columns: the block's, the next's
         for key, value in (("fed", at.fed.shape[0]), ("committed", committed), ("edited", edits),
                            ("filled", changed - committed - edits)):
             stats[key].append(value)
@@ -251,10 +252,12 @@ class Plan:
         torch.cuda.synchronize(x.device) if x.is_cuda else None
         seconds, out = time.perf_counter() - t0, self.output(x)
         P = out.shape[1] - x.shape[1] + int(self.prompt[:, 1].min())      # the answers start at P in the output
+        n = torch.tensor(self.answer_length, device=x.device)
         end = torch.isin(out[:, P:], self.eos)                              # tokens/s: answers, not filler
-        tokens = int(torch.where(end.any(-1), end.long().argmax(-1), end.shape[1]).sum())
+        tokens = int(torch.where(end.any(-1), end.long().argmax(-1), n).clamp(max=n).sum())
         return out, stats | dict(seconds=seconds, answer_tokens=tokens, tokens_per_s=tokens / max(seconds, 1e-9),
-                                 row_nfe=stats["row_nfe"].tolist(), row_committed=stats["row_committed"].tolist())
+                                 row_nfe=stats["row_nfe"].tolist(), row_committed=stats["row_committed"].tolist(),
+                                 row_length=self.answer_length)
 
 
 # Each family's part of the set-up (its defaults, its refusals, its canvas and its parts), from its own file.
@@ -310,7 +313,8 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
                 shift=cfg.shift, prompt=c.prompt, sees=c.sees, exact_steps=exact, patience=spb + st.block_length + post,
                 calls_per_block=1 if S.is_parallel(select) else max(spb, 1), eos=eos, ar=ar, output=c.output,
                 view=c.view, next_end={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)},
-                answer_at=c.prompt[:, 1].tolist(), reads_block=reads_block, edits=edits, max_post_steps=post)
+                answer_at=c.prompt[:, 1].tolist(), answer_length=(c.ends - c.prompt[:, 1]).tolist(),
+                reads_block=reads_block, edits=edits, max_post_steps=post)
     return plan, c.x
 
 
@@ -318,39 +322,34 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
 def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
              generator: torch.Generator | None = None, on_step=None, **settings):
     """Decode gen_length tokens after `prompt` (B, P) -> (ids (B, P + gen_length), stats: "nfe" (model calls),
-    "row_nfe", "row_committed" (per row), "fed", "committed", "filled" (per call), "final" (per row: its answer's
-    tokens no later call changes once unmasked, for a stream), "calls_saved", "guide_calls",
+    "row_nfe", "row_committed", "row_length" (per row), "fed", "committed", "filled" (per call), "final" (per row:
+    its answer's tokens no later call changes once unmasked, for a stream), "calls_saved", "guide_calls",
     "seconds", "answer_tokens", "tokens_per_s": README "Python API"). settings: the fields of `Settings`.
     attention_mask: (B, P) 1/0 for left-padded prompts: each row decodes as it would alone. generator: the only
     source of randomness (default: one seeded 0). on_step(x, stats): called after every step, the canvas live (in the
     layout of the ids it returns, not yet cut at an end token: Plan.view).
-    A block-diffusion model (blockdiff.py) answers to a grid block's edge: ids (B, P + answer), shorter answers
-    filled with its pad id."""
+    A block-diffusion model (blockdiff.py) answers to a grid block's edge: ids (B, P + answer), each row's answer
+    its own length (row_length, as alone), the rest its pad id."""
     plan, x = make_plan(model, prompt, settings, attention_mask, generator, on_step)
     show = (lambda x, stats: on_step(plan.view(x), stats)) if on_step else (lambda x, stats: None)
     stats = dict(nfe=0, row_nfe=0, row_committed=0, fed=[], committed=[], edited=[], filled=[], calls_saved=0,
                  guide_calls=0)
-    t0, p, take, seen = time.perf_counter(), None, None, plan.start(x)
-    try:
-        for b, (s, e) in enumerate(plan.blocks):
-            plan.step_rule.start_block(x, s, e)
-            for i in itertools.count():
-                at, logits = plan.feed(x, seen, i, s, e)                 # 1. feed: what the cache policy names
-                p = plan.step_rule.propose(logits, at)                   # 2. propose
-                take = plan.select(p, at)                                # 3. select
-                x[:, s:e] = p.committed(take, x[:, s:e])                 # 4. commit (and a rule's edits)
-                ended = plan.stop(x, at, p)                              # 5. stop
-                seen = plan.read(x, at, p, take, ended, seen, stats)     # the one host read
-                show(x, stats)                                           # on_step(the canvas, in the ids' layout)
-                if seen.answer_ended or seen.block_ended:
-                    break
-            if seen.answer_ended:                                        # every row's answer has ended
-                stats["calls_saved"] = (len(plan.blocks) - b - 1) * plan.calls_per_block
+    t0, seen = time.perf_counter(), plan.start(x)
+    for b, (s, e) in enumerate(plan.blocks):
+        plan.step_rule.start_block(x, s, e)
+        for i in itertools.count():
+            at, logits = plan.feed(x, seen, i, s, e)                 # 1. feed: what the cache policy names
+            p = checks.proposal(plan.step_rule.propose(logits, at), at, plan.step_rule)  # 2. propose
+            take = checks.selection(plan.select(p, at), at, plan.select)  # 3. select
+            x[:, s:e] = p.committed(take, x[:, s:e])                 # 4. commit (and a rule's edits)
+            ended = plan.stop(x, at, p)                              # 5. stop
+            seen = plan.read(x, at, p, take, ended, seen, stats)     # the one host read
+            show(x, stats)                                           # on_step(the canvas, in the ids' layout)
+            if seen.answer_ended or seen.block_ended:
                 break
-    except (TypeError, RuntimeError, AttributeError):    # a proposal or selection the commit could not use: name it
-        if p is not None:
-            checks.shapes(p, take, None, x[:, s:e].shape, plan.step_rule, plan.select, plan.stop)
-        raise
+        if seen.answer_ended:                                    # every row's answer has ended
+            stats["calls_saved"] = (len(plan.blocks) - b - 1) * plan.calls_per_block
+            break
     return plan.finish(x, stats, t0)
 
 

@@ -30,7 +30,8 @@ class LLaDA2(StepRule):
     """LLaDA2.0's and LLaDA2.1's block loop as one step rule. counts: LLaDA2.0's schedule (one count a step of the
     block), or None: LLaDA2.1's num_to_transfer every call. editing: LLaDA2.1's editing_threshold (None: no T2T).
     Per row: its calls without a mask in this block (`post`), so that in a batch a row stops editing where it would
-    alone; `settled` says which rows' block is final after this call (the stop rule waits for it)."""
+    alone; `settled` says which rows' block is final after this call (the stop rule waits for it); `answer`, the
+    positions it may edit (its answer's, until the row has ended)."""
 
     def __init__(self, *, counts, transfer: int, editing, max_post_steps: int, temperature: float, top_k, top_p,
                  generator, mask_id: int, sample):
@@ -62,11 +63,12 @@ class LLaDA2(StepRule):
         k = masks.clamp(max=count)                 # the official's top-k of min(count, masks)
         idle = masks == 0                          # rows with no mask at this call
         self.post += idle
-        edit, busy = False, ~self.settled          # a row its last call changed: alone, this call is its too
+        edit, busy = False, ~idle | ~self.settled   # a row its last call changed: alone, this call is its too
+        if at.n == 0:           # each row's answer: the canvas's masks (not its prompt, nor a batch's fill past it)
+            self.answer = at.x == at.mask_id
         if self.editing is not None:
-            prompt = at.s + torch.arange(N, device=x0.device) < at.prompt[:, 1:]       # (B, N) the row's prompt
             live = (self.post <= self.max_post_steps)[:, None]     # a row past its post steps makes no call alone
-            edit = live & ~at.masked & ~prompt & (x0 != at.x[:, at.s:at.e]) & (p > self.editing)
+            edit = live & self.answer[:, at.s:at.e] & ~at.masked & (x0 != at.x[:, at.s:at.e]) & (p > self.editing)
             self.settled = (self.post >= self.max_post_steps) | idle & ~edit.any(-1)
         conf = p.masked_fill(~at.masked, NEG_INF)
         return Proposal(x0, conf, at.masked, k, logits, k_host=count, edit=edit, busy=busy)
@@ -89,6 +91,7 @@ class AfterBlock(EndOfText):
         done = eos_reached(x, self.P, at.e if self.run is True else x.shape[1], self.eos, self.mask_id, self.run)
         done = self.ended = self.ended | done & self.rule.settled
         x.masked_fill_(done[:, None] & (x == self.mask_id), self.fill)
+        self.rule.answer &= ~done[:, None]      # alone, its decode is over: an ended row edits nothing more
         return done
 
 

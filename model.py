@@ -455,6 +455,7 @@ def read_config(model_dir: str) -> ModelConfig:
     generation = generation | (generation.get("sampler_config") or {}) if isinstance(generation.get(
         "sampler_config"), dict) else generation              # DiffusionGemma's entropy bound sits in it
     hf = dict(hf, **{k: generation[k] for k in arch.generation_ids if k in generation}) if generation else hf
+    hf = dict(hf, eos_token_id=end_ids(model_dir, hf.get("eos_token_id")))
     try:
         cfg = ModelConfig.from_hf(hf)
     except KeyError as e:
@@ -484,6 +485,18 @@ def read_config(model_dir: str) -> ModelConfig:
         if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
             raise ValueError(f"{path} gives {key} = {value!r}, not a positive number: re-download the checkpoint")
     return cfg
+
+
+def end_ids(model_dir: str, eos):
+    """config.json's eos_token_id (generation_config.json's where archs.Arch.generation_ids says so), and the
+    tokenizer's eos_token (tokenizer_config.json, else special_tokens_map.json) if it is not among them: LLaDA2's
+    official generate() ends at <|endoftext|>, which no config.json of its names; Dream-Coder's answer at <|im_end|>."""
+    named = [read_json(os.path.join(model_dir, f)).get("eos_token") for f in ("tokenizer_config.json",
+                                                                                 "special_tokens_map.json")]
+    token = next((t.get("content") if isinstance(t, dict) else t for t in named if t is not None), None)
+    found = added_token_id(model_dir, token) if isinstance(token, str) else None
+    ids = list(eos) if isinstance(eos, list) else [] if eos is None else [eos]
+    return eos if found is None or found in ids else ids + [found]
 
 
 def shard_files(model_dir: str) -> list[str]:

@@ -33,8 +33,8 @@ class Proposal(NamedTuple):
     k_host: int | None = None   # k as one host int where the rule knows it without a read (rows with a mask left)
     edit: torch.Tensor | bool = False   # (B, N) bool: committed tokens of the block (never the prompt) the step
                                         #   rewrites with x0, whatever the selection (LLaDA2.1's T2T editing)
-    busy: torch.Tensor | bool = False   # (B,) bool: rows this call works on though they have no mask (an editing
-                                        #   rule's calls that check a block): counted in row_nfe, as alone
+    busy: torch.Tensor | None = None    # (B,) bool: the rows this call works on, each as it would alone (row_nfe
+                                        #   counts them; None: the rows with a mask in the block)
     rest: torch.Tensor | None = None    # (B, N) long: what the positions the step does not commit become (None: as
                                         #   they are; DiffusionGemma: fresh random tokens, its renoising)
 
@@ -360,6 +360,7 @@ class Canvas(NamedTuple):
     mask: torch.Tensor | None  # (B or 1, 1, L, L) bool attention mask, or None: every key
     sees: Callable             # b -> where the keys a query of a span ending at b sees end: the canvas's end, or a
                                #   block-causal model's grid block's (blockdiff.py), a canvas's (uniform.py)
+    ends: torch.Tensor         # (B,) where each row's answer ends on the canvas (a block-diffusion row's: its own)
     fill: int                  # what an ended answer's masks become
     output: Callable           # the canvas -> generate()'s ids
     view: Callable             # the canvas -> on_step's: output's layout without its end cut (an edit may move the end)
@@ -402,7 +403,7 @@ def answer_canvas(prompt, attention_mask, st, cfg, eos) -> Canvas:
         pos, mask = (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
     return Canvas(x, [(s, s + st.block_length) for s in range(P, x.shape[1], st.block_length)],
                   torch.stack([P - lengths, torch.full_like(lengths, P)], -1), pos, mask, lambda b: x.shape[1],
-                  int(eos[0]), same, same)
+                  torch.full_like(lengths, x.shape[1]), int(eos[0]) if len(eos) else cfg.mask_id, same, same)
 
 
 def stop_rule(st, c: Canvas, eos, mask_id: int, run=None, kind=None):

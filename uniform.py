@@ -189,7 +189,8 @@ def gemma_canvas(prompt, attention_mask, st, cfg, eos) -> Canvas:
         return x if pad is None or not st.stop_at_eos else x.masked_fill(ended.long().cumsum(-1) - ended.long() > 0,
                                                                            pad)
     return Canvas(x, [(s, s + C) for s in range(P, L, C)], torch.stack([P - lengths, torch.full_like(lengths, P)], -1),
-                  None, None, lambda b: min(L, P + -(-(b - P) // C) * C), pad, output, output)
+                  None, None, lambda b: min(L, P + -(-(b - P) // C) * C), torch.full_like(lengths, L), pad, output,
+                  output)
 
 
 def gemma_parts(model, st, given, generator, c: Canvas, eos):

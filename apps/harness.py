@@ -303,14 +303,15 @@ class FastDLLM(LM):
         return self.chat.encode(text) if self.chat_applied else self.chat.tok.encode(text).ids
 
     def decode(self, net, rows: list[list[int]], gen_length: int):
-        """One padded batch -> (answer ids per row, generate()'s stats)."""
+        """One padded batch -> (answer ids per row, each its own length: a block-diffusion row's as alone;
+        generate()'s stats)."""
         cfg = self.cfg
         ids, am = pad_prompts(rows, cfg.pad_id if cfg.pad_id is not None else cfg.eos_id)
         generator = torch.Generator(self._device).manual_seed(self.seed)
         x, stats = generate(net, ids.to(self._device), attention_mask=am.to(self._device), generator=generator,
                             guide=self._guide, eos_ids=sorted(self.chat.stop_ids),
                             **self.settings | {"gen_length": gen_length, "compile": self.compile})
-        return x[:, ids.shape[1]:].tolist(), stats
+        return [row[:n] for row, n in zip(x[:, ids.shape[1]:].tolist(), stats["row_length"])], stats
 
     def say(self, line: str):
         if line not in self.said:

@@ -107,6 +107,24 @@ def dream():
     return load_model(os.path.join(GOLDEN, "dream-tiny"), device="cpu", dtype=torch.float32)
 
 
+def rows_as_alone(model, rows: list, alone=None, **kw):
+    """A left-padded batch of prompts of different lengths, each row against its solo decode, by value: the same ids
+    (a block-diffusion row's answer as long as alone, the rest of the row its pad id), the same model calls
+    (stats["row_nfe"]), tokens committed and answer length. alone(row) -> (ids, stats): the solo decode (default
+    generate() on the row). -> the batch's (ids, stats)."""
+    from fastdllm import generate, pad_prompts
+    ids, am = pad_prompts(rows, 0)
+    out, stats = generate(model, ids, attention_mask=am, **kw)
+    for r, row in enumerate(rows):
+        solo, one = alone(row) if alone else generate(model, torch.tensor([row]), **kw)
+        mine = out[r, ids.shape[1] - len(row):]
+        assert mine[:solo.shape[1]].tolist() == solo[0].tolist(), f"row {r} ({len(row)} tokens): not its solo ids"
+        assert (mine[solo.shape[1]:] == model.config.pad_id).all(), f"row {r}: past its answer, not its pad id"
+        keys = ("row_nfe", "row_committed", "row_length")
+        assert [stats[k][r] for k in keys] == [one[k][0] for k in keys], f"row {r} ({len(row)} tokens): {keys}"
+    return out, stats
+
+
 def copy_checkpoint(name: str, dest) -> str:
     """A writable copy of a golden checkpoint folder (tests never modify tests/golden)."""
     out = os.path.join(str(dest), name)

@@ -11,6 +11,7 @@ import cli
 import denoise
 import serve
 from chat import Chat, streamer
+from conftest import rows_as_alone
 from fastdllm import generate
 from model import load_model
 from test_serve import at_once, events, post, request, solo
@@ -31,6 +32,42 @@ def release(request, tmp_path_factory):
     make_release(d, repo)
     model = load_model(d, device="cpu", dtype=torch.float32)
     return request.param, d, G, model, Chat(d, model.config)
+
+
+# Every family, each in its release's format: a batch of prompts of different lengths through the command line.
+EVERY = {"llada": "GSAI-ML/LLaDA-8B-Instruct", "dream": "Dream-org/Dream-v0-Instruct-7B",
+         "moe": "inclusionAI/LLaDA-MoE-7B-A1B-Instruct", **{f: repo for f, (repo, _) in RELEASES.items()}}
+
+
+@pytest.mark.parametrize("family", list(EVERY))
+def test_the_cli_answers_a_batch_of_prompts_each_as_alone(family, tmp_path, capsys):
+    """`fastdllm.py --prompt-file` with prompts of 1 to 42 characters in one batch: each answer line is the one
+    `--prompt` gives that prompt alone (the issue's "x" got 55 tokens in a Fast-dLLM v2 batch, 8 alone)."""
+    d = str(tmp_path / "ckpt")
+    make_release(d, EVERY[family])
+    questions = ["x", QUESTIONS[3], QUESTIONS[1], "Explain block diffusion in one sentence please."]
+    (tmp_path / "q.txt").write_text("\n".join(questions) + "\n")
+    common = ["--model", d, "--gen-length", "32", "--no-stream"] + [f"--{k.replace('_', '-')}={v}" for k, v in
+                                                                      EXTRA.get(family, {}).items()]
+    assert cli.main(common + ["--prompt-file", str(tmp_path / "q.txt"), "--batch-size", "4"]) is None
+    batch = capsys.readouterr().out
+    alone = []
+    for q in questions:
+        assert cli.main(common + ["--prompt", q]) is None
+        alone.append(capsys.readouterr().out.rstrip("\n").rpartition("\n")[0])       # the answer, not the NFE line
+    assert batch.rstrip("\n").rpartition("\n")[0] == "\n".join(alone)
+
+
+@pytest.mark.parametrize("family", ["fastdllm_v2", "llada2.1"])
+def test_the_cli_takes_a_gen_length_below_the_block(family, tmp_path, capsys):
+    """--gen-length 16 on a model trained with blocks of 32 (Fast-dLLM v2, LLaDA2.1; no --block-length) was refused
+    as "not a multiple of block_length 32", a flag never set, and Fast-dLLM v2's generate() then raised an
+    IndexError: both answer (v2 to the end of one block: docs/parity.md; LLaDA2 16 tokens)."""
+    d = str(tmp_path / "ckpt")
+    make_release(d, EVERY[family])
+    extra = [f"--{k.replace('_', '-')}={v}" for k, v in EXTRA.get(family, {}).items()]
+    assert cli.main(["--model", d, "--gen-length", "16", "--prompt", "x", "--no-stream", *extra]) is None
+    assert capsys.readouterr().out.splitlines()[-1].startswith("NFE ")
 
 
 def prompts(chat):
@@ -73,22 +110,16 @@ def test_early_stop_equals_the_full_decode_up_to_the_end_token(release, ends_som
     assert stopped, "no answer ended before its last block: the test checks nothing"
 
 
-def test_a_batch_with_early_stop_equals_each_row_alone(release, ends_sometimes):
-    """Each solo decode is a prefix of its row (a batch runs to the grid block of its longest prompt), early stop
+@pytest.mark.parametrize("cache", ["prefix", "dual"])
+def test_a_batch_with_early_stop_equals_each_row_alone(release, ends_sometimes, cache):
+    """Prompts ending in different grid blocks: each row decodes, stops and is counted as alone (its ids, its answer
+    as long as alone, its calls: not the longest prompt's canvas, as the official batch_sample sizes it), early stop
     included: a row that ended stays ended while the others go on."""
     family, _, G, _, chat = release
-    ps = prompts(chat)
-    P = max(p.shape[1] for p in ps)
-    ids = torch.stack([torch.nn.functional.pad(p[0], (P - p.shape[1], 0), value=0) for p in ps])
-    mask = torch.stack([torch.arange(P) >= P - p.shape[1] for p in ps]).long()
-    kw = dict(gen_length=64, block_length=G, cache="prefix", threshold=0.9, stop_at_eos=True, **EXTRA.get(family, {}))
-    batch, _ = generate(ends_sometimes, ids, attention_mask=mask, **kw)
-    for r, p in enumerate(ps):
-        (alone,), _ = generate(ends_sometimes, p, **kw)
-        row = batch[r, P - p.shape[1]:]
-        assert row[:alone.shape[0]].tolist() == alone.tolist()
-        if ends_sometimes.config.eos_id in alone[p.shape[1]:]:
-            assert chat.answer(row[p.shape[1]:].tolist()) == chat.answer(alone[p.shape[1]:].tolist())
+    rows = [p[0].tolist() for p in prompts(chat)] + [chat.encode(chat.render([{"role": "user", "content": "x"}]))]
+    assert len({len(r) // G for r in rows}) > 1
+    kw = dict(gen_length=64, block_length=G, cache=cache, threshold=0.9, stop_at_eos=True, **EXTRA.get(family, {}))
+    rows_as_alone(ends_sometimes, rows, **kw)
 
 
 def test_streaming_shows_each_call_and_ends_on_the_output(release, capsys):
@@ -268,6 +299,22 @@ def test_served_answers_equal_each_alone_streamed_or_not(served):
     # answer's calls are its calls alone (an editing rule's edit-only calls included).
     assert streamed(port, bodies[0]) == one["choices"][0]["message"]["content"]
     assert one["choices"][0]["fastdllm"]["nfe"] == solo(app, QUESTIONS[0])[1]
+
+
+def test_served_batch_answers_their_calls_and_finish_as_alone(served):
+    """Requests whose prompts end in different grid blocks, batched: each answer, its finish_reason and its nfe (the
+    calls that served it) are the ones it gets alone (a row answered to the longest prompt's grid block ran on past
+    its own answer, and was counted for the others' calls)."""
+    app, port = served
+    bodies = [{"messages": [{"role": "user", "content": q}]} for q in ("x", QUESTIONS[3], QUESTIONS[1])]
+    results = at_once(app, port, bodies)
+    assert max(out["choices"][0]["fastdllm"]["batch_size"] for _, out in results) > 1      # a batch was decoded
+    for body, (status, out) in zip(bodies, results):
+        assert status == 200, out
+        one = post(port, "/v1/chat/completions", body)["choices"][0]
+        got = out["choices"][0]
+        assert (got["message"], got["finish_reason"], got["fastdllm"]["nfe"]) == (
+            one["message"], one["finish_reason"], one["fastdllm"]["nfe"])
 
 
 def streamed(port, body) -> str:

@@ -16,6 +16,7 @@ import threading
 import urllib.request
 
 import pytest
+import torch
 from safetensors import safe_open
 
 import bounded
@@ -23,6 +24,7 @@ import cli
 from blockdiff import FAMILIES as BLOCK_FAMILIES
 from chat import Chat, chat_template
 from conftest import ROOT
+from fastdllm import generate
 from model import checkpoint_names, load_model, read_config
 from tools.checkpoint import REAL_VOCAB, RELEASES, make_release
 
@@ -166,6 +168,45 @@ def test_special_ids_come_from_the_files(releases, repo):
     word = chat.encode(" the")
     pad = chat.tok.token_to_id(row["pad"])
     assert chat.answer(word + [pad] + word) == "the"
+
+
+# generate()'s end of text (stop_at_eos without eos_ids), at the real ids: what each release's own files and decode
+# end the text at (docs/models.md). Dream-Coder: its tokenizer's eos <|im_end|>, which its config.json does not name.
+END_OF_TEXT = {"llada": {126081}, "lladamoe": {156892}, "llada2": {156892}, "dream": {151643}, "fastdllm_v2": {151645},
+               "sdar": {151645, 151643}, "Dream-org/Dream-Coder-v0-Instruct-7B": {151643, 151645}}
+
+
+@pytest.mark.parametrize("repo", RELEASES)
+def test_the_end_of_text_is_read_from_the_files(releases, repo):
+    """config.json's eos_token_id, generation_config.json's where the family's official decode reads that file (SDAR,
+    LLaDA2), and the tokenizer's eos_token (tokenizer_config.json): model.read_config, so that the API stops where
+    the command line does."""
+    cfg = read_config(releases[repo])
+    want = END_OF_TEXT.get(repo, END_OF_TEXT[RELEASES[repo]["family"]])
+    assert set(cfg.eos_ids) == {tiny_id(repo, i) for i in want}
+
+
+@pytest.mark.parametrize("repo", ["inclusionAI/LLaDA2.0-mini"])
+def test_llada2_stops_at_its_end_of_text_without_eos_ids(releases, repo, tmp_path):
+    """LLaDA2.x's config.json names no end token, and a generation_config.json without eos_token_id left
+    stop_at_eos=True through the API without any (it never stopped), while the official generate() ends at
+    <|endoftext|> (156892): the tokenizer's eos_token. The decode stops as with eos_ids=[156892]."""
+    d = shutil.copytree(releases[repo], str(tmp_path / "m"))
+    generation = read(d, "generation_config.json")
+    del generation["eos_token_id"]
+    with open(os.path.join(d, "generation_config.json"), "w") as f:
+        json.dump(generation, f)
+    model, eos = load_model(d, device="cpu"), tiny_id(repo, 156892)
+    assert model.config.eos_ids == (eos,)
+    prompt = torch.tensor([list(range(10, 23))])
+    kw = dict(gen_length=96, block_length=8, threshold=0.9)
+    full, _ = generate(model, prompt, **kw)
+    often = full[0, 13:].bincount().argmax()          # the end token's head row: the most decoded token's, so it ends
+    with torch.no_grad():
+        model.lm_head.weight[eos] = model.lm_head.weight[often] * 1.01
+    stopped, st = generate(model, prompt, stop_at_eos=True, **kw)
+    given, gt = generate(model, prompt, stop_at_eos=True, eos_ids=[eos], **kw)
+    assert stopped.tolist() == given.tolist() and st["nfe"] == gt["nfe"] and st["calls_saved"] > 0
 
 
 @pytest.mark.parametrize("repo,ids", [("apple/DiffuCoder-7B-Instruct", {151643, 151645, 151667}),

@@ -93,6 +93,11 @@ def test_help_shows_the_defaults(capsys):
     for default in ("(default: 256,", "(default: 32;", "(default: dual)", "(default: 0.9;", "(default: 0.0)",
                     "(default: gen-length;", "(default: 0)", "(default: 8)"):
         assert default in text, default
+    # It said "for LLaDA and Dream"; a block-diffusion answer is not gen-length tokens: each family's meaning.
+    assert all(f in text.split(". The defaults")[0] for f in ("LLaDA,", "LLaDA-MoE", "Dream", "Fast-dLLM v2", "SDAR",
+                                                             "LLaDA2.0/2.1"))
+    assert ("SDAR to prompt + this rounded up to a block; Fast-dLLM v2 this // block blocks (at least one) after the "
+            "prompt's last whole block, plus one token") in text and "LLaDA2 exactly this" in text
 
 
 def recording_generate(monkeypatch):

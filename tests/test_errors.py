@@ -232,7 +232,8 @@ def test_unavailable_device(device):
 
 ARG_CASES = {
     "gen_length not a multiple of block_length": (dict(gen_length=10, block_length=4),
-        r"gen_length 10 is not a multiple of block_length 4: pick a block_length that divides it, e.g. 2"),
+        r"^gen_length 10 is not a multiple of block_length 4: pass a block_length that divides it, e.g. block_length "
+        r"2, or a gen_length that is a multiple of 4, e.g. gen_length 12$"),
     "steps not divisible by blocks": (dict(gen_length=8, block_length=4, steps=3),
         r"steps 3 is not divisible by the number of blocks 2 .*use a multiple"),
     "steps 0": (dict(steps=0), r"steps must be >= 1 \(got 0\)"),
@@ -534,7 +535,33 @@ BEFORE_LOADING = {   # a bad checkpoint folder: the error, said from config.json
     "prompt + --gen-length beyond the model's positions": (
         lambda d: edit_config(checkpoint(d, tokenizer=True), max_sequence_length=16), [],
         r"^prompt \(3 tokens\) \+ gen_length \(16\) exceeds the model's 16 positions"),
+    # Issue 46: --sub-block was silently ignored on LLaDA and Dream; another family's LLaDA2 settings were refused
+    # by generate(), after the weights.
+    "--sub-block on LLaDA": (
+        lambda d: checkpoint(d, tokenizer=True), ["--sub-block", "4"],
+        r"^--sub-block is Fast-dLLM v2's: a llada model decodes the whole block at each step; drop --sub-block$"),
+    "--sub-block on Dream": (
+        lambda d: checkpoint(d, "dream-tiny", tokenizer=True), ["--sub-block", "4"],
+        r"^--sub-block is Fast-dLLM v2's: a dream model decodes the whole block at each step; drop --sub-block$"),
+    "--editing-threshold on LLaDA": (
+        lambda d: checkpoint(d, tokenizer=True), ["--editing-threshold", "0.5"],
+        r"^--editing-threshold is LLaDA2's \(model_type llada2_moe\): a llada model does not read it; drop "
+        r"--editing-threshold$"),
+    "--max-post-steps on Fast-dLLM v2": (
+        lambda d: release(d, "Efficient-Large-Model/Fast_dLLM_v2_7B"), ["--max-post-steps", "2"],
+        r"^--max-post-steps is LLaDA2's \(model_type llada2_moe\): a fastdllm_v2 model does not read it; drop "
+        r"--max-post-steps$"),
+    "--editing-threshold on SDAR": (
+        lambda d: release(d, "JetLM/SDAR-4B-Chat"), ["--editing-threshold", "0.5"],
+        r"^--editing-threshold is LLaDA2's \(model_type llada2_moe\): a sdar model does not read it"),
 }
+
+
+def release(tmp_path, repo) -> str:
+    """A tiny checkpoint in the release's format (tools/checkpoint.py --release)."""
+    from tools.checkpoint import make_release
+    make_release(os.path.join(str(tmp_path), "release"), repo)
+    return os.path.join(str(tmp_path), "release")
 
 
 @pytest.mark.parametrize("case", BEFORE_LOADING)
@@ -544,6 +571,17 @@ def test_cli_checks_the_small_files_before_the_weights(tmp_path, monkeypatch, ca
     with pytest.raises(ValueError) as e:
         cli.main(["--model", make(tmp_path), *RUN, *argv])
     assert re.search(pattern, one_line(e)), str(e.value)
+
+
+def test_cli_gen_length_not_filling_the_default_block_names_the_flags(tmp_path, monkeypatch):
+    """Issue 46: it said "gen_length 20 is not a multiple of block_length 32", a setting the user never set (the
+    default block): now the flags, and both fixes."""
+    monkeypatch.setattr(cli, "load_model", lambda *a, **kw: pytest.fail("loaded the weights first"))
+    with pytest.raises(ValueError) as e:
+        cli.main(["--model", checkpoint(tmp_path, tokenizer=True), "--prompt", "w5", "--gen-length", "20"])
+    assert re.search(r"^--gen-length 20 is not a multiple of --block-length 32: pass a --block-length that divides "
+                     r"it, e\.g\. --block-length 20, or a --gen-length that is a multiple of 32, e\.g\. --gen-length "
+                     r"32$", one_line(e)), str(e.value)
 
 
 def test_cli_checks_each_prompt_file_line_before_the_weights(tmp_path, monkeypatch):
@@ -1101,7 +1139,8 @@ SERVE28 = {   # issue 28: serve.py's start-up errors, each one line naming the f
     "--max-batch 0": (["--max-batch", "0"], r"^argument --max-batch: expected an integer >= 1, got '0'"),
     "--batch-window nan": (["--batch-window", "nan"], r"^argument --batch-window: expected a number of ms >= 0"),
     "--gen-length 30 --block-length 8": (["--gen-length", "30", "--block-length", "8"],
-                                         r"^gen_length 30 is not a multiple of block_length 8"),
+                                         r"^--gen-length 30 is not a multiple of --block-length 8: pass a "
+                                         r"--block-length that divides it, e\.g\. --block-length 6, or a --gen-length"),
     "--host that does not resolve": (["--host", "no-such-host.invalid"],
                                      r"^port 8000 of no-such-host\.invalid cannot be listened on \(.+\): check --host"),
     # issue 39: it started, then answered every request 400, blaming the client for the server's flag

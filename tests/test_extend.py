@@ -231,6 +231,11 @@ BAD_HOOKS = {
                             TypeError, r"propose= Short.propose\(\) returned k = a \(1,\) torch.float32 tensor: .*shape \(2,\)"),
     "stop returns a bool": (dict(stop=lambda x, at, p: False), TypeError, r"stop= <lambda> returned False: a stop rule returns a \(2,\) bool"),
     "stop and stop_at_eos": (dict(stop=lambda x, at, p: None, stop_at_eos=True), ValueError, r"pass stop or stop_at_eos, not both"),
+    # The class where an instance is meant: it was named "type" (select=, propose=) or "not a cache policy".
+    "select a class": (dict(select=Margin), TypeError,
+                       r"^select= Margin is a class: pass an instance, select=Margin\(\.\.\.\)$"),
+    "propose a class": (dict(propose=LeftToRight), TypeError, r"^propose= LeftToRight is a class: pass an instance"),
+    "cache a class": (dict(cache=RefreshEvery), TypeError, r"^cache= RefreshEvery is a class: pass an instance"),
 }
 
 
@@ -301,6 +306,39 @@ def test_a_silent_fork_is_refused_in_one_line(llada, case):
     with pytest.raises(error, match=pattern) as e:
         generate(llada, PROMPTS["llada"], **{**(OWN if "propose" in kw else KW), **kw})
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("error", [TypeError, RuntimeError, AttributeError])
+def test_a_hook_that_raises_raises_its_own_error(llada, error):
+    """A selection rule that raises on its first call was reported as "select= ... returned None" (the loop caught
+    the error to name the hook, and hid it): its own error comes through, as it would from any Python call."""
+    def rule(p, at):
+        raise error("the rule's own message")
+    with pytest.raises(error, match="^the rule's own message$"):
+        generate(llada, PROMPTS["llada"], select=rule, **KW)
+
+
+def fill_outside(fill):
+    """A stop rule that ends the first row once its first block is decoded, filling its masks with `fill`."""
+    def ends_row_0(x, at, p):
+        done = ~(x[:, at.s:at.e] == at.mask_id).any(-1) & (torch.arange(x.shape[0]) == 0)
+        x.masked_fill_(done[:, None] & (x == at.mask_id), fill)
+        return done
+    return ends_row_0
+
+
+@pytest.mark.parametrize("fill", [5000, -1])
+def test_a_stop_rule_that_fills_ids_outside_the_vocabulary_is_one_line(llada, fill):
+    """Filling an ended row with an id the model does not have (the vocabulary is 1024): alone it was silent (the
+    ids came back), in a padded batch the next call failed with an IndexError in the embedding. Refused at the step
+    it happens, naming the hook."""
+    pattern = r"^stop= ends_row_0 wrote a token id outside the vocabulary \[0, 1024\) at step \d+: a stop rule fills"
+    rows = [PROMPTS["llada"][0].tolist(), PROMPTS["llada"][0, 5:].tolist()]
+    ids, am = pad_prompts(rows, 0)
+    for prompt, mask in ((PROMPTS["llada"], None), (ids, am)):
+        with pytest.raises(ValueError, match=pattern) as e:
+            generate(llada, prompt, attention_mask=mask, stop=fill_outside(fill), **KW)
+        assert "\n" not in str(e.value)
 
 
 @torch.inference_mode()

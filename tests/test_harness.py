@@ -166,6 +166,28 @@ def test_calls_per_problem_do_not_depend_on_the_batch_size(by_batch):
         assert 1 <= one[task]["calls_per_problem"] <= 32
 
 
+@pytest.mark.parametrize("repo", ["Efficient-Large-Model/Fast_dLLM_v2_7B"])
+def test_block_diffusion_answers_and_calls_do_not_depend_on_the_batch_size(tmp_path, repo):
+    """The issue's run: demo_arith --limit 8 on a tiny Fast-dLLM v2 release at --batch_size 4 and 1. Its
+    prompts end in different grid blocks; docs 2, 6 and 7 were answered to the batch's longest prompt's grid block.
+    Now every answer, and the calls per problem, as at batch 1."""
+    from tools.checkpoint import make_release
+    d = str(tmp_path / "ckpt")
+    make_release(d, repo)
+    runs = {}
+    for batch in ("1", "4"):
+        (tmp_path / batch).mkdir()
+        with pytest.MonkeyPatch.context() as mp:
+            rc, _, samples, throughput = lm_eval_run(mp, tmp_path / batch, f"model={d},threshold=0.9", "--limit", "8",
+                                                     "--batch_size", batch)
+        assert rc == 0
+        runs[batch] = [s["resps"] for s in samples["demo_arith"]], throughput["tasks"]["demo_arith"]
+    (one, t1), (four, t4) = runs["1"], runs["4"]
+    assert one == four and len(one) == 8 and len(set(map(str, one))) > 1
+    assert [t1[k] for k in ("row_calls", "answer_tokens")] == [t4[k] for k in ("row_calls", "answer_tokens")]
+    assert t1["batched_calls"] > t4["batched_calls"]
+
+
 def test_throughput_records_the_gen_length_used(by_batch):
     """The bug: throughput.json recorded the gen_length setting (256) when the task's max_gen_toks (32) was
     used; it records what each task used."""
@@ -392,7 +414,7 @@ def test_compile_is_one_compiled_for_every_batch(monkeypatch):
 
     def generate(net, ids, **kw):
         given.append(kw["compile"])
-        return torch.cat([ids, ids], 1), {}
+        return torch.cat([ids, ids], 1), {"row_length": [ids.shape[1]] * ids.shape[0]}
     monkeypatch.setattr(harness, "generate", generate)
     lm.decode(None, [[5, 6]], 8)
     lm.decode(None, [[7]], 8)

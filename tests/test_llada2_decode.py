@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 
-from conftest import GOLDEN, read_golden
-from fastdllm import generate, pad_prompts
+from conftest import GOLDEN, read_golden, rows_as_alone
+from fastdllm import generate
 from model import load_model
 
 GOLD = read_golden("llada2-golden.json")
@@ -108,15 +108,13 @@ def test_a_batch_decodes_each_row_as_alone(llada2, settings, cache):
     """Prompts of 5, 13, 21 and 8 tokens (first blocks at 0 and 8; a row's edits and post steps its own): each row
     of the right-padded batch, uncached or cached, as it decodes alone with the exact cache, stop included."""
     rows = [GOLD["prompts"][p][0] for p in ("p5", "p13", "p8")] + [GOLD["prompts"]["p13"][0] + [5] * 8]
-    ids, am = pad_prompts(rows, 0)
-    batch, _ = generate(llada2, ids, attention_mask=am, cache=cache, stop_at_eos=True, **settings)
-    for r, row in enumerate(rows):
+
+    def alone(row):                         # each row alone once for both caches
         key = (id(llada2), tuple(row), tuple(sorted(settings.items())))
-        if key not in DECODED:              # each row alone once for both caches
+        if key not in DECODED:
             DECODED[key] = generate(llada2, torch.tensor([row]), cache="prefix", stop_at_eos=True, **settings)
-        alone, _ = DECODED[key]
-        mine = batch[r, ids.shape[1] - len(row):]
-        assert mine[:alone.shape[1]].tolist() == alone[0].tolist() and (mine[alone.shape[1]:] == EOS).all()
+        return DECODED[key]
+    rows_as_alone(llada2, rows, alone, cache=cache, stop_at_eos=True, **settings)     # the rest: EOS, its pad id
 
 
 def test_without_stop_the_answer_is_the_same(llada2):

@@ -3,7 +3,7 @@ families (every row as it would be alone), and Fast-dLLM's Dream threshold over 
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, rows_as_alone
 from fastdllm import generate
 from reference import reference_dream_canvas
 from test_flashdlm import eos_bias
@@ -56,15 +56,10 @@ def test_early_stop_keeps_the_answer_and_saves_calls(llada, dream, family, mode)
 def test_padded_rows_decode_as_alone(llada, dream, family, mode, stop):
     """Both families honour attention_mask: pads are neither attended nor attended to and positions count
     from each row's first real token, so every row of a left-padded batch equals its solo run, early stop
-    included. (The official LLaDA model ignores the mask and attends to pads.)"""
+    included: its ids, calls and tokens committed. (The official LLaDA model ignores the mask and attends to pads.)"""
     model = llada if family == "llada" else dream
-    ids, am = left_pad(PROMPTS[family], model.config.pad_id)
-    kw = dict(gen_length=32, block_length=8, steps=32, stop_at_eos=stop, **mode)
     with eos_bias(model, (28.0 if family == "llada" else 22.0) if stop else 0):
-        batch, _ = generate(model, ids, attention_mask=am, **kw)
-        for i, row in enumerate(PROMPTS[family]):
-            alone, _ = generate(model, torch.tensor([row]), **kw)
-            assert torch.equal(batch[i, -alone.shape[1]:], alone[0])
+        rows_as_alone(model, PROMPTS[family], gen_length=32, block_length=8, steps=32, stop_at_eos=stop, **mode)
 
 
 def test_pad_prompts_left_pads_and_masks():

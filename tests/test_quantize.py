@@ -194,6 +194,12 @@ def test_the_cli_answers_the_demo_with_int8(torchao):
                      "Tom has 23 apples and buys 45 more. How many apples does he have?"], timeout=120)
     assert r.returncode == 0 and r.stdout.splitlines()[0].endswith("The answer is 68."), r.stdout + r.stderr
     assert "torchao" not in r.stderr and "Warning" not in r.stderr, r.stderr      # its import is quiet
+    # The load line says int8 and the bytes it holds (it said the files' bytes, as a bf16 load does).
+    model = load_model(DEMO, dtype=torch.float32, quantize="int8")       # the CLI's dtype on a CPU
+    size = lambda n: rf"{n / 1e6:.1f} MB"      # noqa: E731  (the demo model is well below 0.1 GB)
+    files = sum(os.path.getsize(os.path.join(DEMO, f)) for f in os.listdir(DEMO) if f.endswith(".safetensors"))
+    assert re.search(rf"^loaded {re.escape(DEMO)} in [0-9.]+ s \(int8 weights: {size(quant.weight_bytes(model))} "
+                     rf"held, {size(files)} read\)$", r.stderr, re.M), r.stderr
 
 
 # ------------------------------------------------------------------------------------- bad input

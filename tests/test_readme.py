@@ -27,7 +27,7 @@ def test_a_readme_block_runs_as_written(i, monkeypatch):
     code = BLOCKS[i]
     if code.startswith(LOOP):                       # quoted from generate(): it must still be the loop
         with open(os.path.join(ROOT, "fastdllm.py")) as f:
-            assert textwrap.indent(code, " " * 12) in f.read()
+            assert textwrap.indent(code, " " * 8) in f.read()
         return
     monkeypatch.chdir(ROOT)
     scope, printed = {}, io.StringIO()

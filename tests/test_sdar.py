@@ -9,8 +9,8 @@ import torch
 
 from blockdiff import block_causal
 from cache import KVCache
-from conftest import GOLDEN
-from fastdllm import generate, pad_prompts
+from conftest import GOLDEN, rows_as_alone
+from fastdllm import generate
 from model import load_model
 
 with open(os.path.join(GOLDEN, "sdar-golden.json")) as f:
@@ -110,14 +110,14 @@ def test_the_golden_covers_the_rules():
 @pytest.mark.parametrize("remasking", ["low_confidence_dynamic", "low_confidence_static", "sequential"])
 def test_greedy_prefix_cache_is_exact_and_batches_equal_rows_alone(sdar, remasking):
     """At temperature 0 (ours; the official has none): the prefix cache decodes as the uncached, and a padded batch
-    of prompts of different lengths (on and off block edges) as each row alone."""
+    of prompts of different lengths (on and off block edges, ending in different grid blocks) as each row alone: its
+    ids, its answer's length (the official sizes each by its own prompt, one at a time), its calls."""
     rows = [SDAR["runs"][i]["prompt"] for i in range(0, 40, 7)]
+    assert len({len(r) // 4 for r in rows}) > 1
     kw = dict(gen_length=12, block_length=4, steps=2, remasking=remasking, threshold=0.7 if "dynamic" in remasking
               else None)
-    ids, am = pad_prompts(rows, 0)
-    batch, _ = generate(sdar, ids, attention_mask=am, cache="prefix", **kw)
-    for r, row in enumerate(rows):
+    for row in rows:
         alone, a = generate(sdar, torch.tensor([row]), cache="prefix", **kw)
         plain, p = generate(sdar, torch.tensor([row]), cache="none", **kw)
         assert alone.tolist() == plain.tolist() and a["nfe"] == p["nfe"]
-        assert batch[r, ids.shape[1] - len(row):][:alone.shape[1]].tolist() == alone[0].tolist()
+    rows_as_alone(sdar, rows, cache="prefix", stop_at_eos=True, **kw)
