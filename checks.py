@@ -53,8 +53,8 @@ def check_settings(gen_length, block_length, steps, cache, threshold, factor, te
             bad(f"{key} must be {'an integer' if kind is int else 'a number'}{' or None' * optional} (got {v!r})")
     rows = generator if isinstance(generator, (list, tuple)) and generator else [generator]
     if generator is not None and not all(isinstance(g, torch.Generator) for g in rows):
-        bad(f"generator must be a torch.Generator (DiffusionGemma: or a list of them, one per row), not {generator!r}: "
-            f"e.g. torch.Generator('cpu').manual_seed(0)")
+        bad(f"generator must be a torch.Generator, not {generator!r}: e.g. torch.Generator('cpu').manual_seed(0) "
+            f"(DiffusionGemma also takes a list of them, one per row)")
     if eps is not None and not 0 < eps < 1:
         bad(f"eps must be in (0, 1) (got {eps}): Dream's time runs from 1 down to eps (default 1e-3)")
     if gen_length < 1 or block_length < 1:
