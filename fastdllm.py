@@ -24,8 +24,9 @@ import checks
 import sampler as S
 from blockdiff import (FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, V2_SUB_BLOCK, block_causal, block_parts, check_block,
                        grid_canvas, grid_output)
-from cache import CACHE_POLICIES, CachePolicy, Compiled, KVCache, Refresh
+from cache import CACHE_POLICIES, CachePolicy, KVCache, Refresh
 from dream import dream_parts
+from graphs import Compiled, CudaGraphs, model_call  # noqa: F401  (fastdllm.Compiled, fastdllm.CudaGraphs)
 from guided import guided_parts
 from llada2 import STEPS as LLADA2_STEPS
 
@@ -66,6 +67,7 @@ class Settings:
     stop_at_eos: bool | int = False    # True: stop after a finished block holding an end token; k: FlashDLM's rule
     eos_ids: list | None = None        # the end tokens (default the config's)
     compile: bool | object = False     # torch.compile the layers (CUDA graphs on CUDA); a Compiled keeps its graphs
+    cuda_graphs: bool | object | None = None   # replay each feed width's layers from a CUDA graph (None: on CUDA; graphs.py)
     guide: torch.nn.Module | None = None   # FlashDLM guided diffusion: a causal LM with the same token ids
     speculative: bool = False          # guided: commit the guide's token at the first rejection
     accept: str = "deterministic"      # guided: the acceptance rule (guided.ACCEPT_RULES)
@@ -145,7 +147,7 @@ class Plan:
     select: Callable          # the selection rule: which proposals a step commits
     stop: Callable            # the stop rule: which rows' answers have ended
     model: torch.nn.Module
-    layers: Callable          # the model's layers: model.hidden, or its compiled form (compile=True)
+    layers: Callable          # the model's layers: model.hidden, replayed from CUDA graphs or compiled (graphs.py)
     kv: KVCache | None        # keys/values of the whole canvas (None: cache "none" attends over what it feeds)
     pos: torch.Tensor         # (B, L) RoPE positions (a left-padded row counts from its first token)
     mask: torch.Tensor | None # (B or 1, 1, L, L) the attention mask (padded rows; a block-causal model's grid), or None
@@ -336,13 +338,12 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     output = (partial(grid_output, lengths=lengths, shortest=int(lengths.min()), P=P, fill=fill,
                       eos=eos if cut else None, gen=st.gen_length if cfg.family == "llada2" else None)
               if block else lambda x: x)
-    compiled = st.compile and cache.fixed_width and (st.compile if isinstance(st.compile, Compiled) else Compiled())
-    kv = (compiled.cache if compiled else KVCache.for_model)(model, B, x.shape[1], cache.spare) if cache.keeps_cache else None
+    layers, kv = model_call(model, st.compile, st.cuda_graphs, cache, B, x.shape[1])   # eager, CUDA graphs or compiled
     rule = lambda name: getattr(step_rule, name, getattr(S.StepRule, name))   # noqa: E731  a fork's may not subclass it
     spb, post, L = rule("steps_per_block"), rule("max_post_steps"), x.shape[1]
     ar = torch.arange(L, device=device)
     plan = Plan(blocks=blocks, cache=cache, step_rule=step_rule, select=select, stop=stop, model=model,
-                layers=partial(compiled, model) if compiled else model.hidden, kv=kv,
+                layers=layers, kv=kv,
                 pos=ar.expand(B, L) if pos is None else pos, mask=mask, mask_id=cfg.mask_id, shift=cfg.shift,
                 prompt=spans, grid=st.block_length if block else 0, exact_steps=rule("exact_steps"),
                 patience=spb + st.block_length + post,
