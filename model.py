@@ -19,8 +19,8 @@ guides them, and nothing else.
 The diffusion families are run *bidirectionally*: a diffusion LM predicts every masked position from the whole
 canvas, so attention has no causal mask; only the guide masks the future. What each checkpoint architecture needs
 (how its config.json reads, its tensor names, what we refuse) is one row of archs.py's `ARCHS`; weights are read
-straight from the Hugging Face safetensors, with no `transformers` and no remote code. Decoding policies live in
-sampler.py, the loop in fastdllm.py, the KV cache in cache.py.
+straight from the Hugging Face safetensors, with no `transformers` and no remote code (where each tensor goes:
+layout.py). Decoding policies live in sampler.py, the loop in fastdllm.py, the KV cache in cache.py.
 """
 import json
 import math
@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from archs import ARCHS, WEIGHT_MAP, MoEConfig, arch_of  # noqa: F401  (model.WEIGHT_MAP for callers)
+from layout import checkpoint_names, fused_parts, stored_at  # noqa: F401  (model.checkpoint_names for callers)
 
 
 @dataclass
@@ -110,15 +111,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Every official model normalises in float32, casts back, *then* scales by the weight (in the model's dtype).
-        # torch's rms_norm without a weight is that float32 round trip in one op, bit for bit on the CPU (a weight
-        # inside it would scale in float32, before the cast: other bits). So the weight stays a second op.
+        # Every official model normalises in float32, casts back, *then* scales by the weight: torch's rms_norm is
+        # that round trip in one op, bit for bit (its own weight would scale before the cast: other bits).
         return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
 def rope_cos_sin(pos: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
-    """cos and sin (B, T, 1, rotary_dim) in `dtype` for integer positions `pos` (B, T), computed in float32 once per
-    call for every layer, with rotate-half's sign folded into sin's first half (apply_rope)."""
+    """cos and sin (B, T, 1, rotary_dim) in `dtype` for positions `pos` (B, T), once per call, in float32; sin's first
+    half negated (apply_rope)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=pos.device, dtype=torch.float32) / rotary_dim))
     angles = pos.float()[..., None] * inv_freq                      # (B, T, rotary_dim/2)
     emb = torch.cat((angles, angles), dim=-1)[:, :, None]            # (B, T, 1, rotary_dim): rotate-half layout
@@ -146,8 +146,7 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         hd = cfg.head_dim
-        # q, k and v as one projection, one matmul (LLaDA2's checkpoints store it so; the others' three tensors are
-        # loaded into its rows: `parts`, load_model), then the q heads, the k heads, the v heads.
+        # q, k, v as one matmul: the q heads, the k heads, the v heads (LLaDA2 stores it so; load_model fills it)
         self.parts = {"wqkv": {"wq": cfg.n_heads * hd, "wk": cfg.n_kv_heads * hd, "wv": cfg.n_kv_heads * hd}}
         self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
@@ -181,8 +180,7 @@ class Attention(nn.Module):
             mask = causal if mask is None else mask & causal
         # Otherwise no causal mask: every position sees the whole canvas (the diffusion model is bidirectional).
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
-        if empty is not None:
-            y = y.masked_fill(empty, 0.0)
+        y = y if empty is None else y.masked_fill(empty, 0.0)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -345,9 +343,8 @@ class Transformer(nn.Module):
         slots = start if isinstance(start, torch.Tensor) else torch.arange(start, start + T, device=idx.device)
         if pos is None:
             pos = slots.expand(B, T)
-        cfg = self.config
-        cos, sin = rope_cos_sin(pos, cfg.rotary_dim, cfg.rope_theta, torch.float32 if cfg.rope_fp32 else
-                                self.embed.weight.dtype)
+        cos, sin = rope_cos_sin(pos, self.config.rotary_dim, self.config.rope_theta,
+                                torch.float32 if self.config.rope_fp32 else self.embed.weight.dtype)
         # A query row with nothing to attend to (a left pad under Dream's 4D mask) is defined as zero, as torch's CPU
         # kernel returns; some GPU kernels return NaN there instead. Those rows, found once for every layer:
         empty = None if mask is None else ~mask.any(-1, keepdim=True)
@@ -518,66 +515,6 @@ def shard_files(model_dir: str) -> list[str]:
                             f"fastdllm loads safetensors checkpoints only")
 
 
-def checkpoint_names(cfg: ModelConfig, model: nn.Module | None = None) -> dict[str, str]:
-    """checkpoint tensor name -> our tensor name, every layer (and expert) expanded, for the tensors the config's
-    model has: no bias LLaDA does not use, no second copy of a tied head, no experts in a dense layer. An expert's
-    tensor is one row of a stacked parameter: our name is '<stacked>.<expert>'; q, k, v, gate and up are rows of a
-    fused parameter (fused_parts)."""
-    if model is None:
-        with torch.device("meta"):
-            model = Transformer(cfg)
-    params = dict(model.named_parameters()) | fused_parts(model)     # a tied head is listed once, as the embedding
-    out = {}
-    for ours, theirs in WEIGHT_MAP[cfg.arch].items():
-        for i in range(cfg.n_layers) if "{}" in ours else [0]:
-            o, t = ours.replace("{}", str(i), 1), theirs.replace("{}", str(i), 1)
-            if "{}" in o and o[:-3] in params:       # 'layers.i.mlp.w_gate.{}': one tensor per expert
-                out.update({t.format(e): o.format(e) for e in range(params[o[:-3]].shape[0])})
-            elif o in params:
-                out[t] = o
-    return out
-
-
-def fused_parts(model) -> dict[str, tuple[str, slice]]:
-    """Each tensor that checkpoints store apart and the model holds fused (the `parts` of Attention and MLP) -> (the
-    fused parameter, its rows there): 'layers.0.attn.wk.weight' -> ('layers.0.attn.wqkv.weight', slice(4096, 8192))."""
-    out = {}
-    for name, m in model.named_modules():
-        for fused, parts in getattr(m, "parts", {}).items():
-            rows = 0
-            for part, n in parts.items():
-                for kind in ("weight", "bias"):
-                    if getattr(getattr(m, fused), kind) is not None:
-                        out[f"{name}.{part}.{kind}"] = (f"{name}.{fused}.{kind}", slice(rows, rows + n))
-                rows += n
-    return out
-
-
-def stored_at(params: dict, parts: dict, ours: str) -> tuple[str, int | slice | None, tuple, bool]:
-    """Our tensor `ours` (checkpoint_names) -> (the parameter it is loaded into, where there: None (all of it), an
-    expert's row of a stack, or rows of a fused parameter; its shape as stored; stored transposed?)."""
-    if ours in params:
-        return ours, None, tuple(params[ours].shape), False
-    if ours in parts:
-        fused, rows = parts[ours]
-        return fused, rows, (rows.stop - rows.start, *params[fused].shape[1:]), False
-    stack, _, e = ours.rpartition(".")
-    flip = stack.rpartition(".")[2] in MoE.transposed
-    return stack, int(e), tuple(params[stack].shape[1:])[::-1 if flip else 1], flip
-
-
-def checkpoint_state(model) -> dict[str, torch.Tensor]:
-    """The model's tensors under the checkpoint's names and in its layout (what load_model reads back; a fused
-    parameter's parts and a stack's experts apart): demo/train.py saves its models with it."""
-    params, parts = dict(model.named_parameters()), fused_parts(model)
-    out = {}
-    for theirs, ours in checkpoint_names(model.config, model).items():
-        target, where, _, flip = stored_at(params, parts, ours)
-        t = params[target].detach() if where is None else params[target].detach()[where]
-        out[theirs] = (t.t() if flip else t).contiguous()
-    return out
-
-
 def load_model(name_or_path: str, device=None, dtype=None, progress=None, quantize=None) -> Transformer:
     """
     Build the model on the meta device (no memory), then read the safetensors shard by shard, tensor by
@@ -631,10 +568,9 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None, quanti
                         raise ValueError(f"tensor {key!r} is stored twice (again in {os.path.basename(path)}): "
                                          f"the checkpoint is inconsistent, re-download it")
                     target, where, shape, flip = stored_at(params, parts, ours)
-                    # A part of a fused weight (q, k, v, gate, up) is copied, then never read again: through its own
-                    # handle, its pages of the file leave with it (a shard's handle keeps every page it has read).
-                    fused = isinstance(where, slice)
-                    t = f.get_tensor(key) if int8 is None and not fused else read_once(path, key)
+                    # q, k, v, gate, up: copied into rows of a fused weight, through a handle of their own, so that
+                    # their pages leave with them (a shard's handle keeps every page it has read)
+                    t = f.get_tensor(key) if int8 is None and type(where) is not slice else read_once(path, key)
                     if tuple(t.shape) != shape:
                         raise ValueError(f"tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
                                          f"{shape}: the checkpoint and its config disagree")
@@ -673,4 +609,3 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None, quanti
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.eval()
-

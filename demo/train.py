@@ -40,7 +40,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
-from model import ModelConfig, Transformer, checkpoint_state, fused_parts
+from layout import checkpoint_state, fused_parts
+from model import ModelConfig, Transformer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ANSWER_LEN = 32          # the answer is padded with eos to this many tokens: the model learns where to stop

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import GOLDEN, copy_checkpoint
-from model import checkpoint_state, load_model
+from layout import checkpoint_state
+from model import load_model
 
 # spec: logits within 1e-4 of the official float32 run. CPU attention kernels differ by about that much on
 # these logits (up to ~25): measured 1.1e-4 on an AVX-512 Xeon, whose SDPA kernel uses a fast exp, and 8.3e-5
