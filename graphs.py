@@ -15,6 +15,7 @@ On a CPU the same code path runs with the capture replaced by a direct call on t
 the tests check everything a capture needs (tests/test_graphs.py).
 """
 import time
+import warnings
 from functools import partial
 
 import torch
@@ -46,7 +47,7 @@ class Captured:
         self.fn, self.inputs, self.graph, self.out = fn, [None if t is None else t.clone() for t in inputs], None, None
         if self.inputs[0].is_cuda:
             # Warm up on a side stream first (lazily initialised kernels and cuBLAS workspaces must not be
-            # recorded), as torch.cuda.graphs' docs say; the warm-up writes the KV cache as the call would.
+            # recorded), as torch.cuda.graph's documentation does; the warm-up writes the KV cache as the call would.
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -78,12 +79,13 @@ class CudaGraphs:
     directly on the same static buffers). A width is captured the second time it is fed, so a width fed once (a
     fork's odd feed, the last block of the prefix cache) costs no capture. The graphs read the weights and the KV
     cache at their addresses: this owns the KV cache, and a new model, new weights (quantize_int8 replaces them) or
-    another canvas shape drop every graph. Pass one instance to every call (the CLI, serve.py and bench.py do) to
-    keep the graphs; generate()'s own lives for one call. The graphs of one instance share one memory pool.
-    The hidden states a call returns are overwritten by the next call of that width, as with compile=True."""
+    another canvas shape drop every graph. Pass one instance to every call (the CLI, serve.py, bench.py and harness.py
+    do) to keep the graphs; generate()'s own lives for one call. The graphs of one instance share one memory pool. A
+    width whose capture fails (an op a graph cannot record) runs eager, said once in a warning. The hidden states a
+    call returns are overwritten by the next call of that width, as with compile=True."""
 
     def __init__(self):
-        self.graphs, self.seen, self.kv, self.key, self.pool = {}, set(), None, None, None
+        self.graphs, self.seen, self.eager, self.kv, self.key, self.pool = {}, set(), set(), None, None, None
         self.capture_s = 0.0          # seconds spent capturing (the warm-up): tools/gpu_check.py reports it
 
     def start(self, model, B: int, L: int, policy) -> KVCache | None:
@@ -91,7 +93,7 @@ class CudaGraphs:
         graphs read has changed (every generation's first call feeds the whole canvas, so nothing stale is read)."""
         key = (id(model), tuple(map(id, model.parameters())), B, L, policy.spare if policy.keeps_cache else None)
         if key != self.key:
-            self.graphs, self.seen, self.key = {}, set(), key
+            self.graphs, self.seen, self.eager, self.key = {}, set(), set(), key
             self.kv = KVCache.for_model(model, B, L, policy.spare) if policy.keeps_cache else None
         return self.kv
 
@@ -101,15 +103,22 @@ class CudaGraphs:
         key = (id(kv), *(None if t is None else (tuple(t.shape), t.dtype) for t in inputs))
         graph = self.graphs.get(key)
         if graph is None:
-            if key not in self.seen:                       # fed for the first time: eager
+            if key not in self.seen or key in self.eager:     # fed for the first time, or not capturable: eager
                 self.seen.add(key)
                 return model.hidden(ids, pos, kv, slots, mask)
             t0 = time.perf_counter()
             if ids.is_cuda and self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
             layers = lambda i, p, s, m: model.hidden(i, p, kv, s, m)          # noqa: E731
-            graph = self.graphs[key] = Captured(layers, inputs, self.pool)
-            self.capture_s += time.perf_counter() - t0
+            try:
+                graph = self.graphs[key] = Captured(layers, inputs, self.pool)
+            except RuntimeError as e:        # an op the graph cannot record (a fork's, a library's): eager, said once
+                self.eager.add(key)
+                warnings.warn(f"CUDA graphs: a call of {tuple(ids.shape)} tokens could not be captured, it runs eager "
+                              f"({str(e).splitlines()[0][:200]}); cuda_graphs=False (--no-cuda-graphs) runs all eager")
+                return model.hidden(ids, pos, kv, slots, mask)
+            finally:
+                self.capture_s += time.perf_counter() - t0
         return graph.replay(inputs)
 
 

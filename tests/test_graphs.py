@@ -210,3 +210,18 @@ def test_the_default_is_on_cuda_only_and_the_setting_is_checked(llada, monkeypat
     with pytest.raises(ValueError, match=r"cuda_graphs must be None \(on CUDA only\), True, False or a "
                                          r"fastdllm.CudaGraphs \(got 'yes'\)"):
         generate(llada, ids, gen_length=8, block_length=8, cuda_graphs="yes")
+
+
+def test_a_call_that_cannot_be_captured_runs_eager_and_says_so(llada, monkeypatch):
+    """An op a CUDA graph cannot record (a fork's host read, a library's kernel) must not end the decode: that width
+    runs eager from then on, with one warning for it, and the ids are eager's."""
+    def refuse(self, fn, inputs, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    ids, _ = prompts(llada, 1)
+    kw = dict(gen_length=16, block_length=8, steps=16, cache="dual")
+    eager, _ = generate(llada, ids, **kw)
+    monkeypatch.setattr(graphs.Captured, "__init__", refuse)
+    g = CudaGraphs()
+    with pytest.warns(UserWarning, match=r"could not be captured, it runs eager \(operation not permitted") as w:
+        out, _ = generate(llada, ids, cuda_graphs=g, **kw)
+    assert torch.equal(out, eager) and not g.graphs and len(g.eager) == 2 and len(w) == 2

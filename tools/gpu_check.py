@@ -478,7 +478,7 @@ def main(argv=None):
         if "speed" in args.phases:
             speed(model, prompts[:1], args, bandwidth, graphs, compiled, out, left, variants=("compiled",))
         for variant in (v for v in VARIANTS if v in args.variants) if "profile" in args.phases else ():
-            if left() < WARM[variant]:
+            if left() < (WARM[variant] if variant == "compiled" and compiled.fn is None else 20):   # not compiled yet
                 print(f"profile {variant}: skipped, {left():.0f} s left", flush=True)
                 continue
             out.setdefault("profile", {})[variant] = kernel_table(model, variant, graphs, compiled, args, bandwidth,
