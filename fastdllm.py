@@ -67,7 +67,7 @@ class Settings:
     stop_at_eos: bool | int = False    # True: stop after a finished block holding an end token; k: FlashDLM's rule
     eos_ids: list | None = None        # the end tokens (default the config's)
     compile: bool | object = False     # torch.compile the layers (CUDA graphs on CUDA); a Compiled keeps its graphs
-    cuda_graphs: bool | object | None = None   # replay each feed width's layers from a CUDA graph (None: on CUDA; graphs.py)
+    cuda_graphs: bool | object | None = None   # CUDA graphs of the layers (None: on CUDA); a CudaGraphs keeps them
     guide: torch.nn.Module | None = None   # FlashDLM guided diffusion: a causal LM with the same token ids
     speculative: bool = False          # guided: commit the guide's token at the first rejection
     accept: str = "deterministic"      # guided: the acceptance rule (guided.ACCEPT_RULES)
