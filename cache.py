@@ -19,7 +19,7 @@ mode it covers [s, e) and the suffix stays as the refresh left it (Fast-dLLM's `
 span a step feeds is the cache policy's `span`: the one place the caches differ. The storage never advances
 itself: every write names its slots, as tensors, so a step's shapes do not depend on where its block is.
 A fork's policy may feed any set of positions (each keeps its own RoPE position and KV slot) and mask keys out.
-At the end, `Compiled` (compile=True): the layers through torch.compile, keeping the KV cache its graphs write.
+How the layers run on what a policy feeds (eager, CUDA graphs, compiled) is graphs.py's.
 """
 import torch
 
@@ -215,45 +215,3 @@ BLOCK_CACHE_POLICIES = {"none": lambda sub: NoCache(), "prefix": lambda sub: Blo
 LLADA2_CACHE_POLICIES = {"none": lambda sub: Window(), "prefix": lambda sub: BlockWindow(),
                          "dual": lambda sub: BlockWindow()}
 
-
-# ----------------------------------------------------------------------------------------------------------
-# The compiled call (compile=True): the model's layers through torch.compile, with the KV cache its graphs write.
-
-def hidden_states(model, ids, pos, kv, slots, mask):
-    return model.hidden(ids, pos, kv, slots, mask)
-
-
-class Compiled:
-    """compile=True: the layers (model.hidden) through torch.compile, one graph per feed shape (fullgraph, static:
-    the slots are tensors, so one graph serves every block); on CUDA with CUDA graphs, one launch instead of ~1,150
-    kernels. The LM head stays eager, on the open columns only (on a CPU the head on every column cost up to 1.7x).
-    CUDA graphs write the KV cache in place at fixed addresses, so this keeps the last call's cache for the next of
-    the same shape: pass one instance to every call (the CLI, serve.py, harness.py do). emulate_precision_casts: bf16
-    ids equal eager's on the CPU (tests/test_compile.py). backend "aot_eager": the same graphs, no code generated."""
-
-    def __init__(self, backend: str = "inductor"):
-        if backend not in torch.compiler.list_backends(exclude_tags=()):
-            raise ValueError(f"Compiled(backend={backend!r}): not a torch.compile backend here (see "
-                             f"torch.compiler.list_backends(exclude_tags=()); default 'inductor')")
-        self.fn, self.kv, self.key, self.backend = None, None, None, backend
-
-    def cache(self, model, B: int, L: int, spare: int) -> KVCache:
-        """A KV cache for this call: the previous call's when the shape is the same (every generation's first
-        call feeds the whole canvas, so nothing stale is ever read)."""
-        if self.key != (id(model), B, L, spare):
-            self.kv, self.key = KVCache.for_model(model, B, L, spare), (id(model), B, L, spare)
-            for t in self.kv.k + self.kv.v if self.kv.k[0].is_cuda else ():
-                torch._dynamo.mark_static_address(t, guard=False)     # written in place by the CUDA graphs
-        return self.kv
-
-    def __call__(self, model, ids, pos, kv, slots, mask):
-        """model.hidden(ids, pos, kv, slots, mask), compiled: the fed positions' hidden states."""
-        cuda = model.lm_head.weight.is_cuda
-        if self.fn is None:
-            options = {"emulate_precision_casts": True} | ({"triton.cudagraphs": True} if cuda else {})
-            self.fn = torch.compile(hidden_states, fullgraph=True, dynamic=False, backend=self.backend,
-                                    options=options if self.backend == "inductor" else None)
-        if cuda:
-            torch.compiler.cudagraph_mark_step_begin()   # the previous step's hidden states are no longer read
-        with torch._dynamo.config.patch(recompile_limit=256):
-            return self.fn(model, ids, pos, kv, slots, mask)

@@ -244,6 +244,9 @@ def check_hooks(st, on_step=None):
             bad(f"{key} must be True or False (got {getattr(st, key)!r})")
     if type(st.compile) is not bool and type(st.compile).__name__ != "Compiled":
         bad(f"compile must be True, False or a fastdllm.Compiled (got {st.compile!r})")
+    if not (st.cuda_graphs is None or type(st.cuda_graphs) is bool or "CudaGraphs" in map(
+            lambda c: c.__name__, type(st.cuda_graphs).__mro__)):
+        bad(f"cuda_graphs must be None (on CUDA only), True, False or a fastdllm.CudaGraphs (got {st.cuda_graphs!r})")
 
 
 def check_call(model, prompt, st, attention_mask, generator, on_step, defaults, given):

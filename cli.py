@@ -16,9 +16,10 @@ import torch
 
 import checks
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, SDAR_REMASKING, check_block
-from cache import CACHE_POLICIES, Compiled
+from cache import CACHE_POLICIES
 from chat import Chat, check_text, load_tokenizer, read_turns, streamer
 from fastdllm import Settings, generate, pad_prompts, settings as settled
+from graphs import Compiled, CudaGraphs
 from guided import ACCEPT_RULES, OWN as GUIDED_OWN, check_accept, check_guide, check_guided_settings
 from model import check_readable, load_model, read_config, resolve_model_dir
 from quant import QUANTIZE, int8_quantizer, weight_bytes
@@ -53,12 +54,14 @@ def flag_name(key: str) -> str:
 
 
 def settings(args, **override):
-    """The CLI's flags as generate() keywords (--compile: the process's one Compiled, so graphs are reused)."""
+    """The CLI's flags as generate() keywords (--compile: the process's one Compiled, so graphs are reused; the same
+    for its one CudaGraphs on CUDA, unless --no-cuda-graphs)."""
     kw = dict(gen_length=args.gen_length, block_length=args.block_length or None, sub_block=args.sub_block,
               steps=args.steps,
               cache=args.cache, threshold=args.threshold, factor=args.factor, temperature=args.temperature,
               remasking=args.remasking, top_p=args.top_p, top_k=args.top_k, alg_temp=args.alg_temp,
               compile=getattr(args, "compiled", None) or args.compile,
+              cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else getattr(args, "graphs", None),
               **{k: getattr(args, k, None) for k in ("editing_threshold", "max_post_steps", "num_to_transfer")})
     if args.guide:
         kw.update(accept=args.accept, accept_k=args.accept_k, accept_ratio=args.accept_ratio,
@@ -202,8 +205,8 @@ def check_config(args, cfg, chat):
 def load_all(args):
     """What every command line of the project loads (this CLI, serve.py, bench.py run): the checks of the small
     files first (config.json, tokenizer.json, the guide's; a repo's weights are not even fetched before them),
-    then the guide and the model. Sets args.stop_ids, args.guide_model and args.compiled (one Compiled for the
-    process). -> (model, chat, cfg, device)."""
+    then the guide and the model. Sets args.stop_ids, args.guide_model, args.compiled and args.graphs (one Compiled,
+    one CudaGraphs for the process). -> (model, chat, cfg, device)."""
     device, dtype = pick_device_dtype(args.device, args.dtype)
     int8_quantizer(args.quantize)      # --quantize int8 without torchao: said before anything is read
     # The guide first: a typo in its path must not wait for the model's download.
@@ -232,6 +235,7 @@ def load_all(args):
     args.guide_model = load_guide(guide_dir, args, cfg, chat, device, dtype)
     model = load(args.model, resolve_model_dir(args.model), device, dtype, args.quantize)
     args.compiled = Compiled() if args.compile else None
+    args.graphs = CudaGraphs() if device.type == "cuda" and not getattr(args, "no_cuda_graphs", False) else None
     return model, chat, cfg, device
 
 
@@ -302,6 +306,8 @@ def add_flags(p, omit=()):
     add("--seed", type=int, default=0, help="seed of the sampling generator; a negative one is taken modulo 2**64, "
         "as torch does (default: %(default)s)")
     add("--compile", action="store_true", help="torch.compile the model's layers, one graph per shape fed")
+    add("--no-cuda-graphs", action="store_true", help="on CUDA, run the layers eager instead of replaying each feed "
+        "width's call from a CUDA graph (the default there)")
     add("--quantize", choices=QUANTIZE, help="int8: weight-only int8 layers, model and guide (torchao)")
     add("--no-chat", action="store_true", help="raw prompt, no chat template (base models)")
     add("--interactive", action="store_true", help="multi-turn chat on stdin, until exit, quit or its end (a model "

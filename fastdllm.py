@@ -23,8 +23,9 @@ import torch
 import checks
 import sampler as S
 from blockdiff import BLOCK, FAMILIES as BLOCK_FAMILIES
-from cache import CachePolicy, Compiled, KVCache, Refresh
+from cache import CachePolicy, KVCache, Refresh
 from dream import DREAM
+from graphs import Compiled, CudaGraphs, model_call  # noqa: F401  (fastdllm.Compiled, fastdllm.CudaGraphs)
 from guided import GUIDED
 from uniform import GEMMA
 
@@ -71,6 +72,7 @@ class Settings:
     stop_at_eos: bool | int = False    # True: stop after a finished block holding an end token; k: FlashDLM's rule
     eos_ids: list | None = None        # the end tokens (default the config's)
     compile: bool | object = False     # torch.compile the layers (CUDA graphs on CUDA); a Compiled keeps its graphs
+    cuda_graphs: bool | object | None = None   # CUDA graphs of the layers (None: on CUDA); a CudaGraphs keeps them
     guide: torch.nn.Module | None = None   # FlashDLM guided diffusion: a causal LM with the same token ids
     speculative: bool = False          # guided: commit the guide's token at the first rejection
     accept: str = "deterministic"      # guided: the acceptance rule (guided.ACCEPT_RULES)
@@ -136,7 +138,7 @@ class Plan:
     select: Callable          # the selection rule: which proposals a step commits
     stop: Callable            # the stop rule: which rows' answers have ended
     model: torch.nn.Module
-    layers: Callable          # the model's layers: model.hidden, or its compiled form (compile=True)
+    layers: Callable          # the model's layers: model.hidden, replayed from CUDA graphs or compiled (graphs.py)
     kv: KVCache | None        # keys/values of the whole canvas (None: cache "none" attends over what it feeds)
     pos: torch.Tensor         # (B, L) RoPE positions (a left-padded row counts from its first token)
     mask: torch.Tensor | None # (B or 1, 1, L, L) the attention mask (padded rows; a block-causal model's grid), or None
@@ -299,15 +301,14 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     c = family.canvas(prompt.to(device), attention_mask, st, cfg, eos)
     step_rule, select, cache, stop, layers = family.parts(model, st, options, generator, c, eos)
     cache = Refresh(cache) if st.refresh_every_step else cache
-    compiled = st.compile and cache.fixed_width and (st.compile if isinstance(st.compile, Compiled) else Compiled())
     (B, L), blocks = c.x.shape, c.blocks
-    kv = (compiled.cache if compiled else KVCache.for_model)(model, B, L, cache.spare) if cache.keeps_cache else None
+    layers, kv = model_call(model, st.compile, st.cuda_graphs, cache, B, L, layers)   # eager, CUDA graphs or compiled
     # The step rule's protocol: sampler.StepRule's attributes (a fork's rule may not subclass it: theirs by default).
     spb, exact, post, reads_block, edits = (getattr(step_rule, k, getattr(S.StepRule, k)) for k in (
         "steps_per_block", "exact_steps", "max_post_steps", "reads_block", "edits"))
     ar = torch.arange(L, device=device)
     plan = Plan(blocks=blocks, cache=cache, step_rule=step_rule, select=select, stop=stop, model=model,
-                layers=partial(compiled, model) if compiled else layers or model.hidden, kv=kv,
+                layers=layers, kv=kv,
                 pos=ar.expand(B, L) if c.pos is None else c.pos, mask=c.mask,
                 undecided=getattr(step_rule, "undecided", None) or (lambda x: x == cfg.mask_id), mask_id=cfg.mask_id,
                 shift=cfg.shift, prompt=c.prompt, sees=c.sees, exact_steps=exact, patience=spb + st.block_length + post,

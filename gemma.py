@@ -49,16 +49,18 @@ class Norm(nn.Module):
         return (h if self.weight is None else h * self.weight.float()).to(x.dtype)
 
 
-def rope_cos_sin(pos, head_dim: int, rotated: int, theta: float):
-    """cos/sin (B, 1, T, head_dim), float32, for positions pos (B, T). head_dim / 2 frequencies; the first `rotated`
-    are theta^(-2i / head_dim), the rest 0 (those pairs never turn). rotated = head_dim / 2 is the usual RoPE (the
-    sliding layers'); fewer is the proportional RoPE of the full layers: the exponent still divides by the whole
-    head, and the pairs are (i, i + head_dim / 2) over the whole head, unlike model.py's partial rotary."""
+def rope_cos_sin(pos, head_dim: int, rotated: int, theta: float, dtype):
+    """cos/sin (B, 1, T, head_dim) for positions pos (B, T), computed in float32 and cast to `dtype` (the official casts
+    them to the activations'), sin's first half negated (model.apply_rope). head_dim / 2 frequencies; the first
+    `rotated` are theta^(-2i / head_dim), the rest 0 (those pairs never turn). rotated = head_dim / 2 is the usual
+    RoPE (the sliding layers'); fewer is the proportional RoPE of the full layers: the exponent still divides by the
+    whole head, and the pairs are (i, i + head_dim / 2) over the whole head, unlike model.py's partial rotary."""
     inv_freq = 1.0 / theta ** (torch.arange(0, 2 * rotated, 2, device=pos.device).float() / head_dim)
     inv_freq = torch.cat([inv_freq, inv_freq.new_zeros(head_dim // 2 - rotated)])
     angles = pos.float()[..., None] * inv_freq
     emb = torch.cat((angles, angles), dim=-1)[:, None]
-    return emb.cos(), emb.sin()
+    sin = emb.sin()
+    return emb.cos().to(dtype), torch.cat((-sin[..., :head_dim // 2], sin[..., head_dim // 2:]), dim=-1).to(dtype)
 
 
 def positions(valid):
@@ -69,7 +71,8 @@ def positions(valid):
 
 class GeGLU(MLP):
     def forward(self, x):
-        return self.w_down(gelu(self.w_gate(x)) * self.w_up(x))
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)             # gate and up held as one (model.MLP)
+        return self.w_down(gelu(gate) * up)
 
 
 class GemmaAttention(nn.Module):
@@ -231,7 +234,7 @@ class DiffusionGemma(nn.Module):
             s, hd = g.sliding[i], g.head_dims[i]
             if (s, hd) not in rope:    # default RoPE on sliding layers, proportional on full ones
                 rotated = hd // 2 if s else int(g.full_rope_fraction * hd // 2)
-                rope[s, hd] = rope_cos_sin(here, hd, rotated, cfg.rope_theta if s else g.full_rope_theta)
+                rope[s, hd] = rope_cos_sin(here, hd, rotated, cfg.rope_theta if s else g.full_rope_theta, x.dtype)
             x = layer(x, rope[s, hd], (cache, i, slots), masks[0] if s else masks[1], encoder)
         return x
 

@@ -21,8 +21,8 @@ guides them, and nothing else.
 The diffusion families are run *bidirectionally*: a diffusion LM predicts every masked position from the whole
 canvas, so attention has no causal mask; only the guide masks the future. What each checkpoint architecture needs
 (how its config.json reads, its tensor names, what we refuse) is one row of archs.py's `ARCHS`; weights are read
-straight from the Hugging Face safetensors, with no `transformers` and no remote code. Decoding policies live in
-sampler.py, the loop in fastdllm.py, the KV cache in cache.py.
+straight from the Hugging Face safetensors, with no `transformers` and no remote code (where each tensor goes:
+layout.py). Decoding policies live in sampler.py, the loop in fastdllm.py, the KV cache in cache.py.
 """
 import importlib
 import json
@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from archs import ARCHS, WEIGHT_MAP, GemmaConfig, MoEConfig, added_token_id, arch_of, read_json  # noqa: F401 (callers)
+from layout import checkpoint_names, fused_parts, stored_at  # noqa: F401  (model.checkpoint_names for callers)
 
 
 @dataclass
@@ -114,32 +115,34 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Every official model normalises in float32, casts back, *then* scales by the weight.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        # Every official model normalises in float32, casts back, *then* scales by the weight: torch's rms_norm is
+        # that round trip in one op, bit for bit (its own weight would scale before the cast: other bits).
+        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
 
 
-def rope_cos_sin(pos: torch.Tensor, rotary_dim: int, theta: float):
-    """cos/sin of shape (B, 1, T, rotary_dim) in float32 for integer positions `pos` (B, T)."""
+def rope_cos_sin(pos: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
+    """cos and sin (B, T, 1, rotary_dim) in `dtype` for positions `pos` (B, T), once per call, in float32; sin's first
+    half negated (apply_rope)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=pos.device, dtype=torch.float32) / rotary_dim))
     angles = pos.float()[..., None] * inv_freq                      # (B, T, rotary_dim/2)
-    emb = torch.cat((angles, angles), dim=-1)[:, None]               # (B, 1, T, rotary_dim): rotate-half layout
-    return emb.cos(), emb.sin()
+    emb = torch.cat((angles, angles), dim=-1)[:, :, None]            # (B, T, 1, rotary_dim): rotate-half layout
+    cos, sin = emb.cos(), emb.sin()
+    half = rotary_dim // 2
+    return cos.to(dtype), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).to(dtype)
 
 
 def apply_rope(x, cos, sin, fp32: bool):
-    # Rotate-half (NeoX / HF Llama) convention, as every checkpoint was trained: no weight permutation needed.
+    """Rotate-half (NeoX / HF Llama) RoPE, as every checkpoint was trained: x * cos + rotate_half(x) * sin, where
+    rotate_half(x) = (-x2, x1); with the sign in sin (rope_cos_sin) that is (x2, x1) * sin, the same bits (a product's
+    sign is exact). fp32: rotated in float32 and cast back (LLaDA's official RoPE; cos/sin are then float32)."""
     rd = cos.shape[-1]
     if rd < x.shape[-1]:   # partial rotary (LLaDA-MoE partial_rotary_factor < 1): the rest of the head passes as is
         return torch.cat((apply_rope(x[..., :rd], cos, sin, fp32), x[..., rd:]), dim=-1)
     dtype = x.dtype
     if fp32:
         x = x.float()
-    else:
-        cos, sin = cos.to(dtype), sin.to(dtype)
     x1, x2 = x.chunk(2, dim=-1)
-    return (x * cos + torch.cat((-x2, x1), dim=-1) * sin).to(dtype)
+    return (x * cos + torch.cat((x2, x1), dim=-1) * sin).to(dtype)
 
 
 class Attention(nn.Module):
@@ -147,32 +150,24 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         hd = cfg.head_dim
-        if cfg.fused_qkv:
-            self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, bias=cfg.qkv_bias)
-        else:
-            self.wq = nn.Linear(cfg.dim, cfg.n_heads * hd, bias=cfg.qkv_bias)
-            self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
-            self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
+        # q, k, v as one matmul: the q heads, the k heads, the v heads (LLaDA2 stores it so; load_model fills it)
+        self.parts = {"wqkv": {"wq": cfg.n_heads * hd, "wk": cfg.n_kv_heads * hd, "wv": cfg.n_kv_heads * hd}}
+        self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * hd, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
         if cfg.qk_norm:    # LLaDA-MoE: one head_dim-wide RMSNorm weight, shared by every head
             self.q_norm, self.k_norm = RMSNorm(hd, cfg.norm_eps), RMSNorm(hd, cfg.norm_eps)
 
-    def forward(self, x, cos, sin, kv=None, start=0, mask=None):
+    def forward(self, x, cos, sin, kv=None, start=0, mask=None, empty=None):
         B, T, _ = x.shape
-        cfg, hd = self.cfg, self.cfg.head_dim
-        if cfg.fused_qkv:   # the q heads, then the k heads, then the v heads
-            q, k, v = self.wqkv(x).split([cfg.n_heads * hd, cfg.n_kv_heads * hd, cfg.n_kv_heads * hd], dim=-1)
-        else:
-            q, k, v = self.wq(x), self.wk(x), self.wv(x)
-        q = q.view(B, T, -1, hd)                                      # (B, T, nh, hd)
-        k = k.view(B, T, -1, hd)                                      # (B, T, nkv, hd)
-        v = v.view(B, T, -1, hd)
+        cfg, nh = self.cfg, self.cfg.n_heads
+        qkv = self.wqkv(x).view(B, T, -1, cfg.head_dim)              # (B, T, nh + 2 nkv, hd)
+        qk, v = qkv[:, :, :nh + cfg.n_kv_heads], qkv[:, :, nh + cfg.n_kv_heads:]
         if cfg.qk_norm:    # per head, before RoPE (docs/official.md 8)
-            q, k = self.q_norm(q), self.k_norm(k)
+            qk = torch.cat((self.q_norm(qk[:, :, :nh]), self.k_norm(qk[:, :, nh:])), dim=2)
         if cfg.clip_qkv is not None:   # after the q/k norm, as the official attention clamps
-            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # (B, heads, T, hd)
-        q, k = apply_rope(q, cos, sin, cfg.rope_fp32), apply_rope(k, cos, sin, cfg.rope_fp32)
+            qk, v = qk.clamp(-cfg.clip_qkv, cfg.clip_qkv), v.clamp(-cfg.clip_qkv, cfg.clip_qkv)
+        qk = apply_rope(qk, cos, sin, cfg.rope_fp32).transpose(1, 2)    # q's and k's heads rotated together
+        q, k, v = qk[:, :nh], qk[:, nh:], v.transpose(1, 2)             # (B, heads, T, hd)
         if kv is not None:
             # Keys are stored after RoPE: a position's rotation never changes, so this equals the official
             # "store raw, rotate every call" bit for bit and saves the re-rotation. kv = (KVCache, layer, slots).
@@ -189,22 +184,20 @@ class Attention(nn.Module):
             mask = causal if mask is None else mask & causal
         # Otherwise no causal mask: every position sees the whole canvas (the diffusion model is bidirectional).
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
-        if mask is not None:
-            # A query row with nothing to attend to (a left pad under Dream's 4D mask) is defined as zero,
-            # as torch's CPU kernel returns; some GPU kernels return NaN there instead.
-            y = y.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+        y = y if empty is None else y.masked_fill(empty, 0.0)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
-        self.w_gate = nn.Linear(dim, hidden, bias=False)
-        self.w_up = nn.Linear(dim, hidden, bias=False)
+        self.parts = {"w_gate_up": {"w_gate": hidden, "w_up": hidden}}    # gate and up as one matmul (Attention)
+        self.w_gate_up = nn.Linear(dim, 2 * hidden, bias=False)
         self.w_down = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))    # SwiGLU
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)                          # SwiGLU
 
 
 class MoE(nn.Module):
@@ -315,8 +308,8 @@ class Block(nn.Module):
         sparse = cfg.moe is not None and cfg.moe.sparse[i]
         self.mlp = (GroupedMoE if cfg.moe.router == "sigmoid" else MoE)(cfg) if sparse else MLP(cfg.dim, cfg.ffn_dim)
 
-    def forward(self, x, cos, sin, kv=None, start=0, mask=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, kv, start, mask)
+    def forward(self, x, cos, sin, kv=None, start=0, mask=None, empty=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv, start, mask, empty)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -357,10 +350,14 @@ class Transformer(nn.Module):
         slots = start if isinstance(start, torch.Tensor) else torch.arange(start, start + T, device=idx.device)
         if pos is None:
             pos = slots.expand(B, T)
-        cos, sin = rope_cos_sin(pos, self.config.rotary_dim, self.config.rope_theta)
+        cos, sin = rope_cos_sin(pos, self.config.rotary_dim, self.config.rope_theta,
+                                torch.float32 if self.config.rope_fp32 else self.embed.weight.dtype)
+        # A query row with nothing to attend to (a left pad under Dream's 4D mask) is defined as zero, as torch's CPU
+        # kernel returns; some GPU kernels return NaN there instead. Those rows, found once for every layer:
+        empty = None if mask is None else ~mask.any(-1, keepdim=True)
         x = self.embed(idx)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, None if cache is None else (cache, i, slots), start, mask)
+            x = layer(x, cos, sin, None if cache is None else (cache, i, slots), start, mask, empty)
         return x
 
     def logits(self, x, rows=None):
@@ -524,34 +521,6 @@ def shard_files(model_dir: str) -> list[str]:
                             f"fastdllm loads safetensors checkpoints only")
 
 
-def checkpoint_names(cfg: ModelConfig, model: nn.Module | None = None) -> dict[str, str]:
-    """checkpoint tensor name -> our parameter name, every layer (and expert) expanded, for the parameters the
-    config's model has: no bias LLaDA does not use, no second copy of a tied head, no experts in a dense layer.
-    An expert's tensor is one row of a stacked parameter: our name is '<stacked>.<expert>'."""
-    if model is None:
-        with torch.device("meta"):
-            model = build(cfg)
-    params = dict(model.named_parameters())          # a tied head is listed once, as the embedding
-    out = {}
-    for ours, theirs in WEIGHT_MAP[cfg.arch].items():
-        for i in range(cfg.n_layers) if "{}" in ours else [0]:
-            o, t = ours.replace("{}", str(i), 1), theirs.replace("{}", str(i), 1)
-            if "{}" in o and o[:-3] in params:       # 'layers.i.mlp.w_gate.{}': one tensor per expert
-                out.update({t.format(e): o.format(e) for e in range(params[o[:-3]].shape[0])})
-            elif o in params:
-                out[t] = o
-    return out
-
-
-def stored_shape(params: dict, ours: str) -> tuple[str | None, tuple, bool]:
-    """Our tensor `ours` (checkpoint_names) as stored: (its stacked parameter or None, its shape, transposed?)."""
-    if ours in params:
-        return None, tuple(params[ours].shape), False
-    stack = ours.rpartition(".")[0]
-    flip = stack.rpartition(".")[2] in MoE.transposed
-    return stack, tuple(params[stack].shape[1:])[::-1 if flip else 1], flip
-
-
 def load_model(name_or_path: str, device=None, dtype=None, progress=None, quantize=None) -> Transformer:
     """
     Build the model on the meta device (no memory), then read the safetensors shard by shard, tensor by
@@ -559,7 +528,8 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None, quanti
     nor as a float32 copy. When no conversion is needed (a bf16 checkpoint as bf16 on the CPU), safetensors
     hands out tensors that map the file copy-on-write: nothing is read until a forward pass touches it, and
     the files must not be rewritten in place while the model lives (replacing them is fine). LLaDA-MoE's
-    experts are copied one by one into their stacked parameter, allocated once: no second copy either.
+    experts are copied one by one into their stacked parameter, allocated once: no second copy either; and so are
+    q, k, v (and gate, up) into the fused projection the model holds when a checkpoint stores them apart.
     Strict: a missing, unexpected or misshapen tensor is an error naming it.
     Default: bfloat16 on CUDA, float32 on CPU. progress(shard, n_shards, bytes_done, bytes_total), if given, is
     called after each tensor (bytes of the checkpoint's files; the CLI shows it on stderr).
@@ -584,7 +554,7 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None, quanti
     cfg = read_config(model_dir)
     with torch.device("meta"):
         model = build(cfg)
-    params = dict(model.named_parameters())
+    params, parts = dict(model.named_parameters()), fused_parts(model)
     names = checkpoint_names(cfg, model)
     targets = int8_targets(model) if int8 else {}
     state, loaded, files, done = {}, set(), shard_files(model_dir), 0
@@ -607,22 +577,24 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None, quanti
                         if ours in loaded:
                             raise ValueError(f"tensor {key!r} is stored twice (again in {os.path.basename(path)}): "
                                              f"the checkpoint is inconsistent, re-download it")
-                        t = read()
-                        stack, shape, flip = stored_shape(params, ours)
+                        target, where, shape, flip = stored_at(params, parts, ours)
+                        # q, k, v, gate, up: copied into rows of a fused weight, through a handle of their own, so
+                        # that their pages leave with them (a shard's handle keeps every page it has read)
+                        t = read_once(path, key) if key == stored and type(where) is slice else read()
                         if tuple(t.shape) != shape:
                             raise ValueError(f"tensor {key!r} has shape {tuple(t.shape)}, config.json implies "
                                              f"{shape}: the checkpoint and its config disagree")
                         if not t.is_floating_point():
                             raise ValueError(f"tensor {key!r} has dtype {t.dtype}, not a float: this checkpoint is "
                                              f"quantized or corrupt; fastdllm loads float16/bfloat16/float32 weights")
-                        if (stack or ours) in targets:
-                            int8_store(state, params, ours, t.to(device=device, dtype=dtype), int8, stack, flip)
-                        elif stack is None:
+                        if target in targets:
+                            int8_store(state, params, target, where, t.to(device=device, dtype=dtype), int8, flip)
+                        elif where is None:
                             state[ours] = t.to(device=device, dtype=dtype)
-                        else:   # expert e of a stack: fill its row of the one preallocated tensor
-                            if stack not in state:
-                                state[stack] = torch.empty(params[stack].shape, device=device, dtype=dtype)
-                            state[stack][int(ours.rpartition(".")[2])].copy_(t.t() if flip else t)
+                        else:   # an expert (its row of a stack), or q, k, v, gate, up (rows of a fused weight):
+                            if target not in state:      # filled into the one tensor, allocated at its first part
+                                state[target] = torch.empty(params[target].shape, device=device, dtype=dtype)
+                            state[target][where].copy_(t.t() if flip else t)
                         loaded.add(ours)
                         done += t.nbytes
                         del t
@@ -647,4 +619,3 @@ def load_model(name_or_path: str, device=None, dtype=None, progress=None, quanti
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     return model.eval()
-

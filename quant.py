@@ -72,20 +72,28 @@ def int8_targets(model) -> set[str]:
     return out
 
 
-def int8_store(state: dict, params: dict, ours: str, w: torch.Tensor, int8, stack=None, flip=False) -> None:
-    """Our weight `ours` (checkpoint_names), read as w in the model's dtype, into `state` as int8: a linear layer's
-    as torchao's int8 tensor, an expert's (stack: its stacked parameter; flip: stored transposed) as its row of the
+def int8_store(state: dict, params: dict, target: str, where, w: torch.Tensor, int8, flip=False) -> None:
+    """A weight read as w in the model's dtype into `state` as int8, in the parameter `target` (model.stored_at):
+    where None, the whole of a linear layer's, as torchao's int8 tensor; a slice, q, k, v, gate or up, into its rows
+    of the fused linear layer's int8 tensor, made at its first part (one scale per output channel: the parts' values
+    and scales are the fused weight's, row for row); an int, an expert (flip: stored transposed), as its row of the
     stack's int8 values and of the stack's scales."""
     q = int8(w)
-    if stack is None:
-        state[ours] = q
-        return
-    if stack not in state:      # allocated at the stack's first expert, as load_model's float stacks
-        state[stack] = torch.empty(params[stack].shape, dtype=torch.int8, device=w.device)
-        state[stack + "_scale"] = torch.empty(params[stack].shape[0], w.shape[0], dtype=w.dtype, device=w.device)
-    e = int(ours.rpartition(".")[2])
-    state[stack][e].copy_(q.qdata.t() if flip else q.qdata)
-    state[stack + "_scale"][e].copy_(q.scale.flatten())
+    if where is None:
+        state[target] = q
+    elif isinstance(where, slice):
+        if target not in state:      # allocated at the first part, as load_model's float fused weights
+            rows = params[target].shape[0]
+            state[target] = type(q)(q.qdata.new_empty(rows, q.shape[1]), q.scale.new_empty(rows, 1), q.block_size,
+                                    q.dtype, zero_point=q.zero_point.new_empty(rows, 1))
+        for name in ("qdata", "scale", "zero_point"):
+            getattr(state[target], name)[where].copy_(getattr(q, name))
+    else:
+        if target not in state:      # allocated at the stack's first expert, as load_model's float stacks
+            state[target] = torch.empty(params[target].shape, dtype=torch.int8, device=w.device)
+            state[target + "_scale"] = torch.empty(params[target].shape[0], w.shape[0], dtype=w.dtype, device=w.device)
+        state[target][where].copy_(q.qdata.t() if flip else q.qdata)
+        state[target + "_scale"][where].copy_(q.scale.flatten())
 
 
 def int8_layout(model, targets: set[str]) -> None:
@@ -126,7 +134,7 @@ def quantize_int8(model):
             if is_stack(m):
                 w, state, flip = getattr(m, attr).detach(), {}, attr in m.transposed
                 for e in range(w.shape[0]):
-                    int8_store(state, {name: w}, f"{name}.{e}", w[e].t() if flip else w[e], int8, name, flip)
+                    int8_store(state, {name: w}, name, e, w[e].t() if flip else w[e], int8, flip)
                 setattr(m, attr, nn.Parameter(state[name], requires_grad=False))
                 m.register_buffer(attr + "_scale", state[name + "_scale"])
     return model

@@ -56,7 +56,7 @@ except ImportError as e:
 
 from chat import Chat
 from cli import CLI_DEFAULTS, check_early, pick_device_dtype
-from fastdllm import Compiled, Settings, generate, pad_prompts
+from fastdllm import Compiled, CudaGraphs, Settings, generate, pad_prompts
 from guided import check_guide
 from checks import check_family, check_prompt
 from model import load_model, read_config, resolve_model_dir
@@ -136,6 +136,8 @@ class FastDLLM(LM):
         self.model_name, self.guide_name, self.batch_size, self.seed = model, guide, int(batch_size), seed
         # compile=True: one Compiled for every batch, so each graph is compiled (and captured) once, not per call
         self.compile = Compiled() if s["compile"] is True else s["compile"]
+        # CUDA graphs (the default on CUDA): one CudaGraphs for every batch too, so each width is captured once
+        self.graphs = CudaGraphs() if s["cuda_graphs"] is None and self._device.type == "cuda" else s["cuda_graphs"]
         self.chat_applied = False          # set once lm-eval asks for the chat template
         self._chat, self._net, self._guide = None, None, None
         self.said = set()                  # log lines said once
@@ -310,7 +312,8 @@ class FastDLLM(LM):
         generator = torch.Generator(self._device).manual_seed(self.seed)
         x, stats = generate(net, ids.to(self._device), attention_mask=am.to(self._device), generator=generator,
                             guide=self._guide, eos_ids=sorted(self.chat.stop_ids),
-                            **self.settings | {"gen_length": gen_length, "compile": self.compile})
+                            **self.settings | {"gen_length": gen_length, "compile": self.compile,
+                                               "cuda_graphs": self.graphs})
         return [row[:n] for row, n in zip(x[:, ids.shape[1]:].tolist(), stats["row_length"])], stats
 
     def say(self, line: str):

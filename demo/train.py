@@ -40,7 +40,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # the repo root
-from model import ModelConfig, Transformer, checkpoint_names
+from layout import checkpoint_state, fused_parts
+from model import ModelConfig, Transformer
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ANSWER_LEN = 32          # the answer is padded with eos to this many tokens: the model learns where to stop
@@ -166,11 +167,16 @@ def causal_loss(model, x, P: int, gen=None):
 
 
 def init_weights(model, gen: torch.Generator):
-    # nanoGPT's init: N(0, 0.02) everywhere (nn.Embedding's default N(0, 1) is far too large here).
+    # nanoGPT's init: N(0, 0.02) everywhere (nn.Embedding's default N(0, 1) is far too large here), drawn tensor by
+    # tensor as the checkpoint stores them (a fused q/k/v or gate/up weight part by part).
+    rows = {}
+    for fused, part in fused_parts(model).values():
+        rows.setdefault(fused, []).append(part)
     for name, p in model.named_parameters():
         with torch.no_grad():
             if p.dim() == 2:                      # matrices; the RMSNorm weights stay at 1
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                for part in rows.get(name, [slice(None)]):
+                    p[part] = torch.randn(p[part].shape, generator=gen) * 0.02
             elif name.endswith(".bias"):          # the guide's q/k/v biases (Qwen2) start at 0
                 p.zero_()
 
@@ -282,8 +288,7 @@ def save(model, tok, out: str):
     hf = hf_config(cfg)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(hf, f, indent=2, sort_keys=True)
-    ours = {v: k for k, v in checkpoint_names(cfg).items()}   # our parameter name -> LLaDA tensor name
-    state = {ours[n]: p.detach().to(torch.bfloat16).contiguous() for n, p in model.named_parameters()}
+    state = {name: t.to(torch.bfloat16).contiguous() for name, t in checkpoint_state(model).items()}
     save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     tok.save(os.path.join(out, "tokenizer.json"))
 

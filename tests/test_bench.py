@@ -228,11 +228,17 @@ def test_gpu_check_small_shape_on_cpu(tmp_path):
     never depends on the machine's speed. Then the time box itself,
     with a budget no phase fits (1 s): every picked phase is skipped and says so, the others do not run."""
     cmd = [sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--shape", "tiny", "--device", "cpu",
-           "--gen-length", "16", "--block-length", "8", "--prompt-length", "8"]
+           "--gen-length", "16", "--block-length", "8", "--prompt-length", "8", "--official-dir", str(tmp_path)]
     out = tmp_path / "gpu.json"
-    r = bounded.run([*cmd, "--budget", "0", "--variants", "eager", "--golden-runs", "3", "--out", str(out)], timeout=600)
+    r = bounded.run([*cmd, "--budget", "0", "--variants", "eager", "--golden-runs", "3", "--profile-calls", "2",
+                     "--out", str(out)], timeout=600)
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
+    # the phases since the CUDA graphs: no official code here (tools/gpu_prep.py brings it), so said and skipped
+    assert res["official"]["error"].startswith("skipped: no ") and "tools/gpu_prep.py" in res["official"]["error"]
+    assert res["graphs_ids"]["equal"] == res["graphs_ids"]["total"] > 50 and not res["graphs_ids"]["differ"]
+    assert res["launches"]["ours"] <= 1.2 * res["launches"]["minimal"]
+    assert res["profile"]["eager"]["launches_per_call"] > 0 and res["profile"]["eager"]["kernels"]
     eager = {x["mode"]: x for x in res["speed"] if x["variant"] == "eager"}
     assert set(eager) == {"baseline", "dual 0.9"} and eager["baseline"]["nfe"] == 16
     assert eager["dual 0.9"]["refresh"]["steps"] == 2 and eager["dual 0.9"]["cached"]["ms"] > 0
@@ -252,8 +258,52 @@ def test_gpu_check_small_shape_on_cpu(tmp_path):
     res = json.loads(boxed.read_text())
     assert "speed" not in res and "batch" not in res and "batch" not in r.stdout
     assert [ln.split(":")[0] for ln in r.stdout.splitlines() if "skipped" in ln] == [
-        "speed eager baseline", "speed eager dual 0.9", "speed compiled baseline", "speed compiled dual 0.9",
-        "golden float32", "golden bfloat16"]
+        "speed eager baseline", "speed eager dual 0.9", "speed graphs baseline", "speed graphs dual 0.9",
+        "speed compiled baseline", "speed compiled dual 0.9", "golden float32", "golden bfloat16"]
+
+
+STUB_OFFICIAL = {   # the official llada/ folder's interface, nothing of its decode: the side-by-side plumbing's test
+    "generate.py": """import torch
+def generate(model, prompt, steps=128, gen_length=128, block_length=128, temperature=0.0, mask_id=126336,
+             threshold=None):
+    if prompt.shape[0] > 1:
+        raise RuntimeError("one row")             # as the pinned commit's canvas (1, L)
+    return torch.cat([prompt, torch.full((1, gen_length), 7, device=prompt.device)], 1), gen_length + 1
+generate_with_prefix_cache = generate_with_dual_cache = generate
+""",
+    "model/__init__.py": "",
+    "model/configuration_llada.py": "class LLaDAConfig(dict):\n    def __init__(self, **kw):\n        super().__init__(kw)\n",
+    "model/modeling_llada.py": """import torch
+class LLaDAModelLM(torch.nn.Module):
+    def __init__(self, config, init_params=False):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.empty(2, 2))
+"""}
+
+
+def test_gpu_check_side_by_side_phase_on_cpu(tmp_path):
+    """The official phase's plumbing on the CPU (the GPU run's is the real code: tools/gpu_prep.py), against a stub
+    of the official llada/ folder that refuses a batch, as the pinned commit's generate does: its child process, a
+    row per mode and batch, the batch-4 rows its batch-1 run (batched False), ours through CUDA graphs (here: their
+    static buffers) and, at batch 1, eager, and the side-by-side table in "rows"; then the profile of the graphs."""
+    for name, text in STUB_OFFICIAL.items():
+        os.makedirs(os.path.dirname(tmp_path / "llada" / name), exist_ok=True)
+        (tmp_path / "llada" / name).write_text(text)
+    out = tmp_path / "gpu.json"
+    r = bounded.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--shape", "tiny", "--device", "cpu",
+                     "--gen-length", "8", "--block-length", "8", "--prompt-length", "8", "--batch", "4", "--budget", "0",
+                     "--phases", "official,profile", "--variants", "graphs", "--profile-calls", "2", "--official-eager",
+                     "--official-dir", str(tmp_path / "llada"), "--out", str(out)], timeout=600)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert res["official"]["error"] is None and len(res["official"]["official"]) == 12
+    assert {o["batched"] for o in res["official"]["official"] if o["batch"] == 4} == {False}
+    assert [x["side"] for x in res["official"]["ours"]].count("ours, eager") == 6          # batch 1, --official-eager
+    assert [x["side"] for x in res["official"]["ours"]].count("ours, CUDA graphs") == 12
+    assert len(res["rows"]) == 12 and all(x["official_nfe"] == 9 and x["ours_nfe"] >= 1 for x in res["rows"])
+    four = [x for x in res["rows"] if x["batch"] == 4]
+    assert all(x["tokens_ratio"] > 0 and x["ids_agreement"] < 1 and not x["official_batched"] for x in four)
+    assert res["profile"]["graphs"]["kernels"] and res["profile"]["graphs"]["wall_ms"] > 0
 
 
 def test_the_library_never_imports_the_benchmark(capsys):

@@ -8,7 +8,7 @@ from torch._dynamo.utils import counters
 
 from cache import KVCache
 from fastdllm import Compiled, generate, pad_prompts
-from cache import hidden_states
+from graphs import hidden_states
 from model import load_model
 from conftest import GOLDEN
 from test_golden import DREAM_RUNS, LLADA_RUNS, dream_call, llada_call

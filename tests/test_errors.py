@@ -1057,7 +1057,7 @@ def test_api20_a_guide_with_nan_weights_stops_with_one_line_naming_the_guide(dre
     """Before: the NaN verdicts rejected every draft and the decode silently fell back to one token a step."""
     guide = load_model(os.path.join(GOLDEN, "qwen2-tiny"), device="cpu", dtype=torch.float32)
     with torch.no_grad():
-        guide.layers[0].mlp.w_up.weight[0, 0] = float("nan")
+        guide.layers[0].mlp.w_gate_up.weight[-1, 0] = float("nan")
     with pytest.raises(ValueError, match=r"the guide produced NaN/inf logits: its weights hold NaN/inf") as e:
         generate(dream, torch.tensor([[5, 6, 7, 8]]), gen_length=8, guide=guide)
     one_line(e)

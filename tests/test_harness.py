@@ -527,7 +527,8 @@ def test_quantize_int8_loads_int8_weights_and_answers():
     pytest.importorskip("torchao", reason="torchao is not installed: pip install -r requirements-extras.txt")
     from torchao.quantization import Int8Tensor
     lm = harness.FastDLLM(model=DEMO_MODEL, block_length=8, device="cpu", quantize="int8")
-    assert isinstance(lm.net().layers[0].mlp.w_up.weight, Int8Tensor) and lm.get_model_info()["fastdllm"]["quantize"]
+    assert isinstance(lm.net().layers[0].mlp.w_gate_up.weight, Int8Tensor)
+    assert lm.get_model_info()["fastdllm"]["quantize"]
     [answer] = lm.generate_until([request("Tom has 23 apples and buys 45 more. How many apples does he have?",
                                           max_gen_toks=32)])
     assert answer.endswith("The answer is 68."), answer

@@ -317,7 +317,7 @@ def test_compiled_ids_equal_eager_in_one_graph(moe):
     """compile=True: the step's layers are one graph with no break (MoE included), and a padded batch decodes to
     the eager ids in float32 (one case: compiling costs ~15 s a graph on a small CPU)."""
     from cache import KVCache
-    from cache import hidden_states
+    from graphs import hidden_states
     ids, am = pad_prompts(ROWS, moe.config.pad_id)
     kw = dict(attention_mask=am, gen_length=16, block_length=8, steps=16, cache="dual", threshold=0.9)
     x = F.pad(ids, (0, 16), value=moe.config.mask_id)

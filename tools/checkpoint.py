@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)   # run as a script from anywhere
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from model import ModelConfig, Transformer, checkpoint_names, load_model, stored_shape  # noqa: E402
+from model import ModelConfig, Transformer, checkpoint_names, fused_parts, load_model, stored_at  # noqa: E402
 from tools.flags import Parser, nonempty, shape_arguments, writable  # noqa: E402
 from tools import gemma_checkpoint  # noqa: E402
 
@@ -203,8 +203,9 @@ def write_weights(folder: str, hf: dict, shards: int, gain: float, logit_std: fl
     cfg = ModelConfig.from_hf(hf)
     d_model = cfg.dim
     with torch.device("meta"):
-        params = dict(Transformer(cfg).named_parameters())
-    shapes = {ours: stored_shape(params, ours)[1] for ours in checkpoint_names(cfg).values()}   # experts one by one
+        model = Transformer(cfg)
+    params, parts = dict(model.named_parameters()), fused_parts(model)
+    shapes = {ours: stored_at(params, parts, ours)[2] for ours in checkpoint_names(cfg, model).values()}  # as stored
 
     def layer(item):   # the checkpoints store tensors layer by layer: embeddings, blocks 0..n-1, norm, head
         ours = item[1]

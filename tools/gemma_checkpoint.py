@@ -75,7 +75,8 @@ def sizes(text: dict = TEXT_REAL) -> tuple[int, int]:
 def make_gemma_release(folder: str, seed: int = 0) -> int:
     """The release's format at tiny sizes into `folder` (new or empty): config.json, generation_config.json, the
     weights in two shards with their index, the tokenizer files and a chat template. Returns the weights' bytes."""
-    from model import ModelConfig, build, checkpoint_names
+    from layout import checkpoint_state
+    from model import ModelConfig, build
     os.makedirs(folder, exist_ok=True)
     hf = config(TEXT_TINY)
     cfg = ModelConfig.from_hf(dict(hf, **{k: GENERATION[k] for k in ("eos_token_id", "pad_token_id")}))
@@ -83,12 +84,8 @@ def make_gemma_release(folder: str, seed: int = 0) -> int:
     model = build(cfg)
     for p in model.parameters():
         p.data = (torch.randn(p.shape, generator=g) * 0.05 + (1 if p.ndim == 1 else 0)).to(torch.bfloat16)
-    ours = dict(model.named_parameters())
-    tensors = {}
-    for theirs, name in checkpoint_names(cfg, model).items():
-        stack, _, e = name.rpartition(".")
-        if not e.isdigit():
-            tensors[theirs] = ours[name].detach()
+    # Every tensor under its checkpoint name (gate and up apart), but the experts, which are stacked below.
+    tensors = {theirs: t for theirs, t in checkpoint_state(model).items() if ".experts." not in theirs}
     for i, layer in enumerate(model.layers):      # each layer's experts stacked, as the official class keeps them
         moe, prefix = layer.moe, f"model.decoder.layers.{i}.experts."
         tensors[prefix + "gate_up_proj"] = torch.cat([moe.w_gate, moe.w_up], dim=1).detach()
