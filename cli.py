@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import torch
 
 import checks
+import options
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, SDAR_REMASKING, check_block
 from cache import CACHE_POLICIES
 from chat import Chat, check_text, load_tokenizer, read_turns, streamer
@@ -186,9 +187,9 @@ def check_config(args, cfg, chat):
     the model's positions. generate() makes them all again."""
     kw = settings(args)
     check_early(kw | {"guide": args.guide}, flag_name, cfg.family in BLOCK_FAMILIES and not args.guide)   # its block
-    checks.check_family(cfg, kw["remasking"], kw["top_p"], kw["top_k"], kw["alg_temp"], name=flag_name)
-    checks.check_readers(cfg, {k: v for k, v in kw.items() if v is not None}, Settings(), flag_name)
-    checks.check_stop(cfg, not args.no_early_stop, args.stop_ids)
+    options.check_family(cfg, kw["remasking"], kw["top_p"], kw["top_k"], kw["alg_temp"], name=flag_name)
+    options.check_readers(cfg, {k: v for k, v in kw.items() if v is not None}, Settings(), flag_name)
+    options.check_stop(cfg, not args.no_early_stop, args.stop_ids)
     texts = enumerate(args.prompts, 1) if args.prompt_file else [(0, args.prompt)] if args.prompt else []
     rows = {line: chat.encode(chat.render([{"role": "user", "content": q}])) for line, q in texts if q}
     gen_length = fit_gen_length(args, max(map(len, rows.values()), default=0), cfg.max_seq_len, note=False)
@@ -197,7 +198,7 @@ def check_config(args, cfg, chat):
         check_block(cfg, settled(cfg, given), given, max(map(len, rows.values()), default=1), flag_name)
     for line, row in rows.items():     # a batch is as long as its longest prompt, whose own check covers it
         try:
-            checks.check_prompt(cfg, torch.tensor([row]), gen_length, None, kw["top_p"], kw["top_k"], kw["alg_temp"])
+            options.check_prompt(cfg, torch.tensor([row]), gen_length, None, kw["top_p"], kw["top_k"], kw["alg_temp"])
         except ValueError as e:
             raise ValueError(f"--prompt-file {args.prompt_file} line {line}: {e}" if line else str(e)) from None
 
@@ -428,7 +429,7 @@ def finish_args(p, args, hooks=(), fork=None, own=None):
 def check_early(kw: dict, name=lambda key: key, grid=False):
     """Every check of generate() keywords that needs no model, with Settings' defaults (a `guide` of any value,
     a path say, means a guide is coming: guided diffusion's own checks); grid: a block-diffusion model's."""
-    checks.check_early(kw, Settings(), name, grid)
+    options.check_early(kw, Settings(), name, grid)
     if kw.get("guide") is not None:
         check_guided_settings(SimpleNamespace(**vars(Settings()) | kw), Settings(), name)
 

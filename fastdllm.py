@@ -22,6 +22,7 @@ import torch
 
 import checks
 import sampler as S
+from options import Settings, check_call, known
 from blockdiff import BLOCK, FAMILIES as BLOCK_FAMILIES
 from cache import CachePolicy, KVCache, Refresh
 from dream import DREAM
@@ -36,50 +37,6 @@ def pad_prompts(rows: list[list[int]], pad_id: int):
     P = max(len(r) for r in rows)
     ids = torch.tensor([[pad_id] * (P - len(r)) + list(r) for r in rows])
     return ids, (torch.arange(P) >= torch.tensor([[P - len(r)] for r in rows])).long()
-
-
-@dataclass
-class Settings:
-    """Every setting of generate(model, prompt, **settings) and its default, decided here once (None: decided by
-    `resolve` from the family and the other settings). The four hooks take a fork's own part (README "Fork it")."""
-    gen_length: int = 128              # tokens to generate
-    block_length: int | None = 32      # semi-autoregressive block; None = one block (Dream: its own sampler)
-    sub_block: int | None = None       # Fast-dLLM v2: a block is decoded in sub-blocks of this many tokens (default 8)
-    steps: int | None = None           # denoising steps over the answer (None: gen_length, 1 token/step)
-    cache: str | CachePolicy = "none"  # "none" | "prefix" | "dual" | "free", or a cache.CachePolicy
-    threshold: float | None = None     # Fast-dLLM 3.3: commit every token with confidence >= threshold
-    factor: float | None = None        # Fast-dLLM 3.3: factor-based parallel decoding
-    select: Callable | None = None     # a selection rule: rule(proposal, at) -> (B, N) bool (sampler.py)
-    propose: object | None = None      # a step rule: .propose(logits, at) -> sampler.Proposal (sampler.StepRule)
-    stop: Callable | None = None       # a stop rule: rule(x, at, proposal) -> (B,) bool rows ended (sampler.py)
-    temperature: float = 0.0           # 0 = greedy
-    remasking: str | None = None       # LLaDA: low_confidence | random; Dream: entropy (maskgit_plus if parallel)
-    top_p: float | None = None         # Dream's sampling options
-    top_k: int | None = None
-    alg_temp: float | None = None
-    eps: float = 1e-3                  # Dream's time grid runs from 1 down to eps
-    minimal_topk: int = 1              # LLaDA2: steps are capped at gen_length // minimal_topk (the official's)
-    editing_threshold: float | None = None   # LLaDA2.1: edit a committed token whose new proposal is above this
-    max_post_steps: int | None = None  # LLaDA2.1: a block's edit-only calls once it has no mask (default 16)
-    num_to_transfer: int | None = None # LLaDA2.1: masks a call commits below the threshold (default 1)
-    entropy_bound: float | None = None # DiffusionGemma: a step accepts the samples whose entropies, summed less the
-                                       #   largest, stay <= this (its generation_config.json's: 0.1)
-    t_min: float | None = None         # DiffusionGemma: its temperature runs from t_max down to t_min (0.4, 0.8)
-    t_max: float | None = None
-    stability_threshold: int | None = None     # DiffusionGemma: a canvas ends once its argmax is the same as at
-    confidence_threshold: float | None = None  #   this many last steps and its mean entropy is below this (1, 0.005)
-    refresh_every_step: bool = False   # feed the whole canvas every step (checks the cache plumbing)
-    stop_at_eos: bool | int = False    # True: stop after a finished block holding an end token; k: FlashDLM's rule
-    eos_ids: list | None = None        # the end tokens (default the config's)
-    compile: bool | object = False     # torch.compile the layers (CUDA graphs on CUDA); a Compiled keeps its graphs
-    cuda_graphs: bool | object | None = None   # CUDA graphs of the layers (None: on CUDA); a CudaGraphs keeps them
-    guide: torch.nn.Module | None = None   # FlashDLM guided diffusion: a causal LM with the same token ids
-    speculative: bool = False          # guided: commit the guide's token at the first rejection
-    accept: str = "deterministic"      # guided: the acceptance rule (guided.ACCEPT_RULES)
-    accept_k: int = 5                  # guided top-k and topk_relative
-    accept_ratio: float = 0.95         # guided topk_relative ratio
-    accept_threshold: float = 0.1      # guided dynamic_threshold: p(draft) > this
-    verify_chunk: int = 32             # guided: drafts verified per guide forward
 
 
 @dataclass(eq=False)
@@ -275,17 +232,17 @@ def family_of(cfg, st) -> S.Family:
 def settings(cfg, options: dict) -> Settings:
     """The call's settings with every default decided: the method's (Settings), the family's own (its remasking, its
     block and sub-block, its steps), then one block and one token a step where still left None."""
-    st = Settings(**checks.known(options, Settings))
+    st = Settings(**known(options, Settings))
     st = dataclasses.replace(st, **family_of(cfg, st).defaults(cfg, st, options))
     return dataclasses.replace(st, block_length=st.block_length or st.gen_length,
                                steps=st.gen_length if st.steps is None else st.steps)
 
 
 def checked(model, prompt, options: dict, attention_mask=None, generator=None, on_step=None) -> Settings:
-    """The call's settings, every default decided and every check passed: checks.py's, then the family's own (a
+    """The call's settings, every default decided and every check passed: options.py's, then the family's own (a
     refusal is one line naming the setting and the fix)."""
     st = settings(model.config, options)
-    checks.check_call(model, prompt, st, attention_mask, generator, on_step, Settings(), options)
+    check_call(model, prompt, st, attention_mask, generator, on_step, Settings(), options)
     family_of(model.config, st).check(model.config, st, options, prompt.shape[1])
     return st
 

@@ -20,7 +20,7 @@ from model import ModelConfig
 from sampler import (NEG_INF, Canvas, Family, Parts, Proposal, Schedule, StepRule, answer_canvas, argmax_except,
                      stop_rule)
 
-# The settings only guided diffusion reads (defaults: fastdllm.Settings); without a guide each is refused (checks.py).
+# The settings only guided diffusion reads (defaults: fastdllm.Settings); without a guide each is refused (options.py).
 OWN = ("speculative", "accept", "accept_k", "accept_ratio", "accept_threshold", "verify_chunk")
 ACCEPT_RULES = ("deterministic", "topk", "topk_relative", "dynamic_threshold", "aggressive")
 # The acceptance rules that read each setting: one given for another rule would change nothing, so is refused.
@@ -254,7 +254,7 @@ def check_guided(cfg, st, given: dict, longest: int, name=lambda key: key):
 
 
 def check_guided_settings(st, defaults, name=lambda key: key):
-    """Guided diffusion's own settings, needing no model (checks.check_early runs it before any is loaded): the
+    """Guided diffusion's own settings, needing no model (options.check_early runs it before any is loaded): the
     guide decides how many drafts to commit, so no other parallel rule applies, and drafts are the argmax (no
     sampling); a setting the chosen acceptance rule never reads is refused unless at its default (`defaults`:
     fastdllm.Settings). name(key) words a setting as its caller knows it (`--accept-k`)."""

@@ -17,7 +17,7 @@ from cache import CACHE_POLICIES, CachePolicy
 
 NEG_INF = float("-inf")
 # The remasking rules each step rule implements (LLaDA.propose; dream_sample and Dream.propose, Dream's `alg`):
-# checks.py and the command line read these, so a rule added here is accepted and listed everywhere.
+# options.py and the command line read these, so a rule added here is accepted and listed everywhere.
 LLADA_REMASKING = ("low_confidence", "random")
 DREAM_REMASKING = ("entropy", "maskgit_plus", "topk_margin", "origin", "position_weighted")
 
@@ -370,7 +370,7 @@ class Family(NamedTuple):
     """A decoding family's part of a call's set-up (fastdllm.make_plan), all from the family's own file: LLADA here,
     dream.DREAM, blockdiff.BLOCK (Fast-dLLM v2, SDAR, LLaDA2), guided.GUIDED (FlashDLM's guided diffusion)."""
     defaults: Callable   # (cfg, st, given) -> {setting: value}: its own defaults, for the settings left None
-    check: Callable      # (cfg, st, given, longest, name) -> None: what it refuses beyond checks.py's, in one line
+    check: Callable      # (cfg, st, given, longest, name) -> None: what it refuses beyond options.py's, in one line
                          #   naming the setting (name(key): as the caller words it; longest: the longest prompt)
     canvas: Callable     # (prompt, attention_mask, st, cfg, eos) -> Canvas
     parts: Callable      # (model, st, given, generator, canvas, eos) -> Parts
@@ -418,7 +418,7 @@ def llada_defaults(cfg, st, given) -> dict:
 
 
 def check_llada(cfg, st, given: dict, longest: int, name=lambda key: key):
-    """What a LLaDA call refuses beyond checks.py's (name: the caller's word for a setting; longest: the longest
+    """What a LLaDA call refuses beyond options.py's (name: the caller's word for a setting; longest: the longest
     prompt)."""
     if given.get("sub_block") is not None:
         raise ValueError(f"{name('sub_block')} is Fast-dLLM v2's: LLaDA denoises each block whole; drop "

@@ -36,7 +36,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)     # the method's modules (fastdllm.py, model.py, ...) live at the repository's root
 import cli  # noqa: E402
-from checks import check_settings
+from options import check_settings
 from guided import OWN as GUIDED_OWN
 from fastdllm import generate
 from guided import check_guide

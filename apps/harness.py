@@ -58,7 +58,7 @@ from chat import Chat
 from cli import CLI_DEFAULTS, check_early, pick_device_dtype
 from fastdllm import Compiled, CudaGraphs, Settings, generate, pad_prompts
 from guided import check_guide
-from checks import check_family, check_prompt
+from options import check_family, check_prompt
 from model import load_model, read_config, resolve_model_dir
 from quant import int8_quantizer
 
@@ -125,7 +125,7 @@ class FastDLLM(LM):
         self.checked_lengths = {default}
         try:
             check_early(s | self.guided | {"gen_length": default})
-        except TypeError as e:      # checks.py's line for a value of the wrong type (cache=3): one line here too
+        except TypeError as e:      # options.py's line for a value of the wrong type (cache=3): one line here too
             raise ValueError(str(e)) from None
         self._rank, self._world_size, device = distributed(device)
         self._device, self.dtype = pick_device_dtype(device, dtype)

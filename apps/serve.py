@@ -36,6 +36,7 @@ from http.server import ThreadingHTTPServer
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)     # the method's modules (fastdllm.py, model.py, ...) live at the repository's root
 import checks  # noqa: E402
+import options
 import cli  # noqa: E402
 import denoise  # noqa: E402
 from api import (CLIENT_GONE, ApiError, JsonHandler, check_fields, check_text, choice, chunk, envelope, field_named,
@@ -282,7 +283,7 @@ class App:
             kw |= {n: get(body, n, None if edit is None else getattr(a, n)) for n in ed[1:]} | {ed[0]: edit}
         for field in ("remasking", "top_p", "top_k"):     # the family's own options, named by their field
             try:      # (the server's flags were checked at start)
-                checks.check_family(self.cfg, **{"remasking": None, field: kw[field] if field in body else None})
+                options.check_family(self.cfg, **{"remasking": None, field: kw[field] if field in body else None})
             except ValueError as e:
                 raise ApiError(400, str(e), field, "invalid_value") from None
         return kw | dict(block_length=kw["block_length"] or None, threshold=threshold, factor=factor,

@@ -147,7 +147,7 @@ def test_an_official_run_whole(dg, name):
     assert fingerprint == res["rng_fingerprint_after"]
 
 
-# (Not the right-padded batch: generate() takes left padding only, checks.check_prompt; nor the given start canvas.)
+# (Not the right-padded batch: generate() takes left padding only, options.check_prompt; nor the given start canvas.)
 FIXED = [n for n, r in RUNS.items() if r.get("result") and "decoder_input_ids" not in r["settings"] and
          r["settings"]["pad_side"] != "right" and
          r["result"]["steps_per_canvas"] == [r["effective_generation_config"]["max_denoising_steps"]] * math.ceil(
