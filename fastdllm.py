@@ -88,7 +88,8 @@ class Seen(NamedTuple):
 class Plan:
     """What one generate() call decided before its loop, by name: the blocks, the parts the loop calls and what the
     model call needs. The step-to-step state is not here: each step's read hands it to the next step (Seen)."""
-    blocks: list              # [(s, e)] the semi-autoregressive blocks of the answer
+    canvas: S.Canvas          # where the rows sit: the blocks, each row's prompt, RoPE positions, attention mask, the
+                              #   ids' layout (sampler.Canvas; a family's canvas())
     cache: CachePolicy        # the cache policy: what each step feeds (cache.py); its optional hooks, keys and slots,
                               #   are None for the built-in policies but FreeCache's and the sub-block cache's slots
     step_rule: S.StepRule     # proposes tokens and confidences (sampler.py, blockdiff.py, guided.py, or a fork's)
@@ -97,25 +98,17 @@ class Plan:
     model: torch.nn.Module
     layers: Callable          # the model's layers: model.hidden, replayed from CUDA graphs or compiled (graphs.py)
     kv: KVCache | None        # keys/values of the whole canvas (None: cache "none" attends over what it feeds)
-    pos: torch.Tensor         # (B, L) RoPE positions (a left-padded row counts from its first token)
-    mask: torch.Tensor | None # (B or 1, 1, L, L) the attention mask (padded rows; a block-causal model's grid), or None
     undecided: Callable       # x -> (B, L) bool: the positions a step may still write: x == mask_id (a step rule's own
                               #   `undecided` where it has one: DiffusionGemma's canvas while it denoises)
     mask_id: int
     shift: int                # the family's logits shift (Dream, Fast-dLLM v2: position p is predicted from p - 1)
-    prompt: torch.Tensor      # (B, 2) each row's prompt [begin, end) on the canvas
-    sees: Callable            # b -> where the keys a query of a span ending at b sees end (the canvas's end; a
-                              #   block-causal model's grid block's: a query sees its own block and those before)
     exact_steps: int | None   # a block takes exactly these calls (DreamCanvas: diffusion_generate); None: until no mask
     patience: int             # calls after which a block still open is a rule that commits nothing
     calls_per_block: int      # the fewest calls a block takes (for calls_saved)
     eos: torch.Tensor         # the end-of-text ids (answer_tokens)
     ar: torch.Tensor          # arange(L): spans and columns as views, no kernel
-    output: Callable          # the canvas -> generate()'s ids (a block-diffusion batch's layout; else as is)
-    view: Callable            # the canvas -> on_step's: output's layout without its end cut (an edit may move the end)
     next_end: dict            # block start -> the next block's end (a read reports the next block's open columns)
     answer_at: list           # each row's answer start on the canvas, on the host (stats["final"])
-    answer_length: list       # each row's answer length in the ids (a block-diffusion row's, its own: the rest fill)
     reads_block: bool         # the step rule reads logits at every block column, not only the masked (LLaDA2.1's)
     edits: bool               # the step rule may rewrite committed tokens of its block (LLaDA2.1's; the others not)
     max_post_steps: int       # calls a block may take once it has no mask (LLaDA2.1's; the others 0)
@@ -123,7 +116,7 @@ class Plan:
     def feed(self, x, seen: Seen, i: int, s: int, e: int) -> tuple[Step, torch.Tensor]:
         """1. feed: where this step stands, what the cache policy feeds, one model call -> (at, logits (B, n, V) at the
         block columns at.cols: those the step wants whose predicting positions were fed)."""
-        at = Step(seen.calls, i, s, e, x, self.undecided(x)[:, s:e], self.shift, self.mask_id, self.prompt, seen.cols,
+        at = Step(seen.calls, i, s, e, x, self.undecided(x)[:, s:e], self.shift, self.mask_id, self.canvas.prompt, seen.cols,
                   seen.masked_cols)
         cols, listed = (self.ar[:e - s], range(e - s)) if self.reads_block else (seen.cols, seen.masked_cols)
         wanted, L = self.cache.span(at), x.shape[1]
@@ -139,13 +132,13 @@ class Plan:
             cols = cols[lo:max(lo, hi)]
             rows = cols + (s - self.shift - a)
             # Keys a fed query sees must all have been written (a KV cache starts empty).
-            seen_to = self.sees(b)
+            seen_to = self.canvas.sees(b)
             if self.kv is not None and not (a <= seen.written and max(seen.written, b) >= seen_to):
                 checks.refuse_unwritten(self.cache, at, (a, b), seen.written, seen_to)
             fed, span, chunk = self.ar[a:b], (a, b), slice(a, b)
         # The attention mask: the fed queries' rows of the plan's (padding, a grid) and the policy's key mask, if any;
         # the keys are the canvas when a KV cache holds it, else the fed positions alone.
-        mask, keys = self.mask, self.cache.keys and checks.key_mask(self.cache.keys(at), x.shape, self.cache)
+        mask, keys = self.canvas.mask, self.cache.keys and checks.key_mask(self.cache.keys(at), x.shape, self.cache)
         if mask is not None:
             mask = mask[:, :, chunk] if self.kv is not None else mask[:, :, chunk][..., chunk]
         if keys is not None:
@@ -153,15 +146,17 @@ class Plan:
             mask = keys if mask is None else mask & keys
         # slots: (B, T) where each row writes the fed keys/values, or None: at the fed positions, in every row
         slots = self.cache.slots and checks.slots(self.cache.slots(at, fed), x.shape[0], fed, self.cache)
-        at.hidden = self.layers(x[:, chunk], self.pos[:, chunk], self.kv, fed if slots is None else slots, mask)
+        at.hidden = self.layers(x[:, chunk], self.canvas.pos[:, chunk], self.kv, fed if slots is None else slots, mask)
         at.cols, at.fed, at.span, at.rows, at.head = cols, fed, span, rows, self.model.logits
         return at, self.model.logits(at.hidden, rows)
 
-    def start(self, x) -> Seen:
-        """The state before the first step: the first block's columns past the shortest prompt (on the host)."""
-        s, e = self.blocks[0]
-        lo = max(int(self.prompt[:, 1].min()) - s, 0)          # the first column any row leaves open
-        return Seen(cols=self.ar[lo:e - s], masked_cols=list(range(lo, e - s)), canvas=x.clone(), written=0)
+    def start(self, x) -> tuple[Seen, dict]:
+        """The state before the first step: the first block's columns past the shortest prompt (on the host), and the
+        stats, empty (generate()'s docstring names them)."""
+        s, e = self.canvas.blocks[0]
+        lo = max(int(self.canvas.prompt[:, 1].min()) - s, 0)          # the first column any row leaves open
+        return Seen(cols=self.ar[lo:e - s], masked_cols=list(range(lo, e - s)), canvas=x.clone(), written=0), dict(
+            nfe=0, row_nfe=0, row_committed=0, fed=[], committed=[], edited=[], filled=[], calls_saved=0, guide_calls=0)
 
     def read(self, x, at: Step, p: S.Proposal, take, ended, seen: Seen, stats: dict) -> Seen:
         """The step's one host read: the hooks' answers checked (checks.step_rules), the stats, the open columns of the
@@ -209,14 +204,14 @@ class Plan:
 
     def finish(self, x, stats: dict, t0: float) -> tuple[torch.Tensor, dict]:
         torch.cuda.synchronize(x.device) if x.is_cuda else None
-        seconds, out = time.perf_counter() - t0, self.output(x)
-        P = out.shape[1] - x.shape[1] + int(self.prompt[:, 1].min())      # the answers start at P in the output
-        n = torch.tensor(self.answer_length, device=x.device)
+        c, (seconds, out) = self.canvas, (time.perf_counter() - t0, self.canvas.output(x))
+        P = out.shape[1] - x.shape[1] + int(c.prompt[:, 1].min())          # the answers start at P in the output
+        n = c.ends - c.prompt[:, 1]                                        # each row's answer length (its own)
         end = torch.isin(out[:, P:], self.eos)                              # tokens/s: answers, not filler
         tokens = int(torch.where(end.any(-1), end.long().argmax(-1), n).clamp(max=n).sum())
         return out, stats | dict(seconds=seconds, answer_tokens=tokens, tokens_per_s=tokens / max(seconds, 1e-9),
                                  row_nfe=stats["row_nfe"].tolist(), row_committed=stats["row_committed"].tolist(),
-                                 row_length=self.answer_length)
+                                 row_length=n.tolist())
 
 
 # Each family's part of the set-up (its defaults, its refusals, its canvas and its parts), from its own file.
@@ -264,15 +259,13 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     spb, exact, post, reads_block, edits = (getattr(step_rule, k, getattr(S.StepRule, k)) for k in (
         "steps_per_block", "exact_steps", "max_post_steps", "reads_block", "edits"))
     ar = torch.arange(L, device=device)
-    plan = Plan(blocks=blocks, cache=cache, step_rule=step_rule, select=select, stop=stop, model=model,
-                layers=layers, kv=kv,
-                pos=ar.expand(B, L) if c.pos is None else c.pos, mask=c.mask,
+    plan = Plan(canvas=c._replace(pos=ar.expand(B, L) if c.pos is None else c.pos), cache=cache, step_rule=step_rule,
+                select=select, stop=stop, model=model, layers=layers, kv=kv,
                 undecided=getattr(step_rule, "undecided", None) or (lambda x: x == cfg.mask_id), mask_id=cfg.mask_id,
-                shift=cfg.shift, prompt=c.prompt, sees=c.sees, exact_steps=exact, patience=spb + st.block_length + post,
-                calls_per_block=1 if S.is_parallel(select) else max(spb, 1), eos=eos, ar=ar, output=c.output,
-                view=c.view, next_end={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)},
-                answer_at=c.prompt[:, 1].tolist(), answer_length=(c.ends - c.prompt[:, 1]).tolist(),
-                reads_block=reads_block, edits=edits, max_post_steps=post)
+                shift=cfg.shift, exact_steps=exact, patience=spb + st.block_length + post,
+                calls_per_block=1 if S.is_parallel(select) else max(spb, 1), eos=eos, ar=ar,
+                next_end={s: (blocks[k + 1][1] if k + 1 < len(blocks) else e) for k, (s, e) in enumerate(blocks)},
+                answer_at=c.prompt[:, 1].tolist(), reads_block=reads_block, edits=edits, max_post_steps=post)
     return plan, c.x
 
 
@@ -285,15 +278,13 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
     "seconds", "answer_tokens", "tokens_per_s": README "Python API"). settings: the fields of `Settings`.
     attention_mask: (B, P) 1/0 for left-padded prompts: each row decodes as it would alone. generator: the only
     source of randomness (default: one seeded 0). on_step(x, stats): called after every step, the canvas live (in the
-    layout of the ids it returns, not yet cut at an end token: Plan.view).
+    layout of the ids it returns, not yet cut at an end token: Canvas.view).
     A block-diffusion model (blockdiff.py) answers to a grid block's edge: ids (B, P + answer), each row's answer
     its own length (row_length, as alone), the rest its pad id."""
     plan, x = make_plan(model, prompt, settings, attention_mask, generator, on_step)
-    show = (lambda x, stats: on_step(plan.view(x), stats)) if on_step else (lambda x, stats: None)
-    stats = dict(nfe=0, row_nfe=0, row_committed=0, fed=[], committed=[], edited=[], filled=[], calls_saved=0,
-                 guide_calls=0)
-    t0, seen = time.perf_counter(), plan.start(x)
-    for b, (s, e) in enumerate(plan.blocks):
+    show = (lambda x, stats: on_step(plan.canvas.view(x), stats)) if on_step else (lambda x, stats: None)
+    t0, (seen, stats) = time.perf_counter(), plan.start(x)
+    for b, (s, e) in enumerate(plan.canvas.blocks):
         plan.step_rule.start_block(x, s, e)
         for i in itertools.count():
             at, logits = plan.feed(x, seen, i, s, e)                 # 1. feed: what the cache policy names
@@ -306,7 +297,7 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
             if seen.answer_ended or seen.block_ended:
                 break
         if seen.answer_ended:                                    # every row's answer has ended
-            stats["calls_saved"] = (len(plan.blocks) - b - 1) * plan.calls_per_block
+            stats["calls_saved"] = (len(plan.canvas.blocks) - b - 1) * plan.calls_per_block
             break
     return plan.finish(x, stats, t0)
 
