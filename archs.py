@@ -11,6 +11,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 
+# An expert stack stored transposed: each expert's down_proj (dim, ffn) is held in a stack of (experts, ffn, dim).
+TRANSPOSED = ("w_down",)
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     n_experts: int

@@ -7,18 +7,14 @@ MoE weight, and q, k, v (gate, up) in their rows of the fused projection the mod
 import torch
 import torch.nn as nn
 
-from archs import WEIGHT_MAP
+from archs import TRANSPOSED, WEIGHT_MAP
 
 
-def checkpoint_names(cfg, model: nn.Module | None = None) -> dict[str, str]:
+def checkpoint_names(cfg, model: nn.Module) -> dict[str, str]:
     """checkpoint tensor name -> our tensor name, every layer (and expert) expanded, for the tensors the config's
-    model has: no bias LLaDA does not use, no second copy of a tied head, no experts in a dense layer. An expert's
+    model has (model.skeleton(cfg) where there is none yet): no bias LLaDA does not use, no second copy of a tied head, no experts in a dense layer. An expert's
     tensor is one row of a stacked parameter: our name is '<stacked>.<expert>'; q, k, v, gate and up are rows of a
     fused parameter (fused_parts)."""
-    if model is None:
-        from model import build              # (model.py imports this file: its classes are imported where used)
-        with torch.device("meta"):
-            model = build(cfg)
     params = dict(model.named_parameters()) | fused_parts(model)     # a tied head is listed once, as the embedding
     out = {}
     for ours, theirs in WEIGHT_MAP[cfg.arch].items():
@@ -54,9 +50,8 @@ def stored_at(params: dict, parts: dict, ours: str) -> tuple[str, int | slice | 
     if ours in parts:
         fused, rows = parts[ours]
         return fused, rows, (rows.stop - rows.start, *params[fused].shape[1:]), False
-    from model import MoE
     stack, _, e = ours.rpartition(".")
-    flip = stack.rpartition(".")[2] in MoE.transposed
+    flip = stack.rpartition(".")[2] in TRANSPOSED
     return stack, int(e), tuple(params[stack].shape[1:])[::-1 if flip else 1], flip
 
 

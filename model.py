@@ -34,7 +34,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from archs import ARCHS, WEIGHT_MAP, GemmaConfig, MoEConfig, added_token_id, arch_of, read_json  # noqa: F401 (callers)
+from archs import (ARCHS, TRANSPOSED, WEIGHT_MAP, GemmaConfig, MoEConfig, added_token_id, arch_of,  # noqa: F401
+                   read_json)  # (model.WEIGHT_MAP, model.read_json: for callers)
+from hub import check_readable, resolve_model_dir  # noqa: F401  (model.resolve_model_dir: the README's import)
 from layout import checkpoint_names, fused_parts, stored_at  # noqa: F401  (model.checkpoint_names for callers)
 
 
@@ -211,7 +213,7 @@ class MoE(nn.Module):
     is a few fixed-shape matmuls: no loop over experts, no shape that depends on the routing, no host sync.
     """
     stacks = ("w_gate", "w_up", "w_down")
-    transposed = ("w_down",)   # (experts, ffn, dim): each expert's down_proj (dim, ffn) is loaded transposed
+    transposed = TRANSPOSED    # (experts, ffn, dim): each expert's down_proj (dim, ffn) is loaded transposed
     act = staticmethod(F.silu)   # SwiGLU experts (DiffusionGemma's are GeGLU)
 
     def __init__(self, cfg: ModelConfig):
@@ -369,6 +371,12 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x if rows is None else x[:, rows]))
 
 
+def skeleton(cfg: ModelConfig) -> nn.Module:
+    """The config's network on the meta device: its parameters' names and shapes, and no memory."""
+    with torch.device("meta"):
+        return build(cfg)
+
+
 def build(cfg: ModelConfig) -> nn.Module:
     """The network of the config's row of ARCHS: Transformer, or the class the row names (DiffusionGemma)."""
     where, _, name = ARCHS[cfg.arch].module.rpartition(".")
@@ -377,59 +385,6 @@ def build(cfg: ModelConfig) -> nn.Module:
 
 # ----------------------------------------------------------------------------------------------------------
 # Loading: a local folder or a Hugging Face repo id -> Transformer, strict, shard by shard, no float32 copy.
-
-def check_readable(path: str):
-    """A folder where a file should be, or a file we may not read, is said as such: os.path.isfile() is
-    False for both, and "missing" would send the user to re-download what is there."""
-    if os.path.isdir(path):
-        raise ValueError(f"{path} is a folder, not a file: remove it and re-download the checkpoint's file")
-    if os.path.exists(path) and not os.access(path, os.R_OK):
-        raise ValueError(f"cannot read {path}: permission denied; fix its permissions (chmod a+r)")
-
-
-# An example repo id for each role, for the messages below.
-EXAMPLE_REPO = {"model": "GSAI-ML/LLaDA-8B-Instruct", "guide": "Qwen/Qwen2.5-1.5B-Instruct"}
-
-
-def resolve_model_dir(name_or_path: str, role: str = "model", weights: bool = True) -> str:
-    """A local folder as is; otherwise a Hugging Face repo id, fetched (json, safetensors, tokenizer only;
-    weights=False: the small files alone, so that the programs check them before gigabytes of weights come).
-    role ("model" or "guide") names which one the user got wrong in the error messages."""
-    if not isinstance(name_or_path, (str, os.PathLike)):
-        raise ValueError(f"the {role} must be a folder path or a Hugging Face repo id such as "
-                         f"{EXAMPLE_REPO[role]}, not {name_or_path!r}")
-    name_or_path = os.fspath(name_or_path)
-    path = os.path.expanduser(name_or_path)
-    if os.path.isdir(path):
-        # Inside a folder we may not enter every file looks missing: say what is wrong instead.
-        if not os.access(path, os.R_OK | os.X_OK):
-            raise ValueError(f"cannot read the {role} folder {path}: permission denied; fix its permissions "
-                             f"(chmod a+rx)")
-        return path
-    if os.path.isfile(path):
-        raise FileNotFoundError(f"{name_or_path!r} is a file: pass the {role} folder (the one with config.json "
-                                f"and *.safetensors)")
-    looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1 or os.path.exists(name_or_path)
-    if looks_local:
-        raise FileNotFoundError(f"{role} folder {name_or_path!r} not found: pass an existing folder with "
-                                f"config.json and *.safetensors, or a Hugging Face repo id such as "
-                                f"{EXAMPLE_REPO[role]}")
-    from huggingface_hub import snapshot_download
-    try:
-        # Dream has no tokenizer.json: *.json brings its vocab.json, tokenizer_config.json, added_tokens.json and
-        # special_tokens_map.json, and merges.txt completes them; DiffuCoder's chat template is chat_template.jinja.
-        # Never a pickle (*.bin, *.pt) or remote code.
-        small = ["*.json", "tokenizer*", "merges.txt", "chat_template.jinja"]
-        return snapshot_download(name_or_path, allow_patterns=small + ["*.safetensors"] * weights)
-    except Exception as e:  # network, auth or a missing repo: one line, not a stack of HTTP frames
-        from huggingface_hub import constants
-        if constants.HF_HUB_OFFLINE:
-            raise FileNotFoundError(f"the {role} {name_or_path!r} is not in the local Hugging Face cache and "
-                                    f"offline mode is on (HF_HUB_OFFLINE is set): unset it to download, or pass a "
-                                    f"local folder") from None
-        raise FileNotFoundError(f"could not fetch the {role} {name_or_path!r} from the Hugging Face Hub "
-                                f"({type(e).__name__}): check the repo id and your network, or pass a local folder") from None
-
 
 def read_config(model_dir: str) -> ModelConfig:
     path = os.path.join(model_dir, "config.json")

@@ -42,8 +42,8 @@ from fastdllm import generate
 from guided import check_guide
 from model import ModelConfig, load_model, read_config, resolve_model_dir
 from quant import int8_quantizer, weight_bytes
-from tools.checkpoint import check_fits, load_random, random_prompts, reusable, shape_config
-from tools.flags import REFUSED, Parser, integer, listing, nonempty, random_arguments, rows_arguments, run_arguments
+from shapes import check_fits, load_random, random_prompts, reusable, shape_config
+from flags import REFUSED, Parser, integer, listing, nonempty, random_arguments, rows_arguments, run_arguments
 
 MiB = 2 ** 20
 PROMPT = "Tom has 23 apples and buys 45 more. How many apples does he have?"   # `run`'s default

@@ -42,7 +42,7 @@ import denoise  # noqa: E402
 from api import (CLIENT_GONE, ApiError, JsonHandler, check_fields, check_text, choice, chunk, envelope, field_named,
                  get, json_object, prompt_fields, quoted, shutting_down, stop_scan, tokens, usage)
 from chat import decode  # noqa: E402
-from tools.flags import Refused  # noqa: E402
+from flags import Refused  # noqa: E402
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web", "index.html")
 # fastdllm.py flags that have no meaning for a server: its prompts come in requests.

@@ -28,7 +28,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tools.checkpoint import SHAPES, make_checkpoint  # noqa: E402  (the one writer of random checkpoints)
+from shapes import SHAPES, make_checkpoint  # noqa: E402  (the one writer of random checkpoints)
 
 GB = 1e9
 

@@ -20,7 +20,7 @@ from fastdllm import generate
 from model import load_model
 from test_cache import PROMPT_DREAM, PROMPT_LLADA
 from test_cli import LLADA_CHAT
-from tools.checkpoint import SHAPES, SPECIALS_FROM_END, hf_config, make_checkpoint
+from shapes import SHAPES, SPECIALS_FROM_END, hf_config, make_checkpoint
 
 
 def test_agreement_counts_the_reference_answer_up_to_its_end_token():

@@ -25,8 +25,10 @@ from blockdiff import FAMILIES as BLOCK_FAMILIES
 from chat import Chat, chat_template
 from conftest import ROOT
 from fastdllm import generate
-from model import checkpoint_names, load_model, read_config
-from tools.checkpoint import REAL_VOCAB, RELEASES, make_release
+from model import checkpoint_names, load_model, read_config, skeleton
+from shapes import REAL_VOCAB
+
+from tools.checkpoint import RELEASES, make_release
 
 FLAGS = ["--gen-length", "16", "--block-length", "8"]
 CONVERSATIONS = [
@@ -119,7 +121,8 @@ def test_files_are_the_real_format(releases, repo):
     assert set(hf) == set(REAL_KEYS[row["family"]].split())
     assert (hf["model_type"], hf["architectures"]) == REAL_TYPES[row["family"]]
     index = read(d, "model.safetensors.index.json")["weight_map"]
-    assert set(index) == set(checkpoint_names(read_config(d)))
+    cfg = read_config(d)
+    assert set(index) == set(checkpoint_names(cfg, skeleton(cfg)))
     assert sorted(set(index.values())) == [f"model-{i:05d}-of-{row['shards']:05d}.safetensors"
                                            for i in range(1, row["shards"] + 1)]
     for file in set(index.values()):

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from cache import KVCache
 from conftest import GOLDEN, copy_checkpoint, read_golden
 from model import load_model
-from tools.checkpoint import make_checkpoint
+from shapes import make_checkpoint
 
 GOLD = read_golden("llada2-golden.json")
 TINY = os.path.join(GOLDEN, "llada2-tiny")

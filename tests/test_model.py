@@ -173,7 +173,7 @@ def test_fused_weights_keep_the_loads_peak(tmp_path):
     import sys
     import bench_load
     import bounded
-    from tools.checkpoint import make_checkpoint
+    from shapes import make_checkpoint
     size = make_checkpoint(str(tmp_path), "llada", 1024, 4, 4096, shards=2)
     code = bench_load.CHILD.format(root=bench_load.ROOT, path=str(tmp_path), dtype="bfloat16", quantize=None, decode=0)
     r = bounded.run([sys.executable, "-c", code], timeout=300)

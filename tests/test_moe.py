@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from conftest import GOLDEN, ROOT, copy_checkpoint, read_golden, rows_as_alone
 from fastdllm import generate, pad_prompts
 from model import ModelConfig, load_model
-from tools.checkpoint import make_checkpoint, write_word_tokenizer
+from shapes import make_checkpoint, write_word_tokenizer
 
 GOLD = read_golden("lladamoe-golden.json")
 ROWS = [[815, 723, 294, 53, 204, 372, 664, 1017, 655, 689, 279, 233], [44, 12, 907, 31, 5]]

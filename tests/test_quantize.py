@@ -265,7 +265,7 @@ def test_an_already_quantized_checkpoint_is_refused_in_one_line(torchao, tmp_pat
 
 def test_the_flag_reaches_every_program_that_loads_a_model(torchao, capsys):
     """--quantize int8 in serve.py and bench.py run (the CLI's flags, parsed by cli.parse_args) and bench.py modes
-    (tools/flags.py): each loads int8 weights (harness.py's quantize=: tests/test_harness.py)."""
+    (flags.py): each loads int8 weights (harness.py's quantize=: tests/test_harness.py)."""
     import bench
     import serve
     from torchao.quantization import Int8Tensor

@@ -43,7 +43,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)   # run as a script from anywhere
 
-from tools.flags import Parser, integer, listing, nonempty  # noqa: E402  (standard library only)
+from flags import Parser, integer, listing, nonempty  # noqa: E402  (standard library only)
 
 GOLDEN = os.path.join(ROOT, "tests", "golden")
 RELEASE = ("steps", "entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold")

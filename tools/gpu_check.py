@@ -64,8 +64,8 @@ from fastdllm import Compiled, CudaGraphs, generate  # noqa: E402
 from model import ModelConfig, Transformer, load_model  # noqa: E402
 from quant import nbytes, quantize_int8, weight_bytes  # noqa: E402
 from tools import launches, side_by_side  # noqa: E402
-from tools.checkpoint import SHAPES, hf_config, lladamoe_config, random_prompts  # noqa: E402
-from tools.flags import Parser, integer, listing, out_file  # noqa: E402
+from shapes import SHAPES, hf_config, lladamoe_config, random_prompts  # noqa: E402
+from flags import Parser, integer, listing, out_file  # noqa: E402
 
 MODES = {"baseline": dict(cache="none"), "dual 0.9": dict(cache="dual", threshold=0.9)}
 PHASES = ("speed", "official", "profile", "launches", "graphs_ids", "batch", "int8", "golden", "moe")

@@ -26,7 +26,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tools.flags import Parser  # noqa: E402
+from flags import Parser  # noqa: E402
 
 OFFICIAL_REPO = "https://github.com/NVlabs/Fast-dLLM"
 OFFICIAL_COMMIT = "24cc59e75f20a6384bae8c905965bb090b96388e"     # its main branch, 2025-06-27

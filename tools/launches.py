@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from cache import KVCache  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
-from tools.checkpoint import hf_config  # noqa: E402
+from shapes import hf_config  # noqa: E402
 
 FAMILIES = ("llada", "dream", "lladamoe", "fastdllm_v2", "sdar", "llada2")
 DEPTH, PROMPT, CANVAS, BLOCK = 32, 16, 48, 8      # the call: 32 layers, a block of 8 of a 48-position canvas

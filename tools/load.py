@@ -15,7 +15,7 @@ import time
 import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # run as a script from anywhere
-from tools.flags import Parser, integer  # noqa: E402  (standard library only)
+from flags import Parser, integer  # noqa: E402  (standard library only)
 
 QUESTIONS = ["Tom has 23 apples and buys 45 more. How many apples does he have?",
              "A box has 50 books. Sam takes 12. How many books are left?",

@@ -16,7 +16,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)   # run as a script from anywhere
 
-from tools.flags import Parser, integer, nonempty  # noqa: E402  (standard library only: imports no fastdllm)
+from flags import Parser, integer, nonempty  # noqa: E402  (standard library only: imports no fastdllm)
 
 
 def main(argv=None):

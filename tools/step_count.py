@@ -30,7 +30,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from tools.checkpoint import SHAPES, hf_config, random_prompts  # noqa: E402
+from shapes import SHAPES, hf_config, random_prompts  # noqa: E402
 if "--root" in sys.argv:        # count another checkout's generate() (before/after a change)
     sys.path.insert(0, os.path.abspath(sys.argv[sys.argv.index("--root") + 1]))
     for name in ("model", "cache", "sampler", "fastdllm", "checks", "chat", "guided"):

@@ -1,7 +1,7 @@
 """
-tools/flags.py: the flags of bench.py and tools/, each type- and range-checked. A bad value is one line that
+flags.py: the flags of apps/bench.py and tools/, each type- and range-checked. A bad value is one line that
 names its flag (`error: bench.py run: argument --batch: expected an integer >= 1, got '0'`), exit status 2,
-no traceback; combinations are checked where they are used (tools/checkpoint.py shape_config, bench.py).
+no traceback; combinations are checked where they are used (shapes.py shape_config, bench.py).
 """
 import argparse
 import json
