@@ -14,17 +14,19 @@ from types import SimpleNamespace
 
 import torch
 
-import checks
 import options
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, SDAR_REMASKING, check_block
 from cache import CACHE_POLICIES
-from chat import Chat, check_text, load_tokenizer, read_turns, streamer
+from chat import Chat, load_tokenizer
+from flags import checked, optional_float
 from fastdllm import Settings, generate, pad_prompts, settings as settled
 from graphs import Compiled, CudaGraphs
-from guided import ACCEPT_RULES, OWN as GUIDED_OWN, check_accept, check_guide, check_guided_settings
-from model import check_readable, load_model, read_config, resolve_model_dir
-from quant import QUANTIZE, int8_quantizer, weight_bytes
+from guided import ACCEPT_RULES, OWN as GUIDED_OWN, check_accept, check_guided_settings
+from loading import load, load_guide, pick_device_dtype
+from model import check_readable, read_config, resolve_model_dir
+from quant import QUANTIZE, int8_quantizer
 from sampler import DREAM_REMASKING, LLADA_REMASKING
+from terminal import check_text, read_prompts, read_turns, render_trace, streamer
 
 
 # The command line's defaults where they differ from generate()'s: the methods' headline setting (Fast-dLLM's
@@ -71,45 +73,6 @@ def settings(args, **override):
     return kw
 
 
-def pick_device_dtype(device: str | None, dtype: str | None):
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for but CUDA is not available here: use --device cpu")
-    if device not in ("cpu", "mps") and not device.startswith("cuda"):
-        raise ValueError(f"unknown --device {device!r}: use cpu or cuda (cuda:N)")
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    dtype = dtype or ("bfloat16" if device.startswith("cuda") else "float32")
-    if dtype not in dtypes:
-        raise ValueError(f"unknown --dtype {dtype!r}: use float32, bfloat16 or float16")
-    if device == "cpu" and dtype == "float16":
-        raise ValueError("--dtype float16 is not supported on CPU: use float32 (or bfloat16)")
-    if device.startswith("cuda") and dtype == "bfloat16" and not torch.cuda.is_bf16_supported():
-        raise ValueError("this GPU does not support bfloat16: use --dtype float16 or float32")
-    return torch.device(device), dtypes[dtype]
-
-
-def optional_float(text: str):
-    try:
-        return None if text.lower() in ("none", "off") else float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or none, got {text!r}") from None
-
-
-def checked(kind, ok, what: str):
-    """An argparse type: kind(text), refused unless ok(value) (NaN fails every comparison), e.g.
-    "argument --accept-k: expected an integer >= 1, got '0'"."""
-    def parse(text):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-    return parse
-
-
 def fit_gen_length(args, n_prompt: int, max_seq_len: int, note: bool = True) -> int:
     """An explicit --gen-length as given (generate() checks it); the default 256 cut to the largest multiple
     of --block-length that fits the model's positions (the demo model has 64), said on stderr (if note)."""
@@ -121,63 +84,6 @@ def fit_gen_length(args, n_prompt: int, max_seq_len: int, note: bool = True) -> 
         print(f"note: the prompt ({n_prompt} tokens) + gen-length {args.gen_length} exceed the model's {max_seq_len} "
               f"positions: generating {fit} tokens (pass --gen-length to choose)", file=sys.stderr)
     return fit
-
-
-def load(what: str, model_dir: str, device, dtype, quantize=None):
-    """load_model, said on stderr (stdout holds only answers): on a terminal a live line (shard i of n, GB
-    read), then one summary line, the only one when stderr is a file or a pipe."""
-    start, tty, seen = time.perf_counter(), sys.stderr.isatty(), {"shown": 0.0, "total": 0}
-
-    def progress(shard, n, done, total):
-        seen["total"] = total
-        if tty and time.perf_counter() - seen["shown"] > 0.1:
-            seen["shown"] = time.perf_counter()
-            print(f"\rloading {what}: shard {shard} of {n}, {done / 1e9:.1f} of {total / 1e9:.1f} GB", end="",
-                  file=sys.stderr, flush=True)
-    try:
-        model = load_model(model_dir, device=device, dtype=dtype, progress=progress, quantize=quantize)
-    finally:
-        if seen["shown"]:
-            print("\r\x1b[K", end="", file=sys.stderr)    # clear the live line
-    size = lambda n: f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"      # noqa: E731
-    held = f"{quantize} weights: {size(weight_bytes(model))} held, {size(seen['total'])} read" if quantize else \
-        size(seen["total"])
-    print(f"loaded {what} in {time.perf_counter() - start:.2f} s ({held})", file=sys.stderr)
-    return model
-
-
-def load_guide(guide_dir, args, cfg, chat, device, dtype):
-    """--guide: check that it shares the model's token ids on its small files, then load it (or None)."""
-    if not guide_dir:
-        return None
-    try:   # with both tokenizers every shared id is compared token by token; else the configs' ids
-        guide_tok = load_tokenizer(guide_dir)
-    except FileNotFoundError:
-        guide_tok = None
-    check_guide(cfg, read_config(guide_dir), chat.tok, guide_tok)
-    try:
-        return load(f"the guide {args.guide}", resolve_model_dir(args.guide, role="guide"), device, dtype, args.quantize)
-    except ValueError as e:     # a truncated or corrupt file: say it is the guide's
-        raise ValueError(f"the guide {args.guide}: {e}") from None
-
-
-def read_prompts(path: str) -> list[str]:
-    """--prompt-file's lines, each a prompt; a blank line stays in its place as "" (its answer is an empty line,
-    so that answer N is on output line N), blank lines at the end are dropped. Read by parse_args: its errors
-    come before any model."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            prompts = [line.strip() for line in f]
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--prompt-file {path} is not valid UTF-8 text ({e.reason} at byte {e.start}): "
-                         f"convert it (e.g. with iconv)") from None
-    except OSError as e:   # missing, a folder, no permission
-        raise ValueError(f"cannot read --prompt-file {path}: {e.strerror or e}") from None
-    while prompts and not prompts[-1]:
-        prompts.pop()
-    if not prompts:
-        raise ValueError(f"--prompt-file {path} has no prompt: write one prompt per line")
-    return prompts
 
 
 def check_config(args, cfg, chat):
@@ -523,7 +429,6 @@ def main(argv=None, fork=None, own=None, **hooks):
             return 130
         answer = chat.answer(out[len(ids):])
         if args.trace:
-            from chat import render_trace
             print("\n".join(render_trace(steps, chat.tok, cfg.mask_id, chat.stop_ids)))
         print("" if stream else answer)
         peak = f" | peak memory {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if device.type == "cuda" else ""

@@ -184,3 +184,24 @@ def run_arguments(p):
     p.add_argument("--json", type=out_file, default=None, help="write every row, the settings and the environment")
     for flag, why in REFUSED.items():
         p.add_argument(flag, action=Refused, why=f"has no meaning in the modes table: {why}")
+
+
+def optional_float(text: str):
+    try:
+        return None if text.lower() in ("none", "off") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or none, got {text!r}") from None
+
+
+def checked(kind, ok, what: str):
+    """An argparse type: kind(text), refused unless ok(value) (NaN fails every comparison), e.g.
+    "argument --accept-k: expected an integer >= 1, got '0'"."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse

@@ -36,6 +36,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)     # the method's modules (fastdllm.py, model.py, ...) live at the repository's root
 import cli  # noqa: E402
+import loading  # noqa: E402
 from options import check_settings
 from guided import OWN as GUIDED_OWN
 from fastdllm import generate
@@ -378,7 +379,7 @@ def random_table(args):
                          "positions")
     if sweeping and len(args.thresholds) > 1:
         raise ValueError("--thresholds: a sweep measures one rule, so pass at most one value")
-    device, dtype = cli.pick_device_dtype(args.device, args.dtype)
+    device, dtype = loading.pick_device_dtype(args.device, args.dtype)
     int8_quantizer(args.quantize)   # --quantize int8 without torchao: said before the checkpoint is written
     if not reusable(args, hf):      # --dir: refused now if it holds anything but this tool's checkpoint
         check_fits(hf, args.dir or tempfile.gettempdir(), device, dtype)

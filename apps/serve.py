@@ -35,14 +35,14 @@ from http.server import ThreadingHTTPServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)     # the method's modules (fastdllm.py, model.py, ...) live at the repository's root
-import checks  # noqa: E402
-import options
 import cli  # noqa: E402
+import flags  # noqa: E402
+import options  # noqa: E402
 import denoise  # noqa: E402
 from api import (CLIENT_GONE, ApiError, JsonHandler, check_fields, check_text, choice, chunk, envelope, field_named,
                  get, json_object, prompt_fields, quoted, shutting_down, stop_scan, tokens, usage)
 from chat import decode  # noqa: E402
-from flags import Refused  # noqa: E402
+
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web", "index.html")
 # fastdllm.py flags that have no meaning for a server: its prompts come in requests.
@@ -618,11 +618,11 @@ def parse_args(argv=None):
     own = p.add_argument_group("the server")
     own.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine "
                      "only; 0.0.0.0 is every interface, with no authentication)")
-    own.add_argument("--port", type=cli.checked(int, lambda n: 0 <= n < 65536, "a port in [0, 65535]"), default=8000,
+    own.add_argument("--port", type=flags.checked(int, lambda n: 0 <= n < 65536, "a port in [0, 65535]"), default=8000,
                      help="port; 0 = any free one (default: %(default)s)")
     own.add_argument("--served-name", help="the model name clients pass and /v1/models lists (default: --model)")
-    at_least_1 = cli.checked(int, lambda n: n >= 1, "an integer >= 1")      # a wrong value: named, with its flag
-    own.add_argument("--batch-window", type=cli.checked(float, lambda ms: 0 <= ms < float("inf"), "a number of ms "
+    at_least_1 = flags.checked(int, lambda n: n >= 1, "an integer >= 1")      # a wrong value: named, with its flag
+    own.add_argument("--batch-window", type=flags.checked(float, lambda ms: 0 <= ms < float("inf"), "a number of ms "
                      ">= 0"), default=20.0, help="ms to wait for more requests to batch with the first, while another "
                      "connection could send one (default: %(default)s)")
     own.add_argument("--max-batch", type=at_least_1, default=8, help="most requests in one batch (default: "
@@ -632,7 +632,7 @@ def parse_args(argv=None):
     own.add_argument("--quiet", action="store_true", help="no request and batch log on stderr")
     cli.add_flags(p.add_argument_group("decoding (fastdllm.py's flags)"), omit=CLI_ONLY)
     for flag in CLI_ONLY:
-        p.add_argument(flag, action=Refused, why="is a fastdllm.py option with no meaning for the server: prompts "
+        p.add_argument(flag, action=flags.Refused, why="is a fastdllm.py option with no meaning for the server: prompts "
                        "come in requests")
     args = p.parse_args(argv)
     args.seed_given = any(a.split("=")[0] == "--seed" for a in argv)    # else a sampled request gets a fresh seed

@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))   # the repo root
 sys.path.insert(0, HERE)
-from chat import render_trace
+from terminal import render_trace
 from fastdllm import generate
 from model import load_model
 from train import TEMPLATES, heldout
@@ -127,7 +127,7 @@ def table(model, tok, problems, caches, guide=None):
 
 
 def trace(model, tok, problem, tau: float, cache: str):
-    """Print the answer canvas after every step (chat.render_trace: _ = still masked, [tok] = unmasked at this
+    """Print the answer canvas after every step (terminal.render_trace: _ = still masked, [tok] = unmasked at this
     step, $ = eos)."""
     cfg = model.config
     prompt = torch.tensor([tok.encode(problem[0], add_special_tokens=False).ids])

@@ -38,6 +38,8 @@ import torch  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 import cli  # noqa: E402
+
+import loading
 from chat import load_tokenizer  # noqa: E402
 from eval import TEMPLATES, answer_text, heldout, is_valid  # noqa: E402
 from fastdllm import generate  # noqa: E402
@@ -124,7 +126,7 @@ def settings(model_dir: str, example: str | None, flags: str) -> tuple[dict, boo
         hooks = fork(**values)
     args = cli.parse_args(argv, hooks)
     args.hooks = hooks
-    weights = (cli.pick_device_dtype("cpu", args.dtype)[1], args.quantize)
+    weights = (loading.pick_device_dtype("cpu", args.dtype)[1], args.quantize)
     return (cli.settings(args) | dict(stop_at_eos=not args.no_early_stop and "stop" not in hooks),
             "propose" not in hooks, weights)
 

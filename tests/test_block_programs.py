@@ -10,7 +10,8 @@ import torch
 import cli
 import denoise
 import serve
-from chat import Chat, streamer
+from chat import Chat
+from terminal import streamer
 from conftest import rows_as_alone
 from fastdllm import generate
 from model import load_model

@@ -14,7 +14,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from chat import Chat, chat_template, default_system, render_trace, template_style, thinking_line
+from chat import Chat, chat_template, default_system, template_style, thinking_line
+from terminal import render_trace
 from model import ModelConfig
 
 # Qwen2.5's added tokens (ids 151643..151664, the tool/fim/repo ones not special) and Dream's two (151665, 151666).
@@ -191,7 +192,7 @@ def test_render_trace(chat):
 
 
 def test_demo_trace_uses_render_trace(monkeypatch, capsys):
-    """demo/eval.py --trace prints what chat.render_trace returns, for the steps generate() took."""
+    """demo/eval.py --trace prints what terminal.render_trace returns, for the steps generate() took."""
     sys.path.insert(0, os.path.join(ROOT, "demo"))
     import eval as demo_eval
     import torch

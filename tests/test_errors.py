@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from conftest import GOLDEN, ROOT, write_tokenizer
 import bounded
 import cli
+import loading
 from chat import Chat
 from fastdllm import generate
 from model import load_model
@@ -567,7 +568,7 @@ def release(tmp_path, repo) -> str:
 @pytest.mark.parametrize("case", BEFORE_LOADING)
 def test_cli_checks_the_small_files_before_the_weights(tmp_path, monkeypatch, case):
     make, argv, pattern = BEFORE_LOADING[case]
-    monkeypatch.setattr(cli, "load_model", lambda *a, **kw: pytest.fail("loaded the weights first"))
+    monkeypatch.setattr(loading, "load_model", lambda *a, **kw: pytest.fail("loaded the weights first"))
     with pytest.raises(ValueError) as e:
         cli.main(["--model", make(tmp_path), *RUN, *argv])
     assert re.search(pattern, one_line(e)), str(e.value)
@@ -576,7 +577,7 @@ def test_cli_checks_the_small_files_before_the_weights(tmp_path, monkeypatch, ca
 def test_cli_gen_length_not_filling_the_default_block_names_the_flags(tmp_path, monkeypatch):
     """Issue 46: it said "gen_length 20 is not a multiple of block_length 32", a setting the user never set (the
     default block): now the flags, and both fixes."""
-    monkeypatch.setattr(cli, "load_model", lambda *a, **kw: pytest.fail("loaded the weights first"))
+    monkeypatch.setattr(loading, "load_model", lambda *a, **kw: pytest.fail("loaded the weights first"))
     with pytest.raises(ValueError) as e:
         cli.main(["--model", checkpoint(tmp_path, tokenizer=True), "--prompt", "w5", "--gen-length", "20"])
     assert re.search(r"^--gen-length 20 is not a multiple of --block-length 32: pass a --block-length that divides "
@@ -589,7 +590,7 @@ def test_cli_checks_each_prompt_file_line_before_the_weights(tmp_path, monkeypat
     before them, named by its line (blank lines count)."""
     d = checkpoint(tmp_path, tokenizer=True)
     (tmp_path / "prompts.txt").write_text("w5 w6\n\nw7 <|mdm_mask|>\n")
-    monkeypatch.setattr(cli, "load_model", lambda *a, **kw: pytest.fail("loaded the weights first"))
+    monkeypatch.setattr(loading, "load_model", lambda *a, **kw: pytest.fail("loaded the weights first"))
     with pytest.raises(ValueError, match=r"^--prompt-file .*prompts\.txt line 3: the prompt contains the mask token"):
         cli.main(["--model", d, "--prompt-file", str(tmp_path / "prompts.txt"), "--gen-length", "16",
                   "--block-length", "8"])
@@ -843,7 +844,7 @@ def test_load_progress(monkeypatch, capsys):
     assert capsys.readouterr() == ("", "")
     assert [c[0] for c in calls] == sorted(c[0] for c in calls) and {c[:2] for c in calls} == {(1, 2), (2, 2)}
     assert all(0 < done <= total for _, _, done, total in calls) and calls[-1][2] > 0.9 * calls[-1][3]
-    cli.load("tiny", path, "cpu", torch.float32)
+    loading.load("tiny", path, "cpu", torch.float32)
     out, err = capsys.readouterr()
     assert out == "" and re.fullmatch(r"loaded tiny in \d+\.\d\d s \(0\.\d MB\)\n", err), err
 
@@ -851,7 +852,7 @@ def test_load_progress(monkeypatch, capsys):
         def isatty(self):
             return True
     monkeypatch.setattr("sys.stderr", Terminal())
-    cli.load("tiny", path, "cpu", torch.float32)
+    loading.load("tiny", path, "cpu", torch.float32)
     err = sys.stderr.getvalue()
     assert err.startswith("\rloading tiny: shard 1 of 2, 0.0 of 0.0 GB") and "\r\x1b[Kloaded tiny in " in err, err
 

@@ -9,6 +9,7 @@ import pytest
 
 import bounded
 import cli
+import loading
 from conftest import ROOT
 
 DEMO = os.path.join(ROOT, "demo", "llada-arith")
@@ -68,7 +69,7 @@ def test_a_flag_the_forks_part_replaces_is_refused_in_the_clis_words(monkeypatch
     """eb_sampler.py --threshold 0.5 answered in generate()'s words ("pass select or threshold/factor"), after the
     weights; prophet.py --no-early-stop was silently ignored."""
     fork, own = fork_of(name)
-    monkeypatch.setattr(cli, "load_model", lambda *a, **kw: pytest.fail("loaded the weights first"))
+    monkeypatch.setattr(loading, "load_model", lambda *a, **kw: pytest.fail("loaded the weights first"))
     with pytest.raises(ValueError) as e:
         cli.main([*RUN, *argv], fork, own)
     assert str(e.value) == f"{argv[0]} does not apply: this program's own {WHAT[kind]}; drop {argv[0]}"
