@@ -130,10 +130,10 @@ def sdar_sample(logits, temperature: float, top_k, top_p, generator, mask_id: in
 
 # ---------------------------------------------------------------------------------------- step rules
 class BlockStep(StepRule):
-    """What both step rules share: a block's first call (s > 0) stores the block before it (`store`); the others
-    denoise."""
+    """What both step rules share: a block's first call (s > 0) stores the block before it (`storing`: cache.py's
+    BlockPrefix.store feeds it); the others denoise."""
 
-    def store(self, at) -> bool:
+    def storing(self, at) -> bool:
         return at.i == 0 and at.s > 0
 
 
@@ -150,7 +150,7 @@ class FastDLLMv2(BlockStep):
 
     def propose(self, logits, at) -> Proposal:
         N = at.masked.shape[1]
-        if self.store(at):                      # the block's first token, from the stored block's last row
+        if self.storing(at):                      # the block's first token, from the stored block's last row
             open_ = at.masked & (torch.arange(N, device=at.masked.device) == 0)
             x0, conf = top_p_sample(logits, 0.0, None, None, self.mask_id)           # the arg-max, as official
             x0, conf = widen(x0, conf, at.cols, open_)
@@ -184,7 +184,7 @@ class SDAR(BlockStep):
         self.step = 0                           # denoising steps so far in this block (the store call is none)
 
     def propose(self, logits, at) -> Proposal:
-        if self.store(at):                      # SDAR has no shift: storing the last block predicts nothing here
+        if self.storing(at):                      # SDAR has no shift: storing the last block predicts nothing here
             nothing = torch.zeros_like(at.masked)
             return Proposal(torch.zeros_like(at.masked, dtype=torch.long), torch.full_like(at.masked, NEG_INF,
                             dtype=torch.float32), nothing, nothing.sum(-1), logits)
@@ -245,16 +245,19 @@ def block_canvas(prompt, attention_mask, st, cfg, eos) -> Canvas:
     cut = cfg.family == "llada2" or st.stop_at_eos and cfg.family == "fastdllm_v2"
     view = partial(grid_output, lengths=lengths, ends=ends, shortest=int(lengths.min()), P=prompt.shape[1], fill=fill)
     L, G = x.shape[1], st.block_length
-    return Canvas(x, blocks, torch.stack([torch.zeros_like(lengths), lengths], -1), None, block_causal(L, G, x.device),
-                  lambda b: min(L, -(-b // G) * G), ends, fill, partial(view, eos=eos) if cut else view, view)
+    return Canvas(x=x, blocks=blocks, prompt=torch.stack([torch.zeros_like(lengths), lengths], -1), pos=None,
+                  mask=block_causal(L, G, x.device), sees=lambda b: min(L, -(-b // G) * G), ends=ends, fill=fill,
+                  output=partial(view, eos=eos) if cut else view, view=view)
 
 
 def block_parts(model, st, given, generator, c: Canvas, eos):
     """The call's step rule, selection rule, cache policy and stop rule for a block-diffusion model."""
     cfg = model.config
-    policy = lambda rule: st.cache if isinstance(st.cache, CachePolicy) else (    # noqa: E731
-        LLADA2_CACHE_POLICIES if cfg.family == "llada2" else BLOCK_CACHE_POLICIES)[st.cache](
-        getattr(rule, "sub_block", st.block_length))          # SDAR: one sub-block, the block (exact)
+    policies = LLADA2_CACHE_POLICIES if cfg.family == "llada2" else BLOCK_CACHE_POLICIES
+
+    def policy(rule):          # the cache mode's policy; "dual" is the sub-block cache (SDAR's sub-block: the block)
+        return st.cache if isinstance(st.cache, CachePolicy) else policies[st.cache](getattr(rule, "sub_block",
+                                                                                             st.block_length))
     if cfg.family == "llada2":
         rule, select = llada2_parts(cfg, st, generator, sdar_sample, DynamicThreshold)
         return Parts(rule, select, policy(rule), stop_rule(st, c, eos, cfg.mask_id, kind=rule.end_of_text))
@@ -315,4 +318,4 @@ def check_block(cfg, st, given: dict, longest: int, name=lambda key: key):
             bad(f"steps {st.steps}: SDAR's steps are per block (its denoising_steps): use at least 1")
 
 
-BLOCK = Family(block_defaults, check_block, block_canvas, block_parts)
+BLOCK = Family(defaults=block_defaults, check=check_block, canvas=block_canvas, parts=block_parts)

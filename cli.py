@@ -19,7 +19,8 @@ from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, SDAR_REMASKING, ch
 from cache import CACHE_POLICIES
 from chat import Chat, load_tokenizer
 from flags import checked, optional_float
-from fastdllm import Settings, generate, pad_prompts, settings as settled
+from fastdllm import generate, pad_prompts
+from options import Settings, settings as settled
 from graphs import Compiled, CudaGraphs
 from guided import ACCEPT_RULES, OWN as GUIDED_OWN, check_accept, check_guided_settings
 from loading import load, load_guide, pick_device_dtype

@@ -136,8 +136,6 @@ def check_dream(cfg, st, given: dict, longest: int, name=lambda key: key):
     def bad(msg):
         raise ValueError(msg)
     whole = whole_canvas(st, given)
-    if given.get("sub_block") is not None:
-        bad(f"{name('sub_block')} is Fast-dLLM v2's: Dream denoises each block whole; drop {name('sub_block')}")
     if st.select is None and (st.threshold is not None or st.factor is not None) and given.get("remasking") not in (
             None, "maskgit_plus"):
         bad(f"remasking={given['remasking']!r} does not apply with threshold/factor on Dream: Fast-dLLM's parallel "
@@ -167,4 +165,4 @@ def check_dream(cfg, st, given: dict, longest: int, name=lambda key: key):
             "cache 'none', 'prefix' or 'dual'")
 
 
-DREAM = Family(dream_defaults, check_dream, answer_canvas, dream_parts)
+DREAM = Family(defaults=dream_defaults, check=check_dream, canvas=answer_canvas, parts=dream_parts)

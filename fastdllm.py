@@ -11,24 +11,18 @@ rule (Fast-dLLM's threshold and factor decoding, section 3.3) and the stop rule.
 propose -> select -> commit -> stop, with one host read. The CLI is cli.py.
 """
 import bisect
-import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable, NamedTuple
 
 import torch
 
 import checks
 import sampler as S
-from options import Settings, check_call, known
-from blockdiff import BLOCK, FAMILIES as BLOCK_FAMILIES
+from options import Settings, checked, settings  # noqa: F401  (fastdllm.Settings, fastdllm.settings)
 from cache import CachePolicy, KVCache, Refresh
-from dream import DREAM
 from graphs import Compiled, CudaGraphs, model_call  # noqa: F401  (fastdllm.Compiled, fastdllm.CudaGraphs)
-from guided import GUIDED
-from uniform import GEMMA
 
 
 def pad_prompts(rows: list[list[int]], pad_id: int):
@@ -48,7 +42,7 @@ class Step:
     s: int                 # the block is canvas positions [s, e)
     e: int
     x: torch.Tensor        # (B, L) the canvas (hooks read it; the stop rule, and start_block, may fill its masks)
-    masked: torch.Tensor   # (B, N) bool: the block's positions a step may still write (its masks: Plan.undecided)
+    masked: torch.Tensor   # (B, N) bool: the block's positions a step may still write: its masks (Plan.undecided)
     shift: int             # the family's logits shift: position p is predicted from hidden state p - shift
     mask_id: int           # the [MASK] token id (-1: a uniform-state model has none)
     prompt: torch.Tensor   # (B, 2) long: each row's prompt [begin, end) on the canvas (its answer starts at end)
@@ -88,15 +82,19 @@ class Seen(NamedTuple):
 class Plan:
     """What one generate() call decided before its loop, by name: the blocks, the parts the loop calls and what the
     model call needs. The step-to-step state is not here: each step's read hands it to the next step (Seen)."""
-    canvas: S.Canvas          # where the rows sit: the blocks, each row's prompt, RoPE positions, attention mask, the
-                              #   ids' layout (sampler.Canvas; a family's canvas())
+    canvas: S.Canvas          # where the rows sit (a family's canvas(), sampler.Canvas): the blocks; each row's prompt
+                              #   span; RoPE positions; the attention mask (None: every key, LLaDA's unpadded canvas);
+                              #   sees(b), where the keys of a span ending at b end (L; a block-causal grid block's end)
     cache: CachePolicy        # the cache policy: what each step feeds (cache.py); its optional hooks, keys and slots,
                               #   are None for the built-in policies but FreeCache's and the sub-block cache's slots
     step_rule: S.StepRule     # proposes tokens and confidences (sampler.py, blockdiff.py, guided.py, or a fork's)
     select: Callable          # the selection rule: which proposals a step commits
-    stop: Callable            # the stop rule: which rows' answers have ended
+    stop: Callable            # the stop rule: which rows' answers have ended (sampler.NoStop: none; stop_at_eos: EndOfText)
     model: torch.nn.Module
-    layers: Callable          # the model's layers: model.hidden, replayed from CUDA graphs or compiled (graphs.py)
+    layers: Callable          # layers(ids, pos, kv, slots, mask) -> the fed positions' hidden states: each layer writes
+                              #   their keys/values into kv at `slots` (cache.KVCache.update) and attends over all kv
+                              #   holds. model.hidden, eager, replayed from CUDA graphs or compiled (graphs.py); a
+                              #   family's own call where it has one (DiffusionGemma's: uniform.GemmaCall)
     kv: KVCache | None        # keys/values of the whole canvas (None: cache "none" attends over what it feeds)
     undecided: Callable       # x -> (B, L) bool: the positions a step may still write: x == mask_id (a step rule's own
                               #   `undecided` where it has one: DiffusionGemma's canvas while it denoises)
@@ -109,8 +107,9 @@ class Plan:
     ar: torch.Tensor          # arange(L): spans and columns as views, no kernel
     next_end: dict            # block start -> the next block's end (a read reports the next block's open columns)
     answer_at: list           # each row's answer start on the canvas, on the host (stats["final"])
-    reads_block: bool         # the step rule reads logits at every block column, not only the masked (LLaDA2.1's)
-    edits: bool               # the step rule may rewrite committed tokens of its block (LLaDA2.1's; the others not)
+    reads_block: bool         # the step rule reads logits at every block column, not only the masked (LLaDA2.1's,
+                              #   DiffusionGemma's; the others False)
+    edits: bool               # the step rule may rewrite its block until it ends (LLaDA2.1's, DiffusionGemma's)
     max_post_steps: int       # calls a block may take once it has no mask (LLaDA2.1's; the others 0)
 
     def feed(self, x, seen: Seen, i: int, s: int, e: int) -> tuple[Step, torch.Tensor]:
@@ -124,9 +123,13 @@ class Plan:
             fed, span, chunk = wanted, None, wanted
             rows = checks.positions(wanted, at, cols, self.kv is not None, self.cache)
         else:
-            a, b = checks.span(wanted, at, self.cache)
-            # The logits shift: column c is predicted from position s + c - shift. A span that starts at the first
-            # wanted column starts one earlier for a shifted family; the columns whose predictor it holds have logits.
+            a, b = wanted if isinstance(wanted, (tuple, list)) and len(wanted) == 2 else (None, None)
+            if not (type(a) is int and type(b) is int and 0 <= a < b <= L):
+                checks.refuse_span(self.cache, at, wanted)
+            # The logits shift: block column c is predicted from position s + c - shift (shift 0: LLaDA's, SDAR's).
+            # A shifted family's span that starts at the first wanted column starts one earlier; the wanted columns
+            # whose predicting position the span holds get logits, at their rows among the fed positions. With shift
+            # 0 and a span covering the block (every built-in policy's), that is every wanted column.
             a -= self.shift if listed and a == s + listed[0] else 0
             lo, hi = bisect.bisect_left(listed, a - s + self.shift), bisect.bisect_left(listed, b - s + self.shift)
             cols = cols[lo:max(lo, hi)]
@@ -144,11 +147,11 @@ class Plan:
         if keys is not None:
             keys = (keys if self.kv is not None else keys[:, chunk])[:, None, None, :]
             mask = keys if mask is None else mask & keys
-        # slots: (B, T) where each row writes the fed keys/values, or None: at the fed positions, in every row
+        # slots: where each row writes the fed keys/values: at the fed positions (a policy's own slots: per row)
         slots = self.cache.slots and checks.slots(self.cache.slots(at, fed), x.shape[0], fed, self.cache)
         at.hidden = self.layers(x[:, chunk], self.canvas.pos[:, chunk], self.kv, fed if slots is None else slots, mask)
         at.cols, at.fed, at.span, at.rows, at.head = cols, fed, span, rows, self.model.logits
-        return at, self.model.logits(at.hidden, rows)
+        return at, self.model.logits(at.hidden, rows)          # the final norm and the LM head, at those rows only
 
     def start(self, x) -> tuple[Seen, dict]:
         """The state before the first step: the first block's columns past the shortest prompt (on the host), and the
@@ -171,17 +174,18 @@ class Plan:
                               (torch.zeros_like(take) | p.edit).sum()])
         open_cols = open_[:, s:self.next_end[s]].any(0)                    # (N + N',) the block's columns, the next's
         got = torch.cat([broken, counts, open_cols]).tolist()              # the one host read
-        if any(got[:7]):
-            checks.refuse_step(*got[:7], at, self.step_rule, self.select, self.stop, self.cache)
-        proposed, answer_ended, committed, changed, edits = got[7:12]
-        here, after = got[12:12 + e - s], got[12 + e - s:]                   # open columns: the block's, the next's
+        broken, got = got[:len(broken)], got[len(broken):]
+        if any(broken):
+            checks.refuse_step(*broken, at, self.step_rule, self.select, self.stop, self.cache)
+        (proposed, answer_ended, committed, changed, edits), got = got[:len(counts)], got[len(counts):]
+        here, after = got[:e - s], got[e - s:]                              # open columns: the block's, the next's
         for key, value in (("fed", at.fed.shape[0]), ("committed", committed), ("edited", edits),
                            ("filled", changed - committed - edits)):
             stats[key].append(value)
         stats.update(nfe=stats["nfe"] + 1, guide_calls=getattr(self.step_rule, "guide_calls", 0))
-        # A block ends once none of it is open and its last call changed nothing (a rule that edits: LLaDA2.1's T2T), or
-        # after the rule's max_post_steps calls that found it all decided (a rule that does not edit: 0); or after
-        # exactly exact_steps calls.
+        # A block ends once none of it is open (for a rule that does not edit, max_post_steps 0: that alone), and for a
+        # rule that edits (LLaDA2.1's T2T) once its last call changed nothing too, or after its max_post_steps calls that
+        # found it all decided; or after exactly exact_steps calls (Dream's own sampler).
         still = [c for c, m in enumerate(here) if m]
         post = (seen.post if at.i else 0) + (not at.masked_cols)
         block_ended = at.i + 1 == self.exact_steps if self.exact_steps else not still and (
@@ -214,40 +218,11 @@ class Plan:
                                  row_length=n.tolist())
 
 
-# Each family's part of the set-up (its defaults, its refusals, its canvas and its parts), from its own file.
-FAMILIES = {"llada": S.LLADA, "dream": DREAM, **dict.fromkeys(BLOCK_FAMILIES, BLOCK), "diffusion_gemma": GEMMA}
-
-
-def family_of(cfg, st) -> S.Family:
-    """The family whose parts decode this call: guided diffusion's with a guide, else the model's (a causal LM, which
-    check_call refuses, counts as LLaDA until then)."""
-    return GUIDED if st.guide is not None else FAMILIES.get(cfg.family, S.LLADA)
-
-
-def settings(cfg, options: dict) -> Settings:
-    """The call's settings with every default decided: the method's (Settings), the family's own (its remasking, its
-    block and sub-block, its steps), then one block and one token a step where still left None."""
-    st = Settings(**known(options, Settings))
-    st = dataclasses.replace(st, **family_of(cfg, st).defaults(cfg, st, options))
-    return dataclasses.replace(st, block_length=st.block_length or st.gen_length,
-                               steps=st.gen_length if st.steps is None else st.steps)
-
-
-def checked(model, prompt, options: dict, attention_mask=None, generator=None, on_step=None) -> Settings:
-    """The call's settings, every default decided and every check passed: options.py's, then the family's own (a
-    refusal is one line naming the setting and the fix)."""
-    st = settings(model.config, options)
-    check_call(model, prompt, st, attention_mask, generator, on_step, Settings(), options)
-    family_of(model.config, st).check(model.config, st, options, prompt.shape[1])
-    return st
-
-
 def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=None):
     """Turn the settings into the parts the loop calls, once: everything here depends only on the call's settings,
     so the loop has no branch on a setting. -> (the plan, the canvas it starts from: [prompt, MASK x gen_length])."""
     cfg, device = model.config, model.lm_head.weight.device
-    st = checked(model, prompt, options, attention_mask, generator, on_step)
-    family = family_of(cfg, st)
+    st, family = checked(model, prompt, options, attention_mask, generator, on_step)    # options.py
     generator = generator or torch.Generator(device).manual_seed(0)
     eos = torch.tensor(sorted(set(st.eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
     c = family.canvas(prompt.to(device), attention_mask, st, cfg, eos)
@@ -258,6 +233,8 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     # The step rule's protocol: sampler.StepRule's attributes (a fork's rule may not subclass it: theirs by default).
     spb, exact, post, reads_block, edits = (getattr(step_rule, k, getattr(S.StepRule, k)) for k in (
         "steps_per_block", "exact_steps", "max_post_steps", "reads_block", "edits"))
+    # A block still open past its schedule, one step a position and the rule's post steps has a rule that commits
+    # nothing (patience): the read refuses it rather than loop for ever.
     ar = torch.arange(L, device=device)
     plan = Plan(canvas=c._replace(pos=ar.expand(B, L) if c.pos is None else c.pos), cache=cache, step_rule=step_rule,
                 select=select, stop=stop, model=model, layers=layers, kv=kv,
@@ -271,17 +248,17 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
 
 @torch.inference_mode()
 def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
-             generator: torch.Generator | None = None, on_step=None, **settings):
+             generator: torch.Generator | None = None, on_step=None, **options):
     """Decode gen_length tokens after `prompt` (B, P) -> (ids (B, P + gen_length), stats: "nfe" (model calls),
     "row_nfe", "row_committed", "row_length" (per row), "fed", "committed", "filled" (per call), "final" (per row:
     its answer's tokens no later call changes once unmasked, for a stream), "calls_saved", "guide_calls",
-    "seconds", "answer_tokens", "tokens_per_s": README "Python API"). settings: the fields of `Settings`.
+    "seconds", "answer_tokens", "tokens_per_s": README "Python API"). options: the fields of `Settings`.
     attention_mask: (B, P) 1/0 for left-padded prompts: each row decodes as it would alone. generator: the only
     source of randomness (default: one seeded 0). on_step(x, stats): called after every step, the canvas live (in the
     layout of the ids it returns, not yet cut at an end token: Canvas.view).
     A block-diffusion model (blockdiff.py) answers to a grid block's edge: ids (B, P + answer), each row's answer
     its own length (row_length, as alone), the rest its pad id."""
-    plan, x = make_plan(model, prompt, settings, attention_mask, generator, on_step)
+    plan, x = make_plan(model, prompt, options, attention_mask, generator, on_step)
     show = (lambda x, stats: on_step(plan.canvas.view(x), stats)) if on_step else (lambda x, stats: None)
     t0, (seen, stats) = time.perf_counter(), plan.start(x)
     for b, (s, e) in enumerate(plan.canvas.blocks):

@@ -358,4 +358,4 @@ def guided_parts(model, st, given, generator, c: Canvas, eos):
     return Parts(rule, Schedule(), feed, stop_rule(st, c, eos, mask_id, run=1))
 
 
-GUIDED = Family(guided_defaults, check_guided, answer_canvas, guided_parts)
+GUIDED = Family(defaults=guided_defaults, check=check_guided, canvas=answer_canvas, parts=guided_parts)

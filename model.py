@@ -365,7 +365,7 @@ class Transformer(nn.Module):
     def logits(self, x, rows=None):
         """Hidden states (B, T, dim) -> the LM head's logits at the chunk rows `rows` (a 1-D tensor, (a, b), or None:
         all). Row i is the output at the chunk's position i: for a shifted family (config.shift) that predicts the
-        token at i + shift, and the plan asks for the rows that predict its positions (fastdllm.predicting)."""
+        token at i + shift, and the plan asks for the rows that predict its positions (fastdllm.Plan.feed)."""
         if isinstance(rows, tuple):
             rows = torch.arange(*rows, device=x.device)
         return self.lm_head(self.norm(x if rows is None else x[:, rows]))

@@ -1,10 +1,11 @@
 """
 options.py: what a generate() call may ask, and what it refuses before anything runs. `Settings`: every setting
-and its default (each family decides its own defaults for the ones left None: fastdllm.settings). The checks, each
-once, in one line that names the setting and the fix, never deep inside torch: `check_early` needs no model (the
-programs run it before they load gigabytes of weights), `check_call` runs them all in generate(), with the model's
-and the hooks' signatures. Each family refuses what only it reads in its own file (Family.check: dream.py,
-blockdiff.py, llada2.py, guided.py, uniform.py); the hooks' answers while the loop runs are checks.py's.
+and its default; `settings`: a call's settings with every default decided, the method's, then its family's own
+(FAMILIES: each family's defaults, refusals, canvas and parts come from its own file, sampler.Family); `checked`:
+those settings with every check passed. The checks, each once, in one line that names the setting and the fix, never
+deep inside torch: `check_early` needs no model (the programs run it before they load gigabytes of weights),
+`check_call` runs them all with the model's and the hooks' signatures, then the family's own (Family.check). The
+hooks' answers while the loop runs are checks.py's.
 """
 import dataclasses
 import inspect
@@ -16,13 +17,15 @@ from typing import Callable
 
 import torch
 
-from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_REMASKING
+import sampler as S
+from blockdiff import BLOCK, FAMILIES as BLOCK_FAMILIES, SDAR_REMASKING
 from cache import CACHE_POLICIES, CachePolicy
 from checks import name
-from guided import OWN as GUIDED_OWN
+from dream import DREAM
+from guided import GUIDED, OWN as GUIDED_OWN
 from llada2 import OWN as LLADA2_OWN
 from sampler import DREAM_REMASKING, LLADA_REMASKING
-from uniform import OWN as GEMMA_OWN
+from uniform import GEMMA, OWN as GEMMA_OWN
 
 
 @dataclass
@@ -297,7 +300,7 @@ def check_hooks(st, on_step=None):
 
 def check_call(model, prompt, st, attention_mask, generator, on_step, defaults, given):
     """Every check of one generate() call, in the order that names the first real problem. `st` holds the
-    call's settings with every default decided (fastdllm.settings), `defaults` the defaults (fastdllm.Settings),
+    call's settings with every default decided (`settings`), `defaults` the defaults (Settings),
     `given` the settings the caller passed."""
     cfg = model.config
     if cfg.causal:
@@ -325,3 +328,33 @@ def check_call(model, prompt, st, attention_mask, generator, on_step, defaults, 
     if rows is generator and (cfg.family != "diffusion_gemma" or len(rows) != prompt.shape[0]):
         bad(f"generator is a list of {len(rows)}: one generator per row is DiffusionGemma's (each row then draws as it "
             f"would alone), for the {prompt.shape[0]} rows of the prompt; else pass one torch.Generator")
+
+
+# ---------------------------------------------------------------------------------------- the call's settings
+# Each family's part of the set-up (its defaults, its refusals, its canvas and its parts), from its own file.
+FAMILIES = {"llada": S.LLADA, "dream": DREAM, **dict.fromkeys(BLOCK_FAMILIES, BLOCK), "diffusion_gemma": GEMMA}
+
+
+def family_of(cfg, st) -> S.Family:
+    """The family whose parts decode this call: guided diffusion's with a guide, else the model's (a causal LM, which
+    check_call refuses, counts as LLaDA until then)."""
+    return GUIDED if st.guide is not None else FAMILIES.get(cfg.family, S.LLADA)
+
+
+def settings(cfg, options: dict) -> Settings:
+    """The call's settings with every default decided: the method's (Settings), the family's own (its remasking, its
+    block and sub-block, its steps), then one block and one token a step where still left None."""
+    st = Settings(**known(options, Settings))
+    st = dataclasses.replace(st, **family_of(cfg, st).defaults(cfg, st, options))
+    return dataclasses.replace(st, block_length=st.block_length or st.gen_length,
+                               steps=st.gen_length if st.steps is None else st.steps)
+
+
+def checked(model, prompt, options: dict, attention_mask=None, generator=None, on_step=None):
+    """The call's settings, every default decided and every check passed: options.py's, then the family's own (a
+    refusal is one line naming the setting and the fix) -> (settings, the family)."""
+    st = settings(model.config, options)
+    check_call(model, prompt, st, attention_mask, generator, on_step, Settings(), options)
+    family = family_of(model.config, st)
+    family.check(model.config, st, options, prompt.shape[1])
+    return st, family

@@ -401,9 +401,10 @@ def answer_canvas(prompt, attention_mask, st, cfg, eos) -> Canvas:
     if attention_mask is not None and (attention_mask == 0).any():
         m = F.pad(attention_mask.to(device).bool(), (0, st.gen_length), value=True)
         pos, mask = (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
-    return Canvas(x, [(s, s + st.block_length) for s in range(P, x.shape[1], st.block_length)],
-                  torch.stack([P - lengths, torch.full_like(lengths, P)], -1), pos, mask, lambda b: x.shape[1],
-                  torch.full_like(lengths, x.shape[1]), int(eos[0]) if len(eos) else cfg.mask_id, same, same)
+    return Canvas(x=x, blocks=[(s, s + st.block_length) for s in range(P, x.shape[1], st.block_length)],
+                  prompt=torch.stack([P - lengths, torch.full_like(lengths, P)], -1), pos=pos, mask=mask,
+                  sees=lambda b: x.shape[1], ends=torch.full_like(lengths, x.shape[1]),
+                  fill=int(eos[0]) if len(eos) else cfg.mask_id, output=same, view=same)
 
 
 def stop_rule(st, c: Canvas, eos, mask_id: int, run=None, kind=None):
@@ -418,11 +419,8 @@ def llada_defaults(cfg, st, given) -> dict:
 
 
 def check_llada(cfg, st, given: dict, longest: int, name=lambda key: key):
-    """What a LLaDA call refuses beyond options.py's (name: the caller's word for a setting; longest: the longest
-    prompt)."""
-    if given.get("sub_block") is not None:
-        raise ValueError(f"{name('sub_block')} is Fast-dLLM v2's: LLaDA denoises each block whole; drop "
-                         f"{name('sub_block')}")
+    """What a LLaDA call refuses is options.py's: its samplers' options (check_family), the other families' own
+    settings (check_readers)."""
 
 
 def llada_parts(model, st, given, generator, c: Canvas, eos):
@@ -438,7 +436,7 @@ def llada_parts(model, st, given, generator, c: Canvas, eos):
     return Parts(rule, select, cache, stop_rule(st, c, eos, model.config.mask_id))
 
 
-LLADA = Family(llada_defaults, check_llada, answer_canvas, llada_parts)
+LLADA = Family(defaults=llada_defaults, check=check_llada, canvas=answer_canvas, parts=llada_parts)
 
 
 def eos_reached(x, P, e: int, eos: torch.Tensor, mask_id: int, run: int | bool):

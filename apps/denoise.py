@@ -17,7 +17,7 @@ from api import usage
 from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_REMASKING
 from cache import CACHE_POLICIES
 from chat import decode
-from fastdllm import checked, settings
+from options import checked, settings
 from llada2 import EDITING_ONLY
 from sampler import DREAM_REMASKING, LLADA_REMASKING
 
@@ -31,7 +31,7 @@ NEEDS = {"max_post_steps": {"editing_threshold": 0.5}, "num_to_transfer": {"edit
 
 
 def accepts(model, block_length) -> dict:
-    """What a request may set on this model, as generate()'s own checks answer (fastdllm.checked: no model call)
+    """What a request may set on this model, as generate()'s own checks answer (options.checked: no model call)
     for a one-token prompt and one block: {"cache_modes", "remasking_modes", "settings"}."""
     cfg = model.config
     gen = block_length or cfg.block or 32
