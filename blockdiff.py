@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from cache import BLOCK_CACHE_POLICIES, LLADA2_CACHE_POLICIES, CachePolicy
 from llada2 import STEPS as LLADA2_STEPS, check_llada2, llada2_parts
-from sampler import (NEG_INF, Canvas, Family, Parts, Proposal, Schedule, StepRule, Threshold, argmax_except,
-                     stop_rule, widen)
+from family import Canvas, Family, Parts
+from sampler import NEG_INF, Proposal, Schedule, StepRule, Threshold, argmax_except, stop_rule, widen
 
 FAMILIES = ("fastdllm_v2", "sdar", "llada2")   # the block-diffusion families (model.ModelConfig.family; llada2.py)
 SDAR_REMASKING = ("low_confidence_dynamic", "low_confidence_static", "sequential")

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from cache import CACHE_POLICIES, CachePolicy
-from sampler import (NEG_INF, Canvas, Dream, Family, Parts, Proposal, Schedule, Threshold, answer_canvas,
-                     is_parallel, parallel_rule, stop_rule)
+from family import Canvas, Family, Parts, answer_canvas
+from sampler import NEG_INF, Dream, Proposal, Schedule, Threshold, is_parallel, parallel_rule, stop_rule
 
 
 class QuotaThreshold(Threshold):

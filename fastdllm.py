@@ -22,6 +22,7 @@ import checks
 import sampler as S
 from options import Settings, checked, settings  # noqa: F401  (fastdllm.Settings, fastdllm.settings)
 from cache import CachePolicy, KVCache, Refresh
+from family import Canvas
 from graphs import Compiled, CudaGraphs, model_call  # noqa: F401  (fastdllm.Compiled, fastdllm.CudaGraphs)
 
 
@@ -82,7 +83,7 @@ class Seen(NamedTuple):
 class Plan:
     """What one generate() call decided before its loop, by name: the blocks, the parts the loop calls and what the
     model call needs. The step-to-step state is not here: each step's read hands it to the next step (Seen)."""
-    canvas: S.Canvas          # where the rows sit (a family's canvas(), sampler.Canvas): the blocks; each row's prompt
+    canvas: Canvas            # where the rows sit (a family's canvas(), family.Canvas): the blocks; each row's prompt
                               #   span; RoPE positions; the attention mask (None: every key, LLaDA's unpadded canvas);
                               #   sees(b), where the keys of a span ending at b end (L; a block-causal grid block's end)
     cache: CachePolicy        # the cache policy: what each step feeds (cache.py); its optional hooks, keys and slots,

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from cache import FreeCache, KVCache, NoCache, PrefixCache
 from model import ModelConfig
-from sampler import (NEG_INF, Canvas, Family, Parts, Proposal, Schedule, StepRule, answer_canvas, argmax_except,
-                     stop_rule)
+from family import Canvas, Family, Parts, answer_canvas
+from sampler import NEG_INF, Proposal, Schedule, StepRule, argmax_except, stop_rule
 
 # The settings only guided diffusion reads (defaults: fastdllm.Settings); without a guide each is refused (options.py).
 OWN = ("speculative", "accept", "accept_k", "accept_ratio", "accept_threshold", "verify_chunk")

@@ -1,7 +1,7 @@
 """
 options.py: what a generate() call may ask, and what it refuses before anything runs. `Settings`: every setting
 and its default; `settings`: a call's settings with every default decided, the method's, then its family's own
-(FAMILIES: each family's defaults, refusals, canvas and parts come from its own file, sampler.Family); `checked`:
+(FAMILIES: each family's defaults, refusals, canvas and parts come from its own file, family.Family); `checked`:
 those settings with every check passed. The checks, each once, in one line that names the setting and the fix, never
 deep inside torch: `check_early` needs no model (the programs run it before they load gigabytes of weights),
 `check_call` runs them all with the model's and the hooks' signatures, then the family's own (Family.check). The
@@ -22,6 +22,7 @@ from blockdiff import BLOCK, FAMILIES as BLOCK_FAMILIES, SDAR_REMASKING
 from cache import CACHE_POLICIES, CachePolicy
 from checks import name
 from dream import DREAM
+from family import Family
 from guided import GUIDED, OWN as GUIDED_OWN
 from llada2 import OWN as LLADA2_OWN
 from sampler import DREAM_REMASKING, LLADA_REMASKING
@@ -335,7 +336,7 @@ def check_call(model, prompt, st, attention_mask, generator, on_step, defaults, 
 FAMILIES = {"llada": S.LLADA, "dream": DREAM, **dict.fromkeys(BLOCK_FAMILIES, BLOCK), "diffusion_gemma": GEMMA}
 
 
-def family_of(cfg, st) -> S.Family:
+def family_of(cfg, st) -> Family:
     """The family whose parts decode this call: guided diffusion's with a guide, else the model's (a causal LM, which
     check_call refuses, counts as LLaDA until then)."""
     return GUIDED if st.guide is not None else FAMILIES.get(cfg.family, S.LLADA)

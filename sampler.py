@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from cache import CACHE_POLICIES, CachePolicy
+from family import Canvas, Family, Parts, answer_canvas
 
 NEG_INF = float("-inf")
 # The remasking rules each step rule implements (LLaDA.propose; dream_sample and Dream.propose, Dream's `alg`):
@@ -350,63 +351,7 @@ def parallel_rule(st):
                          Factor(st.factor) if st.factor is not None else None)
 
 
-# ---------------------------------------------------------------------------------------- a family's set-up
-class Canvas(NamedTuple):
-    """Where a call's rows sit (a family's `canvas`): the canvas it starts from and what the model call needs."""
-    x: torch.Tensor            # (B, L) the prompts and the masked answers
-    blocks: list               # [(s, e)] the blocks of the answers, left to right
-    prompt: torch.Tensor       # (B, 2) long: each row's prompt [begin, end) on the canvas
-    pos: torch.Tensor | None   # (B, L) RoPE positions, or None: 0 .. L-1 in every row
-    mask: torch.Tensor | None  # (B or 1, 1, L, L) bool attention mask, or None: every key
-    sees: Callable             # b -> where the keys a query of a span ending at b sees end: the canvas's end, or a
-                               #   block-causal model's grid block's (blockdiff.py), a canvas's (uniform.py)
-    ends: torch.Tensor         # (B,) where each row's answer ends on the canvas (a block-diffusion row's: its own)
-    fill: int                  # what an ended answer's masks become
-    output: Callable           # the canvas -> generate()'s ids
-    view: Callable             # the canvas -> on_step's: output's layout without its end cut (an edit may move the end)
-
-
-class Family(NamedTuple):
-    """A decoding family's part of a call's set-up (fastdllm.make_plan), all from the family's own file: LLADA here,
-    dream.DREAM, blockdiff.BLOCK (Fast-dLLM v2, SDAR, LLaDA2), guided.GUIDED (FlashDLM's guided diffusion)."""
-    defaults: Callable   # (cfg, st, given) -> {setting: value}: its own defaults, for the settings left None
-    check: Callable      # (cfg, st, given, longest, name) -> None: what it refuses beyond options.py's, in one line
-                         #   naming the setting (name(key): as the caller words it; longest: the longest prompt)
-    canvas: Callable     # (prompt, attention_mask, st, cfg, eos) -> Canvas
-    parts: Callable      # (model, st, given, generator, canvas, eos) -> Parts
-
-
-class Parts(NamedTuple):
-    """What the loop calls, from a family's settings (Family.parts)."""
-    step_rule: object
-    select: Callable
-    cache: object              # a cache.CachePolicy
-    stop: Callable
-    layers: Callable | None = None   # the model call, where the family's is its own (DiffusionGemma's); else the model's
-
-
-def same(x):
-    return x
-
-
-def answer_canvas(prompt, attention_mask, st, cfg, eos) -> Canvas:
-    """[prompt, MASK x gen_length], the answers after a common prompt width, in blocks of block_length. A left-padded
-    row's real tokens count from position 0 (pos) and its pads neither attend nor are attended to (mask), so each row
-    decodes as it would alone."""
-    (B, P), device = prompt.shape, prompt.device
-    x = F.pad(prompt, (0, st.gen_length), value=cfg.mask_id)
-    lengths = attention_mask.to(device).long().sum(-1) if attention_mask is not None else torch.full((B,), P,
-                                                                                                     device=device)
-    pos = mask = None
-    if attention_mask is not None and (attention_mask == 0).any():
-        m = F.pad(attention_mask.to(device).bool(), (0, st.gen_length), value=True)
-        pos, mask = (m.long().cumsum(-1) - 1).masked_fill(~m, 1), m[:, None, None, :] & m[:, None, :, None]
-    return Canvas(x=x, blocks=[(s, s + st.block_length) for s in range(P, x.shape[1], st.block_length)],
-                  prompt=torch.stack([P - lengths, torch.full_like(lengths, P)], -1), pos=pos, mask=mask,
-                  sees=lambda b: x.shape[1], ends=torch.full_like(lengths, x.shape[1]),
-                  fill=int(eos[0]) if len(eos) else cfg.mask_id, output=same, view=same)
-
-
+# ---------------------------------------------------------------------------------------- LLaDA's set-up
 def stop_rule(st, c: Canvas, eos, mask_id: int, run=None, kind=None):
     """A fork's stop= as given, or the end-of-text rule the settings ask for (stop_at_eos; run: a family's own),
     or none."""

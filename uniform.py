@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from cache import BlockWindow, CachePolicy
 from gemma import check_decode, check_text_only, positions
-from sampler import NEG_INF, Canvas, EntropyBound, Family, NoStop, Parts, Proposal, StepRule, entropy
+from family import Canvas, Family, Parts
+from sampler import NEG_INF, EntropyBound, NoStop, Proposal, StepRule, entropy
 
 OWN = ("entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold")   # its settings alone
 
