@@ -176,8 +176,9 @@ class DiffusionGemma(nn.Module):
 
     def embed_scale(self):
         """sqrt(hidden) rounded to the weights' dtype, as the official embedding casts it (53.0 in bf16 for 2816): a
-        0-dim tensor (a constant under torch.compile, a scalar for any device's tensors)."""
-        return torch.tensor(self.config.dim ** 0.5).to(self.embed.weight.dtype)
+        0-dim tensor on the weights' device, made by an op (a constant under torch.compile, one fill in a CUDA graph)."""
+        W = self.embed.weight
+        return torch.full((), self.config.dim ** 0.5, dtype=torch.float32, device=W.device).to(W.dtype)
 
     def encode(self, ids, cache, slots, valid, pos=None):
         """The causal encoder. ids (B, T): committed tokens at cache slots `slots` (T,); valid (B, S): the cache slots
@@ -205,6 +206,19 @@ class DiffusionGemma(nn.Module):
             signal = F.softmax(sc_logits.to(W.dtype), dim=-1, dtype=torch.float32).to(W.dtype) @ W * scale
             signal = signal if sc_rows is None else signal * sc_rows.to(signal.dtype)[:, None, None]
         return self.layers_forward(self.self_cond(emb, signal), cache, slots, valid, pos, encoder=False)
+
+    def hidden(self, ids, pos, kv, slots, mask, valid, positions, sc, sc_on):
+        """The loop's model call (fastdllm.Plan.layers; eager, replayed from CUDA graphs or compiled as
+        model.Transformer.hidden is, graphs.py), a function of tensors alone: the fed span (B, T) at cache slots
+        `slots` (T,) ends with the canvas, its last C = sc.shape[1] positions, and what comes before them is committed
+        and goes through the encoder first. pos and mask are the loop's and unread: valid and positions (B, S) say
+        each cache slot's (uniform.GemmaCall). sc (B, C, V): the last step's logits; sc_on (B,) bool: the rows that
+        read them (False at a canvas's first step: a zero signal), a flag, not None, so that every call of one width
+        runs the same ops. -> hidden states (B, T, dim)."""
+        T, C = ids.shape[1], sc.shape[1]
+        committed = self.encode(ids[:, :T - C], kv, slots[:T - C], valid, positions) if T > C else None
+        canvas = self.decoder(ids[:, T - C:], kv, slots[T - C:], valid, positions, sc, sc_on)
+        return canvas if committed is None else torch.cat([committed.to(canvas.dtype), canvas], 1)
 
     def logits(self, h, rows=None):
         """Hidden states (B, T, dim) -> float32 logits at rows `rows` (None: all), softcapped: cap * tanh(logits / cap)."""
