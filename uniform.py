@@ -173,15 +173,15 @@ def check_gemma(cfg, st, given: dict, longest: int, name=lambda key: key):
     if st.block_length != cfg.gemma.canvas:
         raise ValueError(f"{name('block_length')} {st.block_length} is not this checkpoint's canvas: config.json "
                          f"declares canvas_length {cfg.gemma.canvas}; pass that (or leave it unset)")
-    check_decode(st.steps, st.entropy_bound, st.t_min, st.t_max, st.stability_threshold, st.confidence_threshold)
+    check_decode(st.steps, st.entropy_bound, st.t_min, st.t_max, st.stability_threshold, st.confidence_threshold, name)
     defaults = type(st)()
     other = [k for k in ("threshold", "factor", "temperature", "remasking", "top_p", "top_k", "alg_temp", "sub_block",
                          "minimal_topk", "editing_threshold", "max_post_steps", "num_to_transfer", "eps")
              if given.get(k, getattr(defaults, k)) != getattr(defaults, k)]
     if other:
-        raise ValueError(f"{name(other[0])} does not apply to DiffusionGemma: it samples at the temperatures t_max "
-                         f"down to t_min and accepts by its entropy_bound (a rule of your own: select=); drop "
-                         f"{name(other[0])}")
+        raise ValueError(f"{name(other[0])} does not apply to DiffusionGemma: it samples at the temperatures "
+                         f"{name('t_max')} down to {name('t_min')} and accepts by its {name('entropy_bound')} (a rule "
+                         f"of your own: select=); drop {name(other[0])}")
     if st.cache == "free":
         raise ValueError(f"{name('cache')} 'free' does not apply to DiffusionGemma: its committed canvases are causal, "
                          f"so its prefix cache is exact; use 'prefix' (or 'dual', the same) or 'none'")

@@ -1,0 +1,167 @@
+"""DiffusionGemma everywhere the others are, on a tiny checkpoint in the release's exact format (tools/checkpoint.py
+--release google/diffusiongemma-26B-A4B-it; its canvas of 256, its generation_config.json's steps cut to 3 for the
+tests' time): the command line (its flags, its defaults, the stream, the trace, prompt files, --interactive, the
+refusals before the weights), the server (its request fields, /v1/denoise/info, the event stream, batches equal to
+each request alone), the harness, bench.py and int8."""
+import io
+import json
+import os
+import re
+
+import pytest
+import torch
+
+import cli
+import loading
+from chat import Chat
+from fastdllm import generate
+from model import load_model
+from terminal import render_trace, streamer
+from tools.checkpoint import make_release
+from tools.gemma_checkpoint import make_gemma_release
+
+QUESTIONS = ["w5 w6 w7", "w9 w10 w11 w12 w13 w14 w15 w16 w17", "w8", "w40 w41 w42 w43"]
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """(folder, model, chat) of the release's format at tiny size, max_denoising_steps 3."""
+    d = str(tmp_path_factory.mktemp("dg") / "ckpt")
+    make_gemma_release(d)
+    path = os.path.join(d, "generation_config.json")
+    with open(path) as f:
+        config = json.load(f)
+    with open(path, "w") as f:
+        json.dump(config | {"max_denoising_steps": STEPS}, f)
+    model = load_model(d, device="cpu", dtype=torch.float32)
+    return d, model, Chat(d, model.config)
+
+
+def prompt_ids(chat, q: str) -> list:
+    return chat.encode(chat.render([{"role": "user", "content": q}]))
+
+
+def alone(release, q: str, seed: int = 0, **kw):
+    """generate() on one question with the CLI's settings for DiffusionGemma (its canvas, its generation config, no
+    threshold, DualCache: its exact prefix cache) -> (answer ids, stats)."""
+    _, model, chat = release
+    ids = prompt_ids(chat, q)
+    out, stats = generate(model, torch.tensor([ids]), **dict(gen_length=256, cache="dual", eos_ids=sorted(
+        chat.stop_ids), generator=torch.Generator().manual_seed(seed)) | kw)
+    return out[0, len(ids):].tolist(), stats
+
+
+def test_the_plain_command_answers(release, capsys):
+    """`fastdllm.py --model <DiffusionGemma> --prompt ...` and nothing else: the CLI's defaults (DualCache, threshold
+    0.9, block 32) are the others'; DiffusionGemma's are its canvas, its generation_config.json (3 steps here) and no
+    threshold (it accepts by its entropy bound). The streamed answer is generate()'s with those, seed 0 (it failed:
+    the mask id check read id -1)."""
+    d, model, chat = release
+    assert cli.main(["--model", d, "--prompt", QUESTIONS[0]]) is None
+    *answer, cost = capsys.readouterr().out.rstrip("\n").split("\n")
+    ids, stats = alone(release, QUESTIONS[0])
+    assert "\n".join(answer) == chat.answer(ids) and cost.startswith(f"NFE {stats['nfe']} |") and stats["nfe"] == STEPS
+
+
+def test_the_stream_prints_committed_canvases_only(release, capsys):
+    """terminal.streamer on DiffusionGemma: a canvas's text once the canvas has ended (stats["final"]), never the
+    argmax of one still denoising (it changes every step): every text printed so far is a prefix of the answer, and
+    nothing is printed in the middle of a canvas."""
+    _, model, chat = release
+    ids = prompt_ids(chat, QUESTIONS[1])
+    printer, shown = streamer(chat, len(ids), model.config.mask_id), []
+
+    def on_step(x, st):
+        printer(x, st)
+        shown.append(capsys.readouterr().out)
+    out, stats = generate(model, torch.tensor([ids]), gen_length=512, on_step=on_step, stop_at_eos=False,
+                          stability_threshold=None, confidence_threshold=None)
+    text = chat.answer(out[0, len(ids):].tolist())
+    assert stats["nfe"] == 2 * STEPS and "".join(shown) == text and text
+    assert all(text.startswith("".join(shown[:k])) for k in range(len(shown)))
+    assert all(not piece for k, piece in enumerate(shown) if k % STEPS != STEPS - 1)
+
+
+def test_trace_shows_each_steps_argmax_canvas(release, capsys):
+    """--trace: a line per step, each the step's argmax canvas (on_step's view: what generate() shows), its changes
+    since the step before in brackets."""
+    d, model, chat = release
+    assert cli.main(["--model", d, "--prompt", QUESTIONS[2], "--trace"]) is None
+    lines = capsys.readouterr().out.splitlines()
+    ids, views = prompt_ids(chat, QUESTIONS[2]), []
+    alone(release, QUESTIONS[2], on_step=lambda x, st: views.append(x[0, len(ids):].tolist()))
+    assert lines[:STEPS] == render_trace(views, chat.tok, model.config.mask_id, chat.stop_ids)
+    assert len(views) == STEPS and lines[STEPS + 1].startswith(f"NFE {STEPS} |")
+
+
+def test_a_prompt_file_batch_answers_each_prompt_as_alone(release, tmp_path, capsys):
+    """--prompt-file: prompts of different lengths in one batch, each row drawing from a generator of its own (the
+    per-row list; one generator would draw the batch's noise in one stream): each answer line is `--prompt`'s."""
+    d = release[0]
+    (tmp_path / "q.txt").write_text("\n".join(QUESTIONS) + "\n")
+    assert cli.main(["--model", d, "--prompt-file", str(tmp_path / "q.txt"), "--batch-size", "4"]) is None
+    batch = capsys.readouterr().out.rstrip("\n").split("\n")
+    solo = []
+    for q in QUESTIONS:
+        assert cli.main(["--model", d, "--prompt", q, "--no-stream"]) is None
+        solo.append(capsys.readouterr().out.rstrip("\n").rpartition("\n")[0])
+    assert batch[:-1] == solo and len(set(solo)) == len(solo)
+
+
+def test_interactive_answers_each_turn(release, monkeypatch, capsys):
+    """--interactive: each turn answered in the chat format, the conversation so far rendered again (Gemma's turns)."""
+    d, _, chat = release
+    seen = []
+    real = cli.generate
+    monkeypatch.setattr(cli, "generate", lambda model, ids, **kw: seen.append(ids[0].tolist()) or real(model, ids, **kw))
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{QUESTIONS[0]}\n{QUESTIONS[2]}\nexit\n"))
+    assert cli.main(["--model", d, "--interactive"]) is None
+    out = capsys.readouterr().out
+    assert out.count("assistant>") == 2 and out.count("NFE 3 |") == 2
+    first = chat.answer(alone(release, QUESTIONS[0])[0])
+    assert seen == [prompt_ids(chat, QUESTIONS[0]), chat.encode(chat.render([
+        {"role": "user", "content": QUESTIONS[0]}, {"role": "assistant", "content": first},
+        {"role": "user", "content": QUESTIONS[2]}]))]
+
+
+REFUSED = {   # argv: the one line, said from config.json before the weights
+    "threshold": (["--threshold", "0.9"], r"^--threshold does not apply to DiffusionGemma: it samples at the "
+                  r"temperatures --t-max down to --t-min and accepts by its --entropy-bound"),
+    "factor": (["--factor", "1"], r"^--factor does not apply to DiffusionGemma"),
+    "bound": (["--entropy-bound", "0"], r"^--entropy-bound must be a number > 0 \(got 0\.0\)"),
+    "schedule": (["--t-min", "0.9"], r"need 0 <= --t-min < --t-max \(got --t-min 0\.9, --t-max 0\.8"),
+    "half off": (["--stability-threshold", "none"], r"^set both --stability-threshold and --confidence-threshold"),
+    "canvas": (["--block-length", "8"], r"^--block-length 8 is not this checkpoint's canvas: config\.json declares "
+               r"canvas_length 256"),
+    "free": (["--cache", "free"], r"^--cache 'free' does not apply to DiffusionGemma"),
+    "flag type": (["--stability-threshold", "x"], r"--stability-threshold: expected an integer or none, got 'x'"),
+    "llada": (["--entropy-bound", "0.2"], r"^--entropy-bound is DiffusionGemma's: a llada model does not read it; "
+              r"drop --entropy-bound$"),
+    "llada off": (["--t-min", "none", "--t-max", "none"], r"^--t-min is DiffusionGemma's: a llada model"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_its_flags_and_the_others_are_refused_before_the_weights(release, tmp_path, monkeypatch, case):
+    argv, pattern = REFUSED[case]
+    d = release[0]
+    if case.startswith("llada"):
+        d = str(tmp_path / "llada")
+        make_release(d, "GSAI-ML/LLaDA-8B-Instruct")
+    monkeypatch.setattr(loading, "load_model", lambda *a, **kw: pytest.fail("loaded the weights first"))
+    with pytest.raises(ValueError) as e:
+        cli.main(["--model", d, "--prompt", "w5", *argv])
+    assert re.search(pattern, str(e.value)) and "\n" not in str(e.value), str(e.value)
+
+
+def test_its_flags_reach_generate(release, capsys):
+    """Each DiffusionGemma flag is the setting of the same name: the answer is generate()'s with them (none: off)."""
+    d, _, chat = release
+    flags = ["--entropy-bound", "1e6", "--t-min", "none", "--t-max", "none", "--stability-threshold", "0",
+             "--confidence-threshold", "100", "--steps", "5", "--no-stream", "--seed", "4"]
+    assert cli.main(["--model", d, "--prompt", QUESTIONS[3], *flags]) is None
+    answer, cost = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
+    ids, stats = alone(release, QUESTIONS[3], seed=4, entropy_bound=1e6, t_min=None, t_max=None, stability_threshold=0,
+                       confidence_threshold=100.0, steps=5)
+    assert answer == chat.answer(ids) and cost.startswith(f"NFE {stats['nfe']} |") and stats["nfe"] == 1
