@@ -165,3 +165,134 @@ def test_its_flags_reach_generate(release, capsys):
     ids, stats = alone(release, QUESTIONS[3], seed=4, entropy_bound=1e6, t_min=None, t_max=None, stability_threshold=0,
                        confidence_threshold=100.0, steps=5)
     assert answer == chat.answer(ids) and cost.startswith(f"NFE {stats['nfe']} |") and stats["nfe"] == 1
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The server
+
+@pytest.fixture(scope="module")
+def served(release):
+    import threading
+    import serve
+    app = serve.build(serve.parse_args(["--model", release[0], "--port", "0", "--quiet"]))
+    httpd = serve.make_server(app, "127.0.0.1", 0)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield app, httpd.server_address[1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        app.engine.stop()
+
+
+def chat_body(q: str, **kw) -> dict:
+    return {"messages": [{"role": "user", "content": q}], **kw}
+
+
+GEMMA = {"entropy_bound": 1e6, "t_min": None, "t_max": None, "stability_threshold": None, "confidence_threshold": None}
+
+
+def test_the_server_lists_and_takes_what_diffusiongemma_reads(release, served):
+    """GET /v1/denoise/info lists what generate()'s checks let a request set on DiffusionGemma (its five settings,
+    steps and block_length; not threshold, factor, temperature, remasking, top_k nor the cache "free") and its
+    defaults as its checkpoint decides them; a request sets them (null: off) and its answer reports them and is the
+    CLI's decode with them; a value the model refuses is a 400 naming its field."""
+    from test_serve import request
+    app, port = served
+    status, info = request(port, "GET", "/v1/denoise/info")
+    assert status == 200 and info["family"] == "diffusion_gemma" and info["mask"] is None
+    assert info["cache_modes"] == ["none", "prefix", "dual"] and info["remasking_modes"] == []
+    assert info["settings"] == ["cache", "block_length", "steps", *GEMMA]
+    want = {"entropy_bound": 0.1, "t_min": 0.4, "t_max": 0.8, "stability_threshold": 1, "confidence_threshold": 0.005,
+            "threshold": None, "block_length": 256}
+    assert {k: info["defaults"][k] for k in want} == want
+    status, got = request(port, "POST", "/v1/chat/completions", chat_body(QUESTIONS[3], seed=4, **GEMMA))
+    choice = got["choices"][0]
+    assert status == 200 and {k: choice["fastdllm"]["settings"][k] for k in GEMMA} == GEMMA
+    ids, stats = alone(release, QUESTIONS[3], seed=4, **GEMMA)
+    assert choice["message"]["content"] == release[2].answer(ids[:256]) and choice["fastdllm"]["nfe"] == stats["nfe"]
+    for fields, param in [({"threshold": 0.9}, "threshold"), ({"temperature": 0.5}, "temperature"),
+                          ({"entropy_bound": 0}, "entropy_bound"), ({"t_min": 0.9}, "t_min"),
+                          ({"stability_threshold": None}, "stability_threshold"), ({"cache": "free"}, "cache"),
+                          ({"block_length": 16}, "block_length"), ({"top_k": 3}, "top_k")]:
+        status, r = request(port, "POST", "/v1/chat/completions", chat_body(QUESTIONS[0], **fields))
+        assert (status, r.get("error", {}).get("param")) == (400, param), (fields, r)
+
+
+def test_batched_requests_each_answer_as_alone(release, served):
+    """Requests of different lengths at once, each with its own seed, are one batch whose rows draw each from a
+    generator of their own: each answer, finish_reason and nfe (the calls that served it) are the request's alone,
+    the CLI's path with its seed."""
+    from test_serve import at_once
+    app, port = served
+    bodies = [chat_body(q, seed=10 + i, max_tokens=40) for i, q in enumerate(QUESTIONS)]
+    results = at_once(app, port, bodies)
+    assert max(out["choices"][0]["fastdllm"]["batch_size"] for _, out in results) > 1      # a batch was decoded
+    for i, (q, (status, out)) in enumerate(zip(QUESTIONS, results)):
+        assert status == 200, out
+        ids, stats = alone(release, q, seed=10 + i)
+        got, end = out["choices"][0], next((k for k, t in enumerate(ids[:40]) if t in app.chat.stop_ids), None)
+        assert (got["message"]["content"], got["finish_reason"], got["fastdllm"]["nfe"]) == (
+            app.chat.answer(ids[:40]), "length" if end is None else "stop", stats["nfe"])
+        tokens = next((k for k, t in enumerate(ids) if t in app.chat.stop_ids), len(ids))   # to its end, as official
+        assert got["fastdllm"]["tokens_per_call"] == round(tokens / stats["nfe"], 3)
+
+
+def test_a_request_without_a_seed_gets_one_that_repeats_it(served):
+    """DiffusionGemma always samples: a request without a seed draws a fresh one (the server has no --seed) and
+    reports it; sent back, it repeats the answer; the OpenAI stream's pieces, the committed canvases, join to it."""
+    from test_serve import events, post
+    app, port = served
+    first = post(port, "/v1/chat/completions", chat_body(QUESTIONS[1], max_tokens=300))["choices"][0]
+    seed = first["fastdllm"]["seed"]
+    again = post(port, "/v1/chat/completions", chat_body(QUESTIONS[1], max_tokens=300, seed=seed))["choices"][0]
+    assert again["message"] == first["message"] and "seed" not in again["fastdllm"]
+    chunks = events(port, "/v1/chat/completions", chat_body(QUESTIONS[1], max_tokens=300, seed=seed, stream=True))
+    pieces = [c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]]
+    assert "".join(pieces) == first["message"]["content"] and sum(map(bool, pieces)) <= 2 + 1
+
+
+def replay(events: list) -> tuple:
+    """The answer the event stream builds, each event checked against DiffusionGemma's contract (docs/serve.md):
+    `committed` decides a position once, in canvas order; `drafted` only on the canvas after the committed ones;
+    masks_left counts the positions not committed. -> (the final ids, each step's drafted canvas)."""
+    start, steps, done = events[0], events[1:-1], events[-1]
+    G, n = start["block_length"], start["positions"]
+    canvas, final, drafts = [None] * n, 0, []
+    for e in steps:
+        assert [c["pos"] for c in e["committed"]] == list(range(final, final + len(e["committed"])))
+        for c in e["committed"]:
+            canvas[c["pos"]] = c["id"]
+        final += len(e["committed"])
+        assert all(final <= c["pos"] < final + G for c in e["drafted"]) and not e["edited"] + e["filled"]
+        for c in e["drafted"]:
+            canvas[c["pos"]] = c["id"]
+        assert e["masks_left"] == n - final and e["final"] == final
+        drafts.append(canvas[final:final + G])
+    for c in done["cut"]:
+        canvas[c["pos"]] = c["id"]
+    return canvas, drafts
+
+
+def test_the_event_stream_shows_each_steps_argmax_canvas(release, served):
+    """POST /v1/denoise/stream on DiffusionGemma: a step event per decoder call of the answer; each step's drafted
+    cells make the canvas being denoised that step's argmax (generate()'s on_step view alone, with the request's
+    seed), a canvas is committed once it has ended, and the replay, then done's cut, is the answer's ids."""
+    from test_serve import events
+    app, port = served
+    ev = events(port, "/v1/denoise/stream", chat_body(QUESTIONS[0], max_tokens=300, seed=3))
+    start, steps, done = ev[0], ev[1:-1], ev[-1]
+    assert start["block_length"] == 256 and start["positions"] == 512 and start["mask"] is None   # 300 in canvases
+    views = []
+    ids, stats = alone(release, QUESTIONS[0], seed=3, gen_length=512,
+                       on_step=lambda x, st: views.append(x[0, -512:].tolist()))
+    canvas, drafts = replay(ev)
+    assert [e["step"] for e in steps] == list(range(1, stats["nfe"] + 1)) and done["fastdllm"]["nfe"] == stats["nfe"]
+    for k, (draft, view) in enumerate(zip(drafts, views)):
+        if k % STEPS < STEPS - 1:               # its canvas still denoising (adaptive stopping never fires here)
+            s = 256 * (k // STEPS)
+            assert draft == view[s:s + 256], k
+        else:                                   # it ended: committed, the next one not started
+            assert not steps[k]["drafted"] and len(steps[k]["committed"]) == 256 and draft == [None] * len(draft)
+    assert canvas == ids and done["text"] == app.chat.answer(ids[:300])
+    assert any(e["committed"] for e in steps)
