@@ -15,7 +15,6 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable, NamedTuple
 
 import torch

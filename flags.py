@@ -211,13 +211,6 @@ def optional_int(text: str):
         raise argparse.ArgumentTypeError(f"expected an integer or none, got {text!r}") from None
 
 
-def optional_int(text: str):
-    try:
-        return None if text.lower() in ("none", "off") else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or none, got {text!r}") from None
-
-
 def checked(kind, ok, what: str):
     """An argparse type: kind(text), refused unless ok(value) (NaN fails every comparison), e.g.
     "argument --accept-k: expected an integer >= 1, got '0'"."""

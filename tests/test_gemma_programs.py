@@ -296,3 +296,100 @@ def test_the_event_stream_shows_each_steps_argmax_canvas(release, served):
             assert not steps[k]["drafted"] and len(steps[k]["committed"]) == 256 and draft == [None] * len(draft)
     assert canvas == ids and done["text"] == app.chat.answer(ids[:300])
     assert any(e["committed"] for e in steps)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The harness, bench.py, int8
+
+def test_harness_answers_equal_generate_alone(release):
+    """apps/harness.py's generate_until on DiffusionGemma with its defaults (the CLI's, then its own: its canvas, no
+    threshold, its checkpoint's settings): a batch of prompts of different lengths, each answer the one generate()
+    gives it alone (each row draws from a generator of its own), cut at the end token and the request's stop string."""
+    pytest.importorskip("lm_eval", reason="lm-eval is not installed: pip install -r requirements-eval.txt")
+    import harness
+    from lm_eval.api.instance import Instance
+    d, model, chat = release
+    lm = harness.FastDLLM(model=d, device="cpu", batch_size=4, seed=2)
+    got = lm.generate_until([Instance("generate_until", {}, (q, {"max_gen_toks": 64, "until": ["w968"]}), 0,
+                                      ("t", 0, 1)) for q in QUESTIONS])
+    assert lm.settings["threshold"] is None and lm.settings["block_length"] == 256
+    for q, text in zip(QUESTIONS, got):
+        ids = chat.tok.encode(q).ids                 # lm-eval's request text is the prompt (no template asked)
+        (out,), _ = generate(model, torch.tensor([ids]), gen_length=256, cache="dual", eos_ids=sorted(chat.stop_ids),
+                             generator=torch.Generator().manual_seed(2))
+        assert text == harness.cut(chat.answer(out[len(ids):].tolist()), ["w968"])
+    assert len(set(got)) == len(got)
+    t = lm.throughput["t"]
+    assert t["batched_calls"] == STEPS and t["row_calls"] == 4 * STEPS
+
+
+def test_active_weight_bytes_are_the_release_arithmetic(release):
+    """quant.active_bytes (what one token reads: every weight but the experts it does not choose) on the tiny
+    release in bf16 is tools/gemma_checkpoint.py's count from the config alone, x 2 bytes; weight_bytes is its total;
+    int8 weights hold fewer of both."""
+    from quant import active_bytes, weight_bytes
+    from tools.gemma_checkpoint import TEXT_TINY, sizes
+    total, active = sizes(TEXT_TINY)
+    model = load_model(release[0], device="cpu", dtype=torch.bfloat16)
+    assert (weight_bytes(model), active_bytes(model)) == (2 * total, 2 * active) and active < total
+    int8 = load_model(release[0], device="cpu", dtype=torch.bfloat16, quantize="int8")
+    assert active_bytes(int8) < active_bytes(model) and weight_bytes(int8) < weight_bytes(model)
+
+
+def test_bench_rows_count_its_answer_tokens_per_call(release, tmp_path, capsys):
+    """bench.py run on DiffusionGemma: its rows are its caches with its entropy bound (no threshold or factor rows,
+    said), tokens per call its answer's tokens per decoder call (its accepted samples are renoised), each row's ids
+    generate()'s, and the header says what a call reads: the weights at most, a token its active ones."""
+    import bench
+    from quant import active_bytes, weight_bytes
+    d, model, chat = release
+    out = tmp_path / "dg.json"
+    bench.main(["run", "--model", d, "--prompt", QUESTIONS[1], "--gen-length", "300", "--caches", "none,prefix",
+                "--stops", "off,on", "--json", str(out)])
+    printed, rows = capsys.readouterr(), json.loads(out.read_text())["rows"]
+    assert "no threshold or factor rows" in printed.err and [(r["cache"], r["rule"], r["stop"]) for r in rows] == [
+        ("none", "entropy bound 0.1", "-"), ("prefix", "entropy bound 0.1", "-"),
+        ("none", "entropy bound 0.1", "block"), ("prefix", "entropy bound 0.1", "block")]
+    assert (f"{weight_bytes(model) / 2**20:.1f} MiB of weights once at most (one token reads its active "
+            f"{active_bytes(model) / 2**20:.1f} MiB)") in printed.out
+    for r in rows:
+        ids, stats = alone(release, QUESTIONS[1], gen_length=300, cache=r["cache"], stop_at_eos=r["stop"] == "block")
+        tokens = next((k for k, t in enumerate(ids) if t in chat.stop_ids), len(ids))
+        assert (r["nfe"], r["answer_tokens"]) == (stats["nfe"], tokens) and r["tokens_per_call"] == tokens / stats["nfe"]
+
+
+def decoder_logits(model, prompt, canvas):
+    """The decoder's logits on `canvas` after the encoder has read `prompt`: a canvas's first step, then the next
+    step self-conditioned on them."""
+    from cache import KVCache
+    P, L = prompt.shape[1], prompt.shape[1] + canvas.shape[1]
+    kv, valid = KVCache.for_model(model, 1, L), torch.ones(1, L, dtype=torch.bool)
+    with torch.inference_mode():
+        model.encode(prompt, kv, torch.arange(P), valid)
+        first = model.decode(canvas, kv, torch.arange(P, L), valid)
+        return first.float(), model.decode(canvas, kv, torch.arange(P, L), valid, sc_logits=first).float()
+
+
+def test_int8_weights_stay_within_four_times_bf16s_error_and_decode(release, capsys):
+    """--quantize int8 on DiffusionGemma (its linear layers and expert stacks; the tied embedding, which is its head,
+    and the routers stay as they are): the decoder's logits, a canvas's first step and the self-conditioned next one,
+    move from float32's by at most 4x what bf16 weights move them, as the other families' bound (measured 0.98x and
+    0.91x); and the command line loads it and decodes, in float32 and bf16, generate()'s answer on the int8 model."""
+    pytest.importorskip("torchao", reason="torchao is not installed: pip install -r requirements-extras.txt")
+    d, _, chat = release
+    f32, int8, bf16 = (load_model(d, device="cpu", dtype=dt, **kw) for dt, kw in (
+        (torch.float32, {}), (torch.float32, dict(quantize="int8")), (torch.bfloat16, {})))
+    prompt = torch.tensor([prompt_ids(chat, QUESTIONS[1])])
+    canvas = torch.randint(0, 1024, (1, 256), generator=torch.Generator().manual_seed(0))
+    ref, q, b = (decoder_logits(m, prompt, canvas) for m in (f32, int8, bf16))
+    for step in range(2):
+        e_int8, e_bf16 = ((x[step] - ref[step]).abs().max().item() for x in (q, b))
+        assert 0 < e_int8 <= 4 * e_bf16, (step, e_int8, e_bf16)
+    for dtype in ("float32", "bfloat16"):
+        assert cli.main(["--model", d, "--prompt", QUESTIONS[1], "--quantize", "int8", "--dtype", dtype,
+                         "--no-stream"]) is None
+        answer, cost = capsys.readouterr().out.rstrip("\n").rsplit("\n", 1)
+        model = int8 if dtype == "float32" else load_model(d, device="cpu", dtype=torch.bfloat16, quantize="int8")
+        (out,), stats = generate(model, prompt, gen_length=256, cache="dual", eos_ids=sorted(chat.stop_ids),
+                                 generator=torch.Generator().manual_seed(0))
+        assert answer == chat.answer(out[prompt.shape[1]:].tolist()) and cost.startswith(f"NFE {STEPS} |")
