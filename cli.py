@@ -46,8 +46,8 @@ DEFAULT_MODEL = "GSAI-ML/LLaDA-8B-Instruct"
 NEEDS = {**{k: ("guide", getattr(Settings, k)) for k in GUIDED_OWN if k != "verify_chunk"},
          "batch_size": ("prompt_file", 8)}
 DESCRIPTION = ("Fast-dLLM inference for diffusion LLMs: LLaDA, LLaDA-MoE, Dream, the block-diffusion Fast-dLLM v2, "
-               "SDAR, LLaDA2.0/2.1 and the uniform-state DiffusionGemma. The defaults are the method's headline setting; "
-               "the plain baseline is --cache none --threshold none.")
+               "SDAR, LLaDA2.0/2.1 and the uniform-state DiffusionGemma. The defaults are the method's headline "
+               "setting; the plain baseline is --cache none --threshold none.")
 # DiffusionGemma's own flags (uniform.OWN): absent unless given (its defaults are the checkpoint's
 # generation_config.json); none turns its temperature schedule or adaptive stopping off.
 GEMMA_FLAGS = {"entropy_bound": (float, "a step accepts its lowest-entropy samples while their entropies, summed less "

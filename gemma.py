@@ -176,9 +176,9 @@ class DiffusionGemma(nn.Module):
 
     def embed_scale(self):
         """sqrt(hidden) rounded to the weights' dtype, as the official embedding casts it (53.0 in bf16 for 2816): a
-        0-dim tensor on the weights' device, made by an op (a constant under torch.compile, one fill in a CUDA graph)."""
-        W = self.embed.weight
-        return torch.full((), self.config.dim ** 0.5, dtype=torch.float32, device=W.device).to(W.dtype)
+        0-dim tensor made by an op, not from a Python value (a constant under torch.compile, a scalar for any device's
+        tensors, nothing a CUDA graph reads from outside it)."""
+        return torch.full((), self.config.dim ** 0.5, dtype=torch.float32).to(self.embed.weight.dtype)
 
     def encode(self, ids, cache, slots, valid, pos=None):
         """The causal encoder. ids (B, T): committed tokens at cache slots `slots` (T,); valid (B, S): the cache slots

@@ -370,8 +370,7 @@ class Family(NamedTuple):
     """A decoding family's part of a call's set-up (fastdllm.make_plan), all from the family's own file: LLADA here,
     dream.DREAM, blockdiff.BLOCK (Fast-dLLM v2, SDAR, LLaDA2), guided.GUIDED (FlashDLM's guided diffusion)."""
     defaults: Callable   # (cfg, st, given) -> {setting: value}: its own defaults, for the settings left None
-    check: Callable      # (cfg, st, given, longest, name) -> None: what it refuses beyond options.py's, in one line
-                         #   naming the setting (name(key): as the caller words it; longest: the longest prompt)
+    check: Callable      # (cfg, st, given, longest, name) -> None: its refusals beyond options.py's, one line each
     canvas: Callable     # (prompt, attention_mask, st, cfg, eos) -> Canvas
     parts: Callable      # (model, st, given, generator, canvas, eos) -> Parts
 

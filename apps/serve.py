@@ -364,7 +364,8 @@ class App:
             max_tokens, gen = self.gen_length(len(ids), body, kw, guided, param)
             k = kw | {"gen_length": gen}
             try:   # the model-free checks of generate(), here so that a bad setting is a 400 before any batch
-                cli.check_early(k | ({"guide": True} if guided else {}), grid=self.cfg.family in cli.GRID and not guided)
+                grid = self.cfg.family in cli.GRID and not guided        # steps and blocks per block, or canvas
+                cli.check_early(k | ({"guide": True} if guided else {}), grid=grid)
                 if (k["steps"] or 0) > self.cfg.max_seq_len:     # (a tensor of that many steps is allocated)
                     raise ValueError(f"steps must be at most the model's {self.cfg.max_seq_len} positions (got "
                                      f"{k['steps']}); every step commits at least one token")

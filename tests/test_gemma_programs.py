@@ -114,7 +114,8 @@ def test_interactive_answers_each_turn(release, monkeypatch, capsys):
     d, _, chat = release
     seen = []
     real = cli.generate
-    monkeypatch.setattr(cli, "generate", lambda model, ids, **kw: seen.append(ids[0].tolist()) or real(model, ids, **kw))
+    monkeypatch.setattr(cli, "generate", lambda model, ids, **kw: seen.append(ids[0].tolist()) or real(model, ids,
+                                                                                                         **kw))
     monkeypatch.setattr("sys.stdin", io.StringIO(f"{QUESTIONS[0]}\n{QUESTIONS[2]}\nexit\n"))
     assert cli.main(["--model", d, "--interactive"]) is None
     out = capsys.readouterr().out
@@ -355,7 +356,7 @@ def test_bench_rows_count_its_answer_tokens_per_call(release, tmp_path, capsys):
     for r in rows:
         ids, stats = alone(release, QUESTIONS[1], gen_length=300, cache=r["cache"], stop_at_eos=r["stop"] == "block")
         tokens = next((k for k, t in enumerate(ids) if t in chat.stop_ids), len(ids))
-        assert (r["nfe"], r["answer_tokens"]) == (stats["nfe"], tokens) and r["tokens_per_call"] == tokens / stats["nfe"]
+        assert (r["nfe"], r["answer_tokens"], r["tokens_per_call"]) == (stats["nfe"], tokens, tokens / stats["nfe"])
 
 
 def decoder_logits(model, prompt, canvas):
