@@ -5,7 +5,6 @@ keywords, batches of prompts, interactive turns and prompt files, and loading (t
 then the guide and the model, with progress on stderr). The method itself is in fastdllm.py.
 """
 import argparse
-import inspect
 import math
 import os
 import sys
@@ -15,12 +14,13 @@ from types import SimpleNamespace
 import torch
 
 import options
-from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, SDAR_REMASKING, check_block
+from blockdiff import FAMILIES as BLOCK_FAMILIES, SDAR_BLOCK, SDAR_REMASKING
 from cache import CACHE_POLICIES
 from chat import Chat, load_tokenizer
-from flags import checked, optional_float
+from flags import checked, new_parser, optional_float, optional_int
 from fastdllm import generate, pad_prompts
-from options import Settings, settings as settled
+from forks import add_own, flag_name, fork_parts, own_flags, refuse_replaced  # noqa: F401  (cli.own_flags: compare.py)
+from options import Settings, family_of, settings as settled
 from graphs import Compiled, CudaGraphs
 from guided import ACCEPT_RULES, OWN as GUIDED_OWN, check_accept, check_guided_settings
 from loading import load, load_guide, pick_device_dtype
@@ -28,11 +28,15 @@ from model import check_readable, read_config, resolve_model_dir
 from quant import QUANTIZE, int8_quantizer
 from sampler import DREAM_REMASKING, LLADA_REMASKING
 from terminal import check_text, read_prompts, read_turns, render_trace, streamer
+from uniform import OWN as GEMMA_OWN
 
 
 # The command line's defaults where they differ from generate()'s: the methods' headline setting (Fast-dLLM's
-# DualCache with threshold 0.9) and early stop at the end of text. serve.py and harness.py read them too.
+# DualCache with threshold 0.9) and early stop at the end of text. serve.py and harness.py read them too. A
+# block-diffusion model's block and DiffusionGemma's canvas are the checkpoint's; DiffusionGemma accepts by its entropy
+# bound, so no threshold (and its prefix cache is exact: "dual" is "prefix"). load_all decides them (GRID).
 CLI_DEFAULTS = dict(gen_length=256, cache="dual", threshold=0.9, stop_at_eos=True)
+GRID = (*BLOCK_FAMILIES, "diffusion_gemma")      # gen_length need not fill whole blocks; their own block or canvas
 DEFAULT_MODEL = "GSAI-ML/LLaDA-8B-Instruct"
 
 
@@ -42,19 +46,20 @@ DEFAULT_MODEL = "GSAI-ML/LLaDA-8B-Instruct"
 # has no flag) need --guide, their defaults generate()'s own.
 NEEDS = {**{k: ("guide", getattr(Settings, k)) for k in GUIDED_OWN if k != "verify_chunk"},
          "batch_size": ("prompt_file", 8)}
-# The flags a fork's part replaces (examples/): given beside it, refused in the CLI's words, never ignored.
-REPLACED = {"cache": (("cache",), "cache policy decides what each call feeds"),
-            "select": (("threshold", "factor"), "selection rule decides how many tokens a step commits"),
-            "propose": (("steps", "remasking", "temperature", "top_p", "top_k", "alg_temp"), "step rule makes the "
-                        "proposals (and draws its own noise)"),
-            "stop": (("no_early_stop",), "stop rule decides when an answer has ended")}
-DESCRIPTION = ("Fast-dLLM inference for diffusion LLMs: LLaDA, LLaDA-MoE, Dream and the block-diffusion Fast-dLLM v2, "
-               "SDAR, LLaDA2.0/2.1. The defaults are the method's headline setting; the plain baseline is --cache none "
-               "--threshold none.")
-
-
-def flag_name(key: str) -> str:
-    return "--" + key.replace("_", "-")
+DESCRIPTION = ("Fast-dLLM inference for diffusion LLMs: LLaDA, LLaDA-MoE, Dream, the block-diffusion Fast-dLLM v2, "
+               "SDAR, LLaDA2.0/2.1 and the uniform-state DiffusionGemma. The defaults are the method's headline "
+               "setting; the plain baseline is --cache none --threshold none.")
+# DiffusionGemma's own flags (uniform.OWN): absent unless given (its defaults are the checkpoint's
+# generation_config.json); none turns its temperature schedule or adaptive stopping off.
+GEMMA_FLAGS = {"entropy_bound": (float, "a step accepts its lowest-entropy samples while their entropies, summed less "
+                                 "the largest, stay <= this (the release's: 0.1)"),
+               "t_min": (optional_float, "each canvas samples at temperatures from --t-max down to this; none (with "
+                         "--t-max none): no schedule (the release's: 0.4)"),
+               "t_max": (optional_float, "see --t-min (the release's: 0.8)"),
+               "stability_threshold": (optional_int, "a canvas ends once its argmax has not changed for this many "
+                                       "steps and its mean entropy is below --confidence-threshold; none (with "
+                                       "--confidence-threshold none): off (the release's: 1)"),
+               "confidence_threshold": (optional_float, "see --stability-threshold (the release's: 0.005)")}
 
 
 def settings(args, **override):
@@ -66,7 +71,8 @@ def settings(args, **override):
               remasking=args.remasking, top_p=args.top_p, top_k=args.top_k, alg_temp=args.alg_temp,
               compile=getattr(args, "compiled", None) or args.compile,
               cuda_graphs=False if getattr(args, "no_cuda_graphs", False) else getattr(args, "graphs", None),
-              **{k: getattr(args, k, None) for k in ("editing_threshold", "max_post_steps", "num_to_transfer")})
+              **{k: getattr(args, k, None) for k in ("editing_threshold", "max_post_steps", "num_to_transfer")},
+              **{k: getattr(args, k) for k in GEMMA_OWN if hasattr(args, k)})     # DiffusionGemma's, if given
     if args.guide:
         kw.update(accept=args.accept, accept_k=args.accept_k, accept_ratio=args.accept_ratio,
                   accept_threshold=args.accept_threshold, speculative=args.speculative)
@@ -92,17 +98,20 @@ def check_config(args, cfg, chat):
     downloaded): the family's options (named as flags), the end ids, and every prompt the command line holds
     (--prompt, --prompt-file's lines): ids outside the vocabulary, the mask token, the prompt + the answer beyond
     the model's positions. generate() makes them all again."""
-    kw = settings(args)
-    check_early(kw | {"guide": args.guide}, flag_name, cfg.family in BLOCK_FAMILIES and not args.guide)   # its block
+    kw, grid = settings(args), cfg.family in GRID and not args.guide
+    check_early(kw | {"guide": args.guide}, flag_name, grid)
     options.check_family(cfg, kw["remasking"], kw["top_p"], kw["top_k"], kw["alg_temp"], name=flag_name)
-    options.check_readers(cfg, {k: v for k, v in kw.items() if v is not None}, Settings(), flag_name)
+    off = {k: "none" for k in GEMMA_OWN if getattr(args, k, 0) is None}        # --t-min none: given, on any model
+    options.check_readers(cfg, {k: v for k, v in kw.items() if v is not None} | off, Settings(), flag_name)
     options.check_stop(cfg, not args.no_early_stop, args.stop_ids)
     texts = enumerate(args.prompts, 1) if args.prompt_file else [(0, args.prompt)] if args.prompt else []
     rows = {line: chat.encode(chat.render([{"role": "user", "content": q}])) for line, q in texts if q}
     gen_length = fit_gen_length(args, max(map(len, rows.values()), default=0), cfg.max_seq_len, note=False)
-    if cfg.family in BLOCK_FAMILIES and not args.guide:
-        given = {k: v for k, v in kw.items() if v is not None and (k != "block_length" or args.block_given)}
-        check_block(cfg, settled(cfg, given), given, max(map(len, rows.values()), default=1), flag_name)
+    if grid:       # the family's own refusals (blockdiff.check_block, uniform.check_gemma), in the flags' words
+        given = {k: v for k, v in kw.items() if (v is not None or k in GEMMA_OWN) and (k != "block_length" or
+                                                                                         args.block_given)}
+        st = settled(cfg, given)
+        family_of(cfg, st).check(cfg, st, given, max(map(len, rows.values()), default=1), flag_name)
     for line, row in rows.items():     # a batch is as long as its longest prompt, whose own check covers it
         try:
             options.check_prompt(cfg, torch.tensor([row]), gen_length, None, kw["top_p"], kw["top_k"], kw["alg_temp"])
@@ -124,8 +133,10 @@ def load_all(args):
     if cfg.causal:
         raise ValueError(f"--model {args.model} is a causal LM (model_type qwen2), not a diffusion LM: it belongs to "
                          f"--guide; pass a LLaDA or Dream checkpoint as --model")
-    if cfg.family in BLOCK_FAMILIES and not args.block_given:
-        args.block_length = cfg.block or SDAR_BLOCK          # the block it was trained with (SDAR's releases: 4)
+    if cfg.family in GRID and not args.block_given:      # the block it was trained with (SDAR's releases: 4)
+        args.block_length = cfg.gemma.canvas if cfg.gemma else cfg.block or SDAR_BLOCK
+    if cfg.family == "diffusion_gemma" and not args.threshold_given:
+        args.threshold = None                            # it accepts by its entropy bound (uniform.py)
     if cfg.family == "dream" and not args.block_length and (args.cache != "none" or args.threshold is not None
                                                           or args.factor is not None):
         raise ValueError("--block-length 0 selects Dream's own whole-canvas sampler, which has no cache and no "
@@ -134,7 +145,7 @@ def load_all(args):
     chat = Chat(model_dir, cfg, chat=not args.no_chat)
     # The mask id must be an added token (SDAR's <|MASK|> is one not flagged special): an ordinary word means
     # config.json does not match the tokenizer (blame the config, not a prompt that happens to use the word).
-    word = chat.tok.id_to_token(cfg.mask_id)
+    word = chat.tok.id_to_token(cfg.mask_id) if cfg.mask_id >= 0 else None      # (DiffusionGemma has none)
     if word is not None and chat.tok.get_added_tokens_decoder().get(cfg.mask_id) is None:
         raise ValueError(f"config.json's mask_token_id {cfg.mask_id} is the ordinary token {word!r} of "
                          f"tokenizer.json, not a special mask token: fix config.json or re-download the checkpoint")
@@ -149,17 +160,6 @@ def load_all(args):
 
 # ----------------------------------------------------------------------------------------------------------
 # The command line
-
-def new_parser(**kw) -> argparse.ArgumentParser:
-    """An ArgumentParser whose errors are one line, a ValueError the programs print as `error: ...` (argparse
-    would print its usage too)."""
-    p = argparse.ArgumentParser(**kw)
-
-    def error(message):
-        raise ValueError(f"{message} (see --help)")
-    p.error = error
-    return p
-
 
 # What serve.py leaves out (its prompts come in requests) and bench.py run has its own of or refuses.
 PROMPT_FLAGS = ("--prompt", "--prompt-file", "--interactive", "--batch-size", "--no-stream", "--trace")
@@ -184,15 +184,16 @@ def add_flags(p, omit=()):
         f"prompt's part of its last block); LLaDA2 exactly this")
     add("--block-length", type=int, default=argparse.SUPPRESS, help="semi-autoregressive block size; 0 = one "
         f"block (for Dream: Dream's own whole-canvas sampler) (default: {Settings.block_length}; block diffusion: the "
-        f"checkpoint's own block)")
+        f"checkpoint's own block; DiffusionGemma: its canvas, the only one it takes)")
     add("--sub-block", type=int, default=None, help="Fast-dLLM v2: decode a block in sub-blocks of this many tokens "
         "(default: 8)")
     add("--steps", type=int, default=None, help="denoising steps (default: gen-length; SDAR: per block, default "
-        "the block length)")
+        "the block length; DiffusionGemma: the most per canvas, default the checkpoint's)")
     add("--cache", default=argparse.SUPPRESS, help=f"KV cache: {' | '.join(CACHE_POLICIES)} (default: "
         f"{CLI_DEFAULTS['cache']})")
     add("--threshold", type=optional_float, default=argparse.SUPPRESS, help="parallel decoding: unmask every token "
-        f"with confidence >= this; none = off (default: {CLI_DEFAULTS['threshold']}; none with --factor)")
+        f"with confidence >= this; none = off (default: {CLI_DEFAULTS['threshold']}; none with --factor, and on "
+        "DiffusionGemma, which accepts by --entropy-bound)")
     add("--factor", type=float, default=None, help="factor-based parallel decoding (default: off)")
     add("--temperature", type=checked(float, math.isfinite, "a finite number"), default=0.0,
         help="0 = greedy (default: %(default)s)")
@@ -209,6 +210,9 @@ def add_flags(p, omit=()):
         "mask (default: 16)")
     add("--num-to-transfer", type=int, default=None, help="LLaDA2.1: masks a call commits when fewer pass the "
         "threshold (default: 1)")
+    for key, (kind, text) in GEMMA_FLAGS.items():
+        add(flag_name(key), type=kind, default=argparse.SUPPRESS, help=f"DiffusionGemma: {text} (default: the "
+            "checkpoint's generation_config.json)")
     add("--device", default=None, help="cpu | cuda (default: cuda if available)")
     add("--dtype", default=None, help="float32 | bfloat16 | float16 (default: bf16 on CUDA, fp32 on CPU)")
     add("--seed", type=int, default=0, help="seed of the sampling generator; a negative one is taken modulo 2**64, "
@@ -241,31 +245,6 @@ def add_flags(p, omit=()):
         f"this (default: {Settings.accept_threshold})")
     add("--speculative", action="store_true", default=argparse.SUPPRESS, help="guided: commit the guide's token in "
         "place of the first rejected draft, i.e. the guide's quality (default: the diffusion model's first draft)")
-
-
-def add_own(p, own: dict):
-    """A fork's own flags (examples/) onto p: name=(default, help), typed as the default."""
-    for key, (default, text) in own.items():
-        p.add_argument(flag_name(key), type=type(default), default=default, help=f"{text} (default: %(default)r)")
-
-
-def own_flags(argv: list, **own) -> tuple[dict, list]:
-    """A fork's own flags alone, name=(default, help) -> ({name: value}, the rest of argv, the CLI's)."""
-    p = new_parser(add_help=False, allow_abbrev=False)
-    add_own(p, own)
-    values, rest = p.parse_known_args(argv)
-    return vars(values), rest
-
-
-def fork_parts(fork, values: dict, model: str) -> dict:
-    """fork(**its flags) -> its hooks; a fork that asks for the checkpoint's `config` or `tokenizer` gets them
-    (its small files: nothing is loaded)."""
-    needs = inspect.signature(fork).parameters
-    if "config" in needs or "tokenizer" in needs:
-        folder = resolve_model_dir(model, weights=False)
-        values |= {k: v() for k, v in dict(config=lambda: read_config(folder),
-                                           tokenizer=lambda: load_tokenizer(folder)).items() if k in needs}
-    return fork(**values)
 
 
 def parse_args(argv=None, hooks=(), fork=None, own=None):
@@ -321,12 +300,9 @@ def finish_args(p, args, hooks=(), fork=None, own=None):
     if not -2**63 <= args.seed < 2**64:   # torch's seed is 64-bit: say so before loading, not after
         raise ValueError(f"--seed {args.seed} does not fit in 64 bits: use a seed between 0 and 2**64 - 1")
     hooks = fork_parts(fork, values, args.model) if fork is not None else dict(hooks)
-    for kind, (flags, what) in REPLACED.items():     # given: in the namespace (SUPPRESS) and not the default
-        flag = next((f for f in flags if kind in hooks and vars(args).get(f, p.get_default(f)) != p.get_default(f)),
-                    None)
-        if flag:
-            raise ValueError(f"{flag_name(flag)} does not apply: this program's own {what}; drop {flag_name(flag)}")
-    if "threshold" not in vars(args):   # --factor, --guide or a fork's select= replaces the default
+    refuse_replaced(p, args, hooks)
+    args.threshold_given = "threshold" in vars(args)
+    if not args.threshold_given:   # --factor, --guide or a fork's select= replaces the default
         args.threshold = None if args.factor is not None or args.guide or "select" in hooks else CLI_DEFAULTS["threshold"]
     args.cache = getattr(args, "cache", CLI_DEFAULTS["cache"])
     args.hooks = hooks
@@ -350,13 +326,15 @@ def check_flags(args, whole_blocks: bool = False):
     check_early(kw | {"guide": args.guide}, flag_name)
 
 
-def run_batch(model, rows, args, device, on_step=None, **override):
+def run_batch(model, rows, args, device, on_step=None, seeds=None, **override):
     """generate() on prompts of any lengths (left-padded), with the CLI's settings (early stop on unless
     --no-early-stop) -> (prompt + answer ids per row, pads dropped and each answer its own length: a block-diffusion
-    row's, as it has it alone; stats)."""
+    row's, as it has it alone; stats). seeds: each row's (default --seed): DiffusionGemma's rows each draw from a
+    generator of their own, so that each decodes as it would alone (uniform.py); the others' batch shares the first."""
     ids, am = pad_prompts(rows, model.config.pad_id if model.config.pad_id is not None else model.config.eos_id)
     hooks = getattr(args, "hooks", {})     # a fork's stop rule replaces early stop; its step rule draws its own noise
-    gen = None if "propose" in hooks else torch.Generator(device).manual_seed(args.seed)
+    gens = [torch.Generator(device).manual_seed(s) for s in seeds or [args.seed] * len(rows)]
+    gen = None if "propose" in hooks else gens if model.config.family == "diffusion_gemma" and len(rows) > 1 else gens[0]
     kw = dict(stop_at_eos=not args.no_early_stop and "stop" not in hooks, eos_ids=getattr(args, "stop_ids", None),
               guide=args.guide_model)
     x, stats = generate(model, ids.to(device), attention_mask=am.to(device), generator=gen, on_step=on_step,

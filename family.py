@@ -41,7 +41,8 @@ class Parts(NamedTuple):
     select: Callable
     cache: object              # a cache.CachePolicy
     stop: Callable
-    layers: Callable | None = None   # the model call, where the family's is its own (DiffusionGemma's); else the model's
+    layers: Callable | None = None   # run -> the loop's call around `run` (model.hidden, as graphs.py runs it)
+    view: Callable | None = None     # the canvas -> on_step's, if not Canvas.view (DiffusionGemma: the step's argmax)
 
 
 def same(x):

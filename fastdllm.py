@@ -227,18 +227,18 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     generator = generator or torch.Generator(device).manual_seed(0)
     eos = torch.tensor(sorted(set(st.eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
     c = family.canvas(prompt.to(device), attention_mask, st, cfg, eos)
-    step_rule, select, cache, stop, layers = family.parts(model, st, options, generator, c, eos)
+    step_rule, select, cache, stop, wrap, view = family.parts(model, st, options, generator, c, eos)
     cache = Refresh(cache) if st.refresh_every_step else cache
     (B, L), blocks = c.x.shape, c.blocks
-    layers, kv = model_call(model, st.compile, st.cuda_graphs, cache, B, L, layers)   # eager, CUDA graphs or compiled
+    layers, kv = model_call(model, st.compile, st.cuda_graphs, cache, B, L, wrap)   # eager, CUDA graphs or compiled
     # The step rule's protocol: sampler.StepRule's attributes (a fork's rule may not subclass it: theirs by default).
     spb, exact, post, reads_block, edits = (getattr(step_rule, k, getattr(S.StepRule, k)) for k in (
         "steps_per_block", "exact_steps", "max_post_steps", "reads_block", "edits"))
     # A block still open past its schedule, one step a position and the rule's post steps has a rule that commits
     # nothing (patience): the read refuses it rather than loop for ever.
     ar = torch.arange(L, device=device)
-    plan = Plan(canvas=c._replace(pos=ar.expand(B, L) if c.pos is None else c.pos), cache=cache, step_rule=step_rule,
-                select=select, stop=stop, model=model, layers=layers, kv=kv,
+    plan = Plan(canvas=c._replace(pos=ar.expand(B, L) if c.pos is None else c.pos, view=view or c.view), cache=cache,
+                step_rule=step_rule, select=select, stop=stop, model=model, layers=layers, kv=kv,
                 undecided=getattr(step_rule, "undecided", None) or (lambda x: x == cfg.mask_id), mask_id=cfg.mask_id,
                 shift=cfg.shift, exact_steps=exact, patience=spb + st.block_length + post,
                 calls_per_block=1 if S.is_parallel(select) else max(spb, 1), eos=eos, ar=ar,
@@ -255,8 +255,9 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
     its answer's tokens no later call changes once unmasked, for a stream), "calls_saved", "guide_calls",
     "seconds", "answer_tokens", "tokens_per_s": README "Python API"). options: the fields of `Settings`.
     attention_mask: (B, P) 1/0 for left-padded prompts: each row decodes as it would alone. generator: the only
-    source of randomness (default: one seeded 0). on_step(x, stats): called after every step, the canvas live (in the
-    layout of the ids it returns, not yet cut at an end token: Canvas.view).
+    source of randomness (default: one seeded 0; DiffusionGemma: or one per row). on_step(x, stats): called after every
+    step, the canvas in the layout of the ids it returns, not cut at an end token (Canvas.view; DiffusionGemma's:
+    the step's argmax where a canvas denoises, Parts.view).
     A block-diffusion model (blockdiff.py) answers to a grid block's edge: ids (B, P + answer), each row's answer
     its own length (row_length, as alone), the rest its pad id."""
     plan, x = make_plan(model, prompt, options, attention_mask, generator, on_step)

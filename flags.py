@@ -17,6 +17,17 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
 
 
+def new_parser(**kw) -> argparse.ArgumentParser:
+    """An ArgumentParser whose errors are one line, a ValueError the programs print as `error: ...` (fastdllm.py's
+    command line and serve.py: cli.run; argparse would print its usage too)."""
+    p = argparse.ArgumentParser(**kw)
+
+    def error(message):
+        raise ValueError(f"{message} (see --help)")
+    p.error = error
+    return p
+
+
 def integer(low: int, high: int | None = None):
     """An integer >= low (and <= high)."""
     def parse(text: str) -> int:
@@ -191,6 +202,13 @@ def optional_float(text: str):
         return None if text.lower() in ("none", "off") else float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or none, got {text!r}") from None
+
+
+def optional_int(text: str):
+    try:
+        return None if text.lower() in ("none", "off") else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or none, got {text!r}") from None
 
 
 def checked(kind, ok, what: str):

@@ -176,8 +176,9 @@ class DiffusionGemma(nn.Module):
 
     def embed_scale(self):
         """sqrt(hidden) rounded to the weights' dtype, as the official embedding casts it (53.0 in bf16 for 2816): a
-        0-dim tensor (a constant under torch.compile, a scalar for any device's tensors)."""
-        return torch.tensor(self.config.dim ** 0.5).to(self.embed.weight.dtype)
+        0-dim tensor made by an op, not from a Python value (a constant under torch.compile, a scalar for any device's
+        tensors, nothing a CUDA graph reads from outside it)."""
+        return torch.full((), self.config.dim ** 0.5, dtype=torch.float32).to(self.embed.weight.dtype)
 
     def encode(self, ids, cache, slots, valid, pos=None):
         """The causal encoder. ids (B, T): committed tokens at cache slots `slots` (T,); valid (B, S): the cache slots
@@ -205,6 +206,19 @@ class DiffusionGemma(nn.Module):
             signal = F.softmax(sc_logits.to(W.dtype), dim=-1, dtype=torch.float32).to(W.dtype) @ W * scale
             signal = signal if sc_rows is None else signal * sc_rows.to(signal.dtype)[:, None, None]
         return self.layers_forward(self.self_cond(emb, signal), cache, slots, valid, pos, encoder=False)
+
+    def hidden(self, ids, pos, kv, slots, mask, valid, positions, sc, sc_on):
+        """The loop's model call (fastdllm.Plan.layers; eager, replayed from CUDA graphs or compiled as
+        model.Transformer.hidden is, graphs.py), a function of tensors alone: the fed span (B, T) at cache slots
+        `slots` (T,) ends with the canvas, its last C = sc.shape[1] positions, and what comes before them is committed
+        and goes through the encoder first. pos and mask are the loop's and unread: valid and positions (B, S) say
+        each cache slot's (uniform.GemmaCall). sc (B, C, V): the last step's logits; sc_on (B,) bool: the rows that
+        read them (False at a canvas's first step: a zero signal), a flag, not None, so that every call of one width
+        runs the same ops. -> hidden states (B, T, dim)."""
+        T, C = ids.shape[1], sc.shape[1]
+        committed = self.encode(ids[:, :T - C], kv, slots[:T - C], valid, positions) if T > C else None
+        canvas = self.decoder(ids[:, T - C:], kv, slots[T - C:], valid, positions, sc, sc_on)
+        return canvas if committed is None else torch.cat([committed.to(canvas.dtype), canvas], 1)
 
     def logits(self, h, rows=None):
         """Hidden states (B, T, dim) -> float32 logits at rows `rows` (None: all), softcapped: cap * tanh(logits / cap)."""
@@ -250,26 +264,29 @@ def check_text_only(cfg, prompt):
                          f"(its vision tower is not loaded); remove the image from the prompt")
 
 
-def check_decode(steps, entropy_bound, t_min, t_max, stability_threshold=None, confidence_threshold=None):
-    """DiffusionGemma's decode settings (the official generation config's rules, with a message naming the fix)."""
+def check_decode(steps, entropy_bound, t_min, t_max, stability_threshold=None, confidence_threshold=None,
+                 name=lambda key: key):
+    """DiffusionGemma's decode settings (the official generation config's rules, with a message naming the fix; name:
+    the caller's word for a setting, a flag say)."""
     def number(v):
         return isinstance(v, (int, float)) and not isinstance(v, bool)
+    lo, hi, stab, conf = name("t_min"), name("t_max"), name("stability_threshold"), name("confidence_threshold")
     if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
-        raise ValueError(f"steps must be an integer >= 1 (got {steps!r}): the most denoising steps per canvas "
-                         f"(the release's generation_config.json: 48)")
+        raise ValueError(f"{name('steps')} must be an integer >= 1 (got {steps!r}): the most denoising steps per "
+                         f"canvas (the release's generation_config.json: 48)")
     if not (number(entropy_bound) and entropy_bound > 0):
-        raise ValueError(f"entropy_bound must be a number > 0 (got {entropy_bound!r}): the lowest-entropy token is "
-                         f"always accepted, and a larger bound accepts more per step (the release's: 0.1)")
+        raise ValueError(f"{name('entropy_bound')} must be a number > 0 (got {entropy_bound!r}): the lowest-entropy "
+                         f"token is always accepted, and a larger bound accepts more per step (the release's: 0.1)")
     if (t_min is None) != (t_max is None):
-        raise ValueError(f"set both t_min and t_max, or neither (got t_min={t_min!r}, t_max={t_max!r}): None turns "
-                         f"the temperature schedule off")
+        raise ValueError(f"set both {lo} and {hi}, or neither (got {lo} {t_min!r}, {hi} {t_max!r}): both None (on "
+                         f"the command line: none) turn the temperature schedule off")
     if t_min is not None and not (number(t_min) and number(t_max) and 0 <= t_min < t_max):
-        raise ValueError(f"the temperature runs from t_max down to t_min: need 0 <= t_min < t_max (got t_min="
-                         f"{t_min!r}, t_max={t_max!r}; the release's: 0.4 and 0.8)")
+        raise ValueError(f"the temperature runs from {hi} down to {lo}: need 0 <= {lo} < {hi} (got {lo} {t_min!r}, "
+                         f"{hi} {t_max!r}; the release's: 0.4 and 0.8)")
     if (stability_threshold is None) != (confidence_threshold is None):
-        raise ValueError("set both stability_threshold and confidence_threshold, or neither: adaptive stopping needs "
-                         "both (None turns it off)")
+        raise ValueError(f"set both {stab} and {conf}, or neither: adaptive stopping needs both (both None, on the "
+                         f"command line none, turn it off)")
     if stability_threshold is not None and not (isinstance(stability_threshold, int) and stability_threshold >= 0
                                                 and number(confidence_threshold) and confidence_threshold > 0):
-        raise ValueError(f"stability_threshold must be an integer >= 0 and confidence_threshold a number > 0 (got "
-                         f"{stability_threshold!r}, {confidence_threshold!r}; the release's: 1 and 0.005)")
+        raise ValueError(f"{stab} must be an integer >= 0 and {conf} a number > 0 (got {stability_threshold!r}, "
+                         f"{confidence_threshold!r}; the release's: 1 and 0.005)")

@@ -23,14 +23,18 @@ import torch
 from cache import KVCache
 
 
-def model_call(model, compile, cuda_graphs, policy, B: int, L: int, call=None):
+def model_call(model, compile, cuda_graphs, policy, B: int, L: int, wrap=None):
     """What runs the layers of this generate() call, decided once before the loop -> (layers(ids, pos, kv, slots,
     mask) -> hidden states, the KV cache or None). compile (True or a Compiled): torch.compile, whose inductor
     captures its own CUDA graphs on CUDA. Else cuda_graphs (None: on CUDA only; True; False: off; or a CudaGraphs,
     which keeps its graphs for the next call). A policy whose feed changes width within a block (fixed_width False)
-    stays eager: a graph per step would not pay; and so does a family's own call (DiffusionGemma's, uniform.py)."""
-    if call is not None:
-        return call, KVCache.for_model(model, B, L, policy.spare)
+    stays eager: a graph per step would not pay. wrap: a family's own call around model.hidden (sampler.Parts.layers:
+    DiffusionGemma's passes the tensors its model.hidden reads beyond the five, which the runners treat alike)."""
+    layers, kv = runner_call(model, compile, cuda_graphs, policy, B, L)
+    return (layers if wrap is None else wrap(layers)), kv
+
+
+def runner_call(model, compile, cuda_graphs, policy, B: int, L: int):
     runner = None
     if policy.fixed_width and compile:
         runner = compile if isinstance(compile, Compiled) else Compiled()
@@ -99,26 +103,27 @@ class CudaGraphs:
             self.kv = KVCache.for_model(model, B, L, policy.spare) if policy.keeps_cache else None
         return self.kv
 
-    def __call__(self, model, ids, pos, kv, slots, mask):
-        """model.hidden(ids, pos, kv, slots, mask), replayed: the fed positions' hidden states."""
-        inputs = (ids, pos, slots, mask)
+    def __call__(self, model, ids, pos, kv, slots, mask, *more):
+        """model.hidden(ids, pos, kv, slots, mask, *more), replayed: the fed positions' hidden states (more: the
+        tensors a family's own call reads besides, DiffusionGemma's, copied into static buffers as the others)."""
+        inputs = (ids, pos, slots, mask, *more)
         key = (id(kv), *(None if t is None else (tuple(t.shape), t.dtype) for t in inputs))
         graph = self.graphs.get(key)
         if graph is None:
             if key not in self.seen or key in self.eager:     # fed for the first time, or not capturable: eager
                 self.seen.add(key)
-                return model.hidden(ids, pos, kv, slots, mask)
+                return model.hidden(ids, pos, kv, slots, mask, *more)
             t0 = time.perf_counter()
             if ids.is_cuda and self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            layers = lambda i, p, s, m: model.hidden(i, p, kv, s, m)          # noqa: E731
+            layers = lambda i, p, s, m, *x: model.hidden(i, p, kv, s, m, *x)          # noqa: E731
             try:
                 graph = self.graphs[key] = Captured(layers, inputs, self.pool)
             except RuntimeError as e:        # an op the graph cannot record (a fork's, a library's): eager, said once
                 self.eager.add(key)
                 warnings.warn(f"CUDA graphs: a call of {tuple(ids.shape)} tokens could not be captured, it runs eager "
                               f"({str(e).splitlines()[0][:200]}); cuda_graphs=False (--no-cuda-graphs) runs all eager")
-                return model.hidden(ids, pos, kv, slots, mask)
+                return model.hidden(ids, pos, kv, slots, mask, *more)
             finally:
                 self.capture_s += time.perf_counter() - t0
         return graph.replay(inputs)
@@ -127,8 +132,8 @@ class CudaGraphs:
 # ----------------------------------------------------------------------------------------------------------
 # The compiled call (compile=True): the model's layers through torch.compile, with the KV cache its graphs write.
 
-def hidden_states(model, ids, pos, kv, slots, mask):
-    return model.hidden(ids, pos, kv, slots, mask)
+def hidden_states(model, ids, pos, kv, slots, mask, *more):
+    return model.hidden(ids, pos, kv, slots, mask, *more)
 
 
 class Compiled:
@@ -157,8 +162,8 @@ class Compiled:
                 torch._dynamo.mark_static_address(t, guard=False)     # written in place by the CUDA graphs
         return self.kv
 
-    def __call__(self, model, ids, pos, kv, slots, mask):
-        """model.hidden(ids, pos, kv, slots, mask), compiled: the fed positions' hidden states."""
+    def __call__(self, model, ids, pos, kv, slots, mask, *more):
+        """model.hidden(ids, pos, kv, slots, mask, *more), compiled: the fed positions' hidden states."""
         cuda = model.lm_head.weight.is_cuda
         if self.fn is None:
             options = {"emulate_precision_casts": True} | ({"triton.cudagraphs": True} if cuda else {})
@@ -167,4 +172,4 @@ class Compiled:
         if cuda:
             torch.compiler.cudagraph_mark_step_begin()   # the previous step's hidden states are no longer read
         with torch._dynamo.config.patch(recompile_limit=256):
-            return self.fn(model, ids, pos, kv, slots, mask)
+            return self.fn(model, ids, pos, kv, slots, mask, *more)

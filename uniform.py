@@ -20,6 +20,7 @@ the multinomial draw and the renoise (one randint (B, C)); every row draws, as o
 each row draws from its own as it would alone, so a batch row equals its solo run (the official's one stream cannot).
 """
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -39,16 +40,21 @@ class GemmaStep(StepRule):
     edits = True            # a canvas may change until it ends (a stream shows canvases once they end)
 
     def __init__(self, *, steps: int, t_min, t_max, stability_threshold, confidence_threshold, vocab: int,
-                 answer_at: int, eos, generator):
+                 answer_at: int, eos, generator, shape: tuple, device=None):
         self.steps_per_block, self.t_min, self.t_max = steps, t_min, t_max
         self.stability, self.confidence = stability_threshold, confidence_threshold
         self.vocab, self.answer_at, self.eos, self.generator = vocab, answer_at, eos, generator
-        self.sc = None          # the last step's scaled logits: the next step's self-conditioning (GemmaCall)
+        # The last step's scaled logits, the next step's self-conditioning, and which rows read them (none at a
+        # canvas's first step): buffers at fixed addresses that the model call reads (GemmaCall; a CUDA graph).
+        (B, C), self.argmax = shape, None     # argmax: the last step's (B, C), the canvas a stream shows (view)
+        self.sc = torch.zeros(B, C, vocab, dtype=torch.float32, device=device)
+        self.sc_on = torch.zeros(B, dtype=torch.bool, device=device)
 
     def start_block(self, x, s: int, e: int):
         """A canvas of random tokens for every row still answering (a row whose answer has ended keeps its padding)."""
         (B, C), g = (x.shape[0], e - s), self.generator
-        self.block, self.sc = (s, e), None
+        self.block, self.argmax = (s, e), None
+        self.sc_on.fill_(False)
         self.denoising = ~torch.isin(x[:, self.answer_at:s], self.eos).any(-1)          # (B,)
         self.history = torch.full((self.stability or 0, B, C), -1, device=x.device)     # the last argmaxes
         if isinstance(g, list):      # a generator per row: each row still answering draws as it would alone
@@ -83,6 +89,14 @@ class GemmaStep(StepRule):
         open_[:, self.block[0]:self.block[1]] = self.denoising[:, None]
         return open_
 
+    def view(self, x):
+        """on_step's canvas (Parts.view): where a row still denoises, the step's argmax (the answer it would give
+        now; the sampled canvas the commit writes is mostly noise to a reader); elsewhere x, with no end cut."""
+        if self.argmax is None:
+            return x
+        s, e = self.block
+        return torch.cat([x[:, :s], torch.where(self.denoising[:, None], self.argmax, x[:, s:e]), x[:, e:]], 1)
+
     def temperature(self, i: int):
         """The official schedule at step i: t_min + (t_max - t_min) * (steps - i) / steps, in float32 (the last
         step's is t_min + (t_max - t_min) / steps, never t_min itself)."""
@@ -101,25 +115,25 @@ class GemmaStep(StepRule):
         ends = self.denoising & (stops | (at.i + 1 >= self.steps_per_block))           # rows whose canvas ends now
         open_ = (self.denoising & ~ends)[:, None].expand(B, C)
         rest = torch.where(ends[:, None], argmax, torch.where(self.denoising[:, None], noise, at.x[:, at.s:at.e]))
-        self.denoising, self.sc = self.denoising & ~ends, scaled
+        self.denoising, self.argmax = self.denoising & ~ends, argmax
+        self.sc.copy_(scaled)
+        self.sc_on.fill_(True)
         return Proposal(sample, (-h).masked_fill(~open_, NEG_INF), open_, open_.sum(-1), scaled, rest=rest)
 
 
 class GemmaCall:
-    """The loop's model call (Plan.layers) for DiffusionGemma: a call's fed span ends with the canvas, its last C
-    positions; whatever comes before them (a canvas's first call: the canvas before it, or the prompt) is committed
-    and goes through the causal encoder first. The canvas goes through the decoder with the step rule's last logits
-    (self-conditioning). valid (B, L): the canvas slots holding a real token (not a left pad)."""
+    """The loop's model call (Plan.layers) for DiffusionGemma: the model's own, gemma.DiffusionGemma.hidden (a fed
+    span ends with the canvas; what comes before it, a canvas's first call's prompt or last canvas, is committed and
+    goes through the causal encoder first; the canvas through the decoder, self-conditioned), run eager, replayed
+    from CUDA graphs or compiled (`run`: graphs.model_call), given what it reads beyond the loop's arguments: each
+    cache slot's validity (valid (B, L): a real token, not a left pad) and position, and the step rule's
+    self-conditioning buffers (the last logits, and the rows that read them)."""
 
-    def __init__(self, model, rule: GemmaStep, valid, C: int):
-        self.model, self.rule, self.valid, self.pos, self.C = model, rule, valid, positions(valid), C
+    def __init__(self, rule: GemmaStep, valid, run):
+        self.rule, self.valid, self.pos, self.run = rule, valid, positions(valid), run
 
     def __call__(self, ids, pos, kv, slots, mask):
-        T, C = ids.shape[1], self.C
-        committed = self.model.encode(ids[:, :T - C], kv, slots[:T - C], self.valid, self.pos) if T > C else ids[
-            :, :0, None].float().expand(-1, -1, self.model.config.dim)
-        canvas = self.model.decoder(ids[:, T - C:], kv, slots[T - C:], self.valid, self.pos, self.rule.sc)
-        return torch.cat([committed.to(canvas.dtype), canvas], 1)
+        return self.run(ids, pos, kv, slots, mask, self.valid, self.pos, self.rule.sc, self.rule.sc_on)
 
 
 class CanvasEnd:
@@ -160,15 +174,15 @@ def check_gemma(cfg, st, given: dict, longest: int, name=lambda key: key):
     if st.block_length != cfg.gemma.canvas:
         raise ValueError(f"{name('block_length')} {st.block_length} is not this checkpoint's canvas: config.json "
                          f"declares canvas_length {cfg.gemma.canvas}; pass that (or leave it unset)")
-    check_decode(st.steps, st.entropy_bound, st.t_min, st.t_max, st.stability_threshold, st.confidence_threshold)
+    check_decode(st.steps, st.entropy_bound, st.t_min, st.t_max, st.stability_threshold, st.confidence_threshold, name)
     defaults = type(st)()
     other = [k for k in ("threshold", "factor", "temperature", "remasking", "top_p", "top_k", "alg_temp", "sub_block",
                          "minimal_topk", "editing_threshold", "max_post_steps", "num_to_transfer", "eps")
              if given.get(k, getattr(defaults, k)) != getattr(defaults, k)]
     if other:
-        raise ValueError(f"{name(other[0])} does not apply to DiffusionGemma: it samples at the temperatures t_max "
-                         f"down to t_min and accepts by its entropy_bound (a rule of your own: select=); drop "
-                         f"{name(other[0])}")
+        raise ValueError(f"{name(other[0])} does not apply to DiffusionGemma: it samples at the temperatures "
+                         f"{name('t_max')} down to {name('t_min')} and accepts by its {name('entropy_bound')} (a rule "
+                         f"of your own: select=); drop {name(other[0])}")
     if st.cache == "free":
         raise ValueError(f"{name('cache')} 'free' does not apply to DiffusionGemma: its committed canvases are causal, "
                          f"so its prefix cache is exact; use 'prefix' (or 'dual', the same) or 'none'")
@@ -200,12 +214,13 @@ def gemma_parts(model, st, given, generator, c: Canvas, eos):
     P = c.x.shape[1] - len(c.blocks) * st.block_length
     rule = GemmaStep(steps=st.steps, t_min=st.t_min, t_max=st.t_max, stability_threshold=st.stability_threshold,
                      confidence_threshold=st.confidence_threshold, vocab=cfg.vocab_size, answer_at=P,
-                     eos=eos if st.stop_at_eos else eos[:0], generator=generator)    # no end: every canvas decoded
+                     eos=eos if st.stop_at_eos else eos[:0], generator=generator,    # no end: every canvas decoded
+                     shape=(c.x.shape[0], st.block_length), device=c.x.device)
     cache = st.cache if isinstance(st.cache, CachePolicy) else Recompute() if st.cache == "none" else BlockWindow()
     valid = torch.arange(c.x.shape[1], device=c.x.device) >= c.prompt[:, :1]
-    layers = GemmaCall(model, rule, valid, st.block_length)
     stop = st.stop or (CanvasEnd(rule) if st.stop_at_eos else NoStop())
-    return Parts(rule, st.select or EntropyBound(st.entropy_bound, torch.float32), cache, stop, layers)
+    return Parts(rule, st.select or EntropyBound(st.entropy_bound, torch.float32), cache, stop,
+                 partial(GemmaCall, rule, valid), rule.view)
 
 
-GEMMA = Family(gemma_defaults, check_gemma, gemma_canvas, gemma_parts)
+GEMMA = Family(defaults=gemma_defaults, check=check_gemma, canvas=gemma_canvas, parts=gemma_parts)

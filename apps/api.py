@@ -75,10 +75,15 @@ FIELDS = {
     "block_length": (lambda v: is_int(v) and v >= 0, "an integer >= 0 (0 = one block)"), "steps": COUNT,
     "editing_threshold": (lambda v: is_num(v) and 0 <= v <= 1, "a number in [0, 1] or null"),      # LLaDA2.1's
     "max_post_steps": (lambda v: is_int(v) and v >= 0, "an integer >= 0"), "num_to_transfer": COUNT,
+    "entropy_bound": (lambda v: is_num(v) and v > 0, "a number > 0"),                   # DiffusionGemma's
+    "t_min": (lambda v: is_num(v) and v >= 0, "a number >= 0 or null"), "t_max": (is_num, "a number or null"),
+    "stability_threshold": (lambda v: is_int(v) and v >= 0, "an integer >= 0 or null"),
+    "confidence_threshold": (lambda v: is_num(v) and v > 0, "a number > 0 or null"),
 }
 # The request fields a refusal of the settings may name (generate()'s gen_length is max_tokens's canvas).
 SETTINGS = ("max_tokens", "temperature", "seed", "top_k", "top_p", "cache", "remasking", "guide", "threshold",
-            "factor", "block_length", "steps", "editing_threshold", "max_post_steps", "num_to_transfer")
+            "factor", "block_length", "steps", "editing_threshold", "max_post_steps", "num_to_transfer",
+            "entropy_bound", "t_min", "t_max", "stability_threshold", "confidence_threshold")
 # OpenAI fields that do not apply to a diffusion LM: accepted (with OpenAI's type) and ignored.
 IGNORED = {"user": STR, "metadata": OBJ, "store": BOOL, "service_tier": STR, "presence_penalty": NUM,
            "frequency_penalty": NUM, "logit_bias": OBJ, "parallel_tool_calls": BOOL, "prompt_cache_key": STR,

@@ -22,11 +22,8 @@ never asserted; tests/test_bench.py checks that the numbers are computed right.
 import argparse
 import contextlib
 import hashlib
-import json
 import os
-import platform
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,12 +36,13 @@ import cli  # noqa: E402
 import loading  # noqa: E402
 from options import check_settings
 from guided import OWN as GUIDED_OWN
-from fastdllm import generate
+from fastdllm import generate, settings as settled
 from guided import check_guide
 from model import ModelConfig, load_model, read_config, resolve_model_dir
-from quant import int8_quantizer, weight_bytes
+from quant import active_bytes, int8_quantizer, weight_bytes
 from shapes import check_fits, load_random, random_prompts, reusable, shape_config
 from flags import REFUSED, Parser, integer, listing, nonempty, random_arguments, rows_arguments, run_arguments
+from results import environment, measured_rows, write_json
 
 MiB = 2 ** 20
 PROMPT = "Tom has 23 apples and buys 45 more. How many apples does he have?"   # `run`'s default
@@ -108,8 +106,7 @@ def run_row(model, prompt, mode: dict, kw: dict, guide=None, eos_ids=None, repea
     call = dict(kw, cache=mode["cache"], threshold=mode["threshold"], factor=mode["factor"])
     if not mode["guided"]:      # the guide's settings belong to the guided rows only
         call = {k: v for k, v in call.items() if k not in GUIDED_OWN}
-    if mode["stop"]:
-        call.update(stop_at_eos=mode["stop"], eos_ids=sorted(eos_ids))
+    call.update(stop_at_eos=mode["stop"], **({"eos_ids": sorted(eos_ids)} if mode["stop"] else {}))
     if mode["guided"]:
         call.update(guide=guide, accept=mode["guided"])
     best = None
@@ -130,6 +127,7 @@ def run_row(model, prompt, mode: dict, kw: dict, guide=None, eos_ids=None, repea
     # Older generate() versions (the before/after LM-head measurement runs one) lack "committed" and "row_nfe":
     # without early stop every generated token was committed by some call, and at batch 1 a call serves the row.
     committed = sum(st["committed"]) if "committed" in st else B * G
+    committed = answer if model.config.mask_id < 0 else committed   # DiffusionGemma: its samples renoise (run())
     row_calls = sum(st["row_nfe"]) if "row_nfe" in st else B * st["nfe"]
     row = label(mode, kw, B) | dict(
         nfe=st["nfe"], calls_per_problem=row_calls / B, tokens_per_call=committed / row_calls,
@@ -166,6 +164,8 @@ def label(mode, kw, batch: int) -> dict:
         rule = f"tau {mode['threshold']:g}"
     elif mode["factor"] is not None:
         rule = f"factor {mode['factor']:g}"
+    elif kw.get("entropy_bound") is not None:     # DiffusionGemma's acceptance
+        rule = f"entropy bound {kw['entropy_bound']:g}"
     else:
         rule = f"{kw['gen_length'] / (kw.get('steps') or kw['gen_length']):g} tok/step"
     stop = "-" if mode["stop"] is False else "block" if mode["stop"] is True else f"k={mode['stop']}"
@@ -225,39 +225,6 @@ MODE_COLUMNS = [
 ]
 
 
-def environment(device, dtype) -> dict:
-    device = torch.device(device)
-    cpu = platform.processor()
-    if os.path.exists("/proc/cpuinfo"):   # Linux names the CPU model here (platform.processor() often is "")
-        with open("/proc/cpuinfo") as f:
-            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
-        commit = None
-    return dict(date=time.strftime("%Y-%m-%d %H:%M %Z"), torch=torch.__version__, python=platform.python_version(),
-                device=str(device), gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                cuda=torch.version.cuda, dtype=str(dtype).replace("torch.", ""), threads=torch.get_num_threads(),
-                omp_num_threads=os.environ.get("OMP_NUM_THREADS"), cpu=cpu, cpu_count=os.cpu_count(), commit=commit)
-
-
-def write_json(path: str, **parts):
-    """Written to a new temporary file beside it and renamed, so an interrupted run leaves the last complete
-    state and no other file is touched."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path) or ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(parts, f, indent=1)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)     # as open() would have made it (mkstemp's is 0600)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
 # ----------------------------------------------------------------------------------------------------------
 # 3. Cost growth: the same modes at growing answer lengths
 
@@ -289,37 +256,6 @@ SWEEP_COLUMNS = [
 ]
 
 
-MEASURED = {"batch": int, "cache": str, "rule": str, "stop": str, "nfe": int, "seconds": (int, float), "ids_sha1": str}
-
-
-def measured_rows(path: str) -> list[dict]:
-    """A --json result's measured rows (those not n/a); anything else is one line naming the file."""
-    what = f"{path} is not a bench.py --json file"
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"{path} not found: pass a file written by bench.py --json") from None
-    except IsADirectoryError:
-        raise ValueError(f"{path} is a folder: pass a file written by bench.py --json") from None
-    except PermissionError:
-        raise ValueError(f"cannot read {path}: permission denied") from None
-    except ValueError as e:      # not UTF-8, not JSON
-        raise ValueError(f"{what} (not JSON: {e})") from None
-    rows = data.get("rows") if isinstance(data, dict) else None
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise ValueError(f"{what}: it has no list of rows")
-    measured = [r for r in rows if "error" not in r]
-    if not measured:
-        raise ValueError(f"{path} has no measured rows ({f'all {len(rows)} are n/a' if rows else 'it has none'}): "
-                         f"nothing to compare")
-    for i, r in enumerate(measured):
-        for k, kind in MEASURED.items():
-            if not isinstance(r.get(k), kind) or isinstance(r.get(k), bool) or k == "seconds" and not r[k] > 0:
-                raise ValueError(f"{what}: row {i + 1} has {k}={r.get(k)!r}")
-    return measured
-
-
 def compare(a_path: str, b_path: str) -> str:
     """Two --json results of the same modes (e.g. two commits, two machines) row by row."""
     runs = [measured_rows(a_path), measured_rows(b_path)]
@@ -344,21 +280,30 @@ def run(args, parser):
     """bench.py run: the modes table on a real checkpoint and prompt, with fastdllm.py's decoding flags (its
     --factor is the table's: a row per cache)."""
     a = cli.finish_args(parser, argparse.Namespace(**vars(args) | {"prompt": args.prompt or PROMPT, "factor": None}))
-    cli.check_early(cli.settings(a, cache="none", threshold=None))    # every row sets its own cache and rule
+    cli.check_early(cli.settings(a, cache="none", threshold=None, **{} if a.block_given else dict(block_length=None)))
+    # (every row sets its own cache and rule; without --block-length the model's block is the checkpoint's, load_all)
     model, chat, cfg, device = cli.load_all(a)        # the CLI's checks and loading; one Compiled (--compile)
     guide, dtype = a.guide_model, model.lm_head.weight.dtype
     ids = chat.encode(chat.render([{"role": "user", "content": a.prompt}]))
     a.gen_length = cli.fit_gen_length(a, len(ids), cfg.max_seq_len)
     prompt = torch.tensor([ids] * args.batch, device=device)
     factors = args.factors + ([args.factor] if args.factor is not None and args.factor not in args.factors else [])
+    if cfg.family == "diffusion_gemma" and (args.thresholds or factors):     # it accepts by its entropy bound
+        print("note: DiffusionGemma has no threshold or factor rows (--thresholds, --factors): it accepts by its "
+              "entropy bound", file=sys.stderr)
+        args.thresholds, factors = [], []
     mode_list = modes(args.caches, args.thresholds, factors, args.stops, [a.accept] if guide is not None else [])
     kw = {k: v for k, v in cli.settings(a).items() if k not in ("cache", "threshold", "factor")}
+    if cfg.family == "diffusion_gemma":     # its own settings as its checkpoint decides them, named in its rows
+        kw |= {k: getattr(settled(cfg, kw), k) for k in ("steps", *cli.GEMMA_OWN)}
     rows, _ = run_modes(model, prompt, mode_list, kw, guide, sorted(chat.stop_ids | set(cfg.eos_ids)), args.repeat,
                         a.seed)
-    env = environment(device, dtype)
+    env, active = environment(device, dtype), active_bytes(model)
+    # A mixture of experts: a token reads its top-k experts, a call the union of its tokens' (at most all of them).
+    moe = f" at most (one token reads its active {active / MiB:.1f} MiB)" if active < weight_bytes(model) else ""
     print(f"batch {args.batch}, prompt {prompt.shape[1]} tokens, gen {kw['gen_length']}, block "
           f"{kw['block_length']}, {env['dtype']}{' int8 weights' * bool(a.quantize)} on {env['gpu'] or env['cpu']}, "
-          f"{env['threads']} threads; each call reads the {weight_bytes(model) / MiB:.1f} MiB of weights once; "
+          f"{env['threads']} threads; each call reads the {weight_bytes(model) / MiB:.1f} MiB of weights once{moe}; "
           f"{PeakMemory(device).what}\n\n" + table(rows, MODE_COLUMNS))
     return dict(kw, batch=args.batch, prompt_length=prompt.shape[1], quantize=a.quantize), env, rows
 

@@ -56,11 +56,12 @@ except ImportError as e:
 
 from chat import Chat
 from cli import CLI_DEFAULTS, check_early, pick_device_dtype
-from fastdllm import Compiled, CudaGraphs, Settings, generate, pad_prompts
+from fastdllm import Compiled, CudaGraphs, Settings, family_of, generate, pad_prompts, settings as settled
 from guided import check_guide
 from options import check_family, check_prompt
 from model import load_model, read_config, resolve_model_dir
 from quant import int8_quantizer
+from uniform import OWN as GEMMA_OWN
 
 log = logging.getLogger("lm_eval.fastdllm")   # under lm-eval's logger, so it prints with lm-eval's lines
 
@@ -69,7 +70,8 @@ log = logging.getLogger("lm_eval.fastdllm")   # under lm-eval's logger, so it pr
 SUPPLIED = {"guide", "eos_ids", "select", "propose", "stop"}
 SETTINGS = {f.name: f.default for f in dataclasses.fields(Settings) if f.name not in SUPPLIED}
 OWN = ("model", "guide", "dtype", "device", "quantize", "batch_size", "seed")      # FastDLLM's own --model_args
-DEFAULTS = SETTINGS | CLI_DEFAULTS     # the CLI's (block_length 32 is generate()'s own)
+# The CLI's (block_length 32 is generate()'s own); DiffusionGemma's own settings are its checkpoint's unless given.
+DEFAULTS = {k: v for k, v in SETTINGS.items() if k not in GEMMA_OWN} | CLI_DEFAULTS
 REFUSAL = ("the fastdllm model only generates (generate_until tasks such as gsm8k or humaneval): a masked-"
            "diffusion model's likelihood needs a Monte Carlo estimate, which this harness does not do")
 RUNS = []    # every FastDLLM made in this process, for main() to report its throughput after lm-eval's table
@@ -108,7 +110,8 @@ class FastDLLM(LM):
         # into None already (its Python API's model_args string, or `None` on its command line): a cache of
         # None is the no-cache baseline too. --factor or --guide replaces the default threshold, as in the
         # CLI; block_length 0 = one block.
-        settings = {k: off(DEFAULTS[k], v) for k, v in settings.items()}
+        settings = {k: off(DEFAULTS.get(k), v) for k, v in settings.items()}
+        self.given = set(settings)
         if "cache" in settings and settings["cache"] is None:
             settings["cache"] = "none"
         guide = None if guide is None or isinstance(guide, str) and guide.strip().lower() in ("none", "") else guide
@@ -173,6 +176,10 @@ class FastDLLM(LM):
             self.cfg = read_config(self.model_dir)
             s = self.settings
             check_family(self.cfg, s["remasking"], s["top_p"], s["top_k"], s["alg_temp"])
+            if self.cfg.family == "diffusion_gemma":    # as in the CLI: its canvas, no threshold (its entropy bound)
+                s |= {k: v for k, v in dict(block_length=self.cfg.gemma.canvas, threshold=None).items()
+                      if k not in self.given}
+                family_of(self.cfg, settled(self.cfg, s)).check(self.cfg, settled(self.cfg, s), s, 1)
             self._chat = Chat(self.model_dir, self.cfg)
             self._chat.stop_ids |= set(self.cfg.eos_ids)     # config.json may list several end ids
         return self._chat
@@ -232,6 +239,7 @@ class FastDLLM(LM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         from tqdm import tqdm
+        self.chat           # the model's own defaults are decided on its small files
         s = self.settings
         # At temperature 0 a request repeated (lm-eval's `repeats`, or its padding of a rank's share) gets
         # the same answer, so it is decoded once. Groups: one task and one request setting each.
@@ -309,7 +317,9 @@ class FastDLLM(LM):
         generate()'s stats)."""
         cfg = self.cfg
         ids, am = pad_prompts(rows, cfg.pad_id if cfg.pad_id is not None else cfg.eos_id)
-        generator = torch.Generator(self._device).manual_seed(self.seed)
+        # DiffusionGemma's rows each draw from a generator of their own: each answer as alone, at any batch size
+        generator = [torch.Generator(self._device).manual_seed(self.seed) for _ in rows]
+        generator = generator if cfg.family == "diffusion_gemma" and len(rows) > 1 else generator[0]
         x, stats = generate(net, ids.to(self._device), attention_mask=am.to(self._device), generator=generator,
                             guide=self._guide, eos_ids=sorted(self.chat.stop_ids),
                             **self.settings | {"gen_length": gen_length, "compile": self.compile,

@@ -72,7 +72,7 @@ class Job:
         k = self.kw
         return {"cache": k["cache"], "threshold": k["threshold"], "factor": k["factor"],
                 "block_length": k["gen_length"] if self.guided else k["block_length"], "steps": k["steps"],
-                "temperature": k["temperature"], "guide": self.guided} | {n: k[n] for n in denoise.EDITING if n in k}
+                "temperature": k["temperature"], "guide": self.guided} | {n: k[n] for n in denoise.OWN if n in k}
 
 
 class Request:
@@ -213,12 +213,14 @@ class Engine:
         guided = {} if first.guided else {"guide": None, "guide_model": None}     # "guide": false
         args = argparse.Namespace(**vars(self.args) | {"seed": first.seed} | guided)
         floats = {n: float(k[n]) for n in ("threshold", "factor") if k[n] is not None}     # 2**64 fits no tensor
-        outs, stats = cli.run_batch(self.model, rows, args, self.device, on_step, **k | floats)
+        seeds = [j.seed for j in batch]     # DiffusionGemma's rows draw each from its own: each answer as alone
+        outs, stats = cli.run_batch(self.model, rows, args, self.device, on_step, seeds=seeds, **k | floats)
         self.batches += 1
         for i, (job, out) in enumerate(zip(batch, outs)):
             # The "fastdllm" field of its answer: what its decode cost (docs/serve.md).
-            nfe = stats["row_nfe"][i]
-            cost = {"nfe": nfe, "tokens_per_call": round(stats["row_committed"][i] / max(nfe, 1), 3),
+            nfe, made = stats["row_nfe"][i], denoise.made(stats, i, out[len(job.ids):], self.args.stop_ids,
+                                                          self.model.config.mask_id < 0)
+            cost = {"nfe": nfe, "tokens_per_call": round(made / max(nfe, 1), 3),
                     "gen_length": job.kw["gen_length"], "batch_size": len(batch), "batch_nfe": stats["nfe"],
                     "seconds": round(stats["seconds"], 4), "tokens_per_s": round(stats["tokens_per_s"], 1),
                     "queue_seconds": round(started - job.queued, 4), "settings": job.settings()}
@@ -281,6 +283,8 @@ class App:
         ed, edit = denoise.EDITING, body["editing_threshold"] if "editing_threshold" in body else a.editing_threshold
         if ed[0] in self.accepts["settings"] or any(body.get(n) is not None for n in ed):
             kw |= {n: get(body, n, None if edit is None else getattr(a, n)) for n in ed[1:]} | {ed[0]: edit}
+        own = [n for n in denoise.GEMMA_OWN if n in body or hasattr(a, n)]       # DiffusionGemma's (null: off), if set
+        kw |= {n: body[n] if n in body else getattr(a, n) for n in own}
         for field in ("remasking", "top_p", "top_k"):     # the family's own options, named by their field
             try:      # (the server's flags were checked at start)
                 options.check_family(self.cfg, **{"remasking": None, field: kw[field] if field in body else None})
@@ -345,7 +349,9 @@ class App:
         # seed + c (mod 2**64, as torch takes a negative seed), reported where the client cannot know it (a drawn
         # seed, or n > 1), so that sending it back with n=1 repeats that choice. A request without a seed gets a
         # fresh one (--seed, if given, is the server's default).
-        sampled = kw["temperature"] > 0 or kw["remasking"] == "random" or bool(kw["alg_temp"])
+        # DiffusionGemma always samples, each row from its own generator (cli.run_batch): its answers batch.
+        uniform = self.cfg.mask_id < 0
+        sampled = kw["temperature"] > 0 or kw["remasking"] == "random" or bool(kw["alg_temp"]) or uniform
         drawn = sampled and body.get("seed") is None
         seed = self.args.seed if not drawn or self.args.seed_given else secrets.randbits(63)
         seed = get(body, "seed", seed)
@@ -358,14 +364,15 @@ class App:
             max_tokens, gen = self.gen_length(len(ids), body, kw, guided, param)
             k = kw | {"gen_length": gen}
             try:   # the model-free checks of generate(), here so that a bad setting is a 400 before any batch
-                cli.check_early(k | ({"guide": True} if guided else {}))
+                grid = self.cfg.family in cli.GRID and not guided        # steps and blocks per block, or canvas
+                cli.check_early(k | ({"guide": True} if guided else {}), grid=grid)
                 if (k["steps"] or 0) > self.cfg.max_seq_len:     # (a tensor of that many steps is allocated)
                     raise ValueError(f"steps must be at most the model's {self.cfg.max_seq_len} positions (got "
                                      f"{k['steps']}); every step commits at least one token")
             except ValueError as e:
                 raise ApiError(400, str(e), field_named(str(e), body), "invalid_value") from None
-            key = (guided, *sorted(k.items()))
-            jobs += [Job(ids, max_tokens, k, index=i * n + c, key=("sampled", group, i, c) if sampled else key,
+            key = ("sampled", group, i) if sampled > uniform else (guided, *sorted(k.items()))    # alone, or together
+            jobs += [Job(ids, max_tokens, k, index=i * n + c, key=key + (c,) * (sampled > uniform),
                          seed=(seed + c) % 2**64 if sampled else seed, shows_seed=drawn or sampled and n > 1,
                          guided=guided, stops=stops, out=out, want_steps=stream, sent=tuple(body)) for c in range(n)]
         include_usage = bool(get(body, "stream_options", {}).get("include_usage"))
@@ -382,16 +389,6 @@ class App:
         cut, stopped = stop_scan(text, job.stops, final=True)
         reason = "stop" if stopped or end is not None else "length"
         return text[:cut], reason, len(ids) if end is None else end
-
-    def info(self) -> dict:
-        a = self.args
-        return {"model": self.name, "family": self.cfg.family, "max_positions": self.cfg.max_seq_len,
-                "chat_template": self.chat.chat, "guide": a.guide, **self.accepts,
-                "mask": self.token_text(self.cfg.mask_id),
-                "defaults": {"max_tokens": None if a.fit_gen_length else a.gen_length, "block_length": a.block_length,
-                             "steps": a.steps, "cache": a.cache, "threshold": a.threshold, "factor": a.factor,
-                             "temperature": a.temperature, "guide": self.guide is not None} |
-                {n: getattr(a, n) for n in denoise.EDITING if n in self.accepts["settings"]}}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -439,7 +436,7 @@ class Handler(JsonHandler):
         card = {"id": app.name, "object": "model", "created": app.created, "owned_by": "fastdllm",
                 "max_model_len": app.cfg.max_seq_len}
         answers = {"/v1/models": lambda: {"object": "list", "data": [card]}, f"/v1/models/{app.name}": lambda: card,
-                   "/v1/denoise/info": app.info, "/health": lambda: {"status": "ok"}}
+                   "/v1/denoise/info": lambda: denoise.info(app), "/health": lambda: {"status": "ok"}}
         if path in ("/", "/index.html"):
             with open(PAGE, "rb") as f:
                 self.send(200, f.read(), "text/html; charset=utf-8", headers={"Cache-Control": "no-store"})

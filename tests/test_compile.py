@@ -76,6 +76,26 @@ def test_compiled_ids_equal_eager(llada, dream, family, mode):
     assert compiled.fn is not None and torch.equal(out, eager) and st2["nfe"] == st["nfe"]
 
 
+@pytest.mark.parametrize("cache", ["prefix", "none"])
+def test_diffusiongemma_compiled_one_graph_per_feed_shape_and_ids_equal_eager(cache):
+    """DiffusionGemma's own call (the encoder, then the self-conditioned decoder: gemma.DiffusionGemma.hidden)
+    compiled, a padded batch with a generator per row: eager's ids, calls and draws; one graph per width fed (prefix:
+    a canvas's first call and its steps, one width more for the first canvas's prompt; none: a width per canvas),
+    and a second call of the same shapes compiles nothing (aot_eager, as test_compiled_ids_equal_eager)."""
+    model = load_model(f"{GOLDEN}/diffusiongemma/tiny_dg_seed1234", device="cpu", dtype=torch.float32)
+    ids, am = pad_prompts([[2, 45, 300, 17, 999], [2, 811, 64, 3, 520, 77, 913, 402, 11]], 0)
+    kw = dict(attention_mask=am, gen_length=48, steps=4, cache=cache)
+    gens = lambda: [torch.Generator().manual_seed(3 + b) for b in range(2)]     # noqa: E731
+    eager, st = generate(model, ids, generator=(eager_gens := gens()), **kw)
+    torch._dynamo.reset()
+    before, compiled = counters["stats"]["unique_graphs"], Compiled("aot_eager")
+    for _ in range(2):
+        out, st2 = generate(model, ids, generator=(compiled_gens := gens()), compile=compiled, **kw)
+        assert torch.equal(out, eager) and st2["fed"] == st["fed"] and st2["row_nfe"] == st["row_nfe"]
+        assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(eager_gens, compiled_gens))
+        assert counters["stats"]["unique_graphs"] - before == len(set(st["fed"])) == 3
+
+
 def test_compiled_guided_ids_equal_eager(dream, qwen2):
     """Guided diffusion's diffusion calls compiled (aot_eager, as test_compiled_ids_equal_eager): eager's ids."""
     ids, am = batch(dream, "dream")

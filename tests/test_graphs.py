@@ -74,11 +74,11 @@ class Audited(CudaGraphs):
         super().__init__()
         self.audit, self.calls = audit, []
 
-    def __call__(self, model, ids, pos, kv, slots, mask):
+    def __call__(self, model, ids, pos, kv, slots, mask, *more):
         before = dict(self.graphs)
         self.audit.region(False)
         first = len(self.audit.regions) - 1
-        out = super().__call__(model, ids, pos, kv, slots, mask)
+        out = super().__call__(model, ids, pos, kv, slots, mask, *more)
         graph = next((g for g in self.graphs.values() if g.out is out), None)
         kind = "eager" if graph is None else "replay" if graph in before.values() else "capture"
         self.calls.append(dict(kind=kind, graph=graph, regions=self.audit.regions[first:]))
@@ -156,6 +156,26 @@ def test_static_buffers_give_eager_ids_and_everything_a_capture_needs(models, au
         assert torch.equal(out, eager) and st2["fed"] == st["fed"], mode
         replays += check_captures(g, model)
     assert replays > 10                # one token a step replays every cached width
+
+
+@pytest.mark.parametrize("cache", ["prefix", "none"])
+def test_diffusiongemma_replays_its_own_call(audit, cache):
+    """DiffusionGemma's own call (gemma.DiffusionGemma.hidden: the encoder for what a call commits, the decoder for the
+    canvas, self-conditioned on the last step's logits) through the same static buffers, a padded batch with a
+    generator per row: eager's ids, calls and draws, each width fed twice captured once (prefix: a canvas's first
+    call and its steps; none: the canvas grows, a width per canvas), and what a capture needs, its self-conditioning
+    logits and per-row flag among the static inputs (a canvas's first step reads them too: a zero signal)."""
+    model = load_model(os.path.join(GOLDEN, "diffusiongemma", "tiny_dg_seed1234"), device="cpu", dtype=torch.float32)
+    ids, am = pad_prompts([[2, 45, 300, 17, 999], [2, 811, 64, 3, 520, 77, 913, 402, 11]], 0)
+    kw = dict(attention_mask=am, gen_length=48, steps=4, cache=cache)
+    gens = lambda: [torch.Generator().manual_seed(3 + b) for b in range(2)]     # noqa: E731
+    eager, st = generate(model, ids, generator=(eager_gens := gens()), **kw)
+    g = Audited(audit)
+    out, st2 = generate(model, ids, generator=(graph_gens := gens()), cuda_graphs=g, **kw)
+    assert torch.equal(out, eager) and st2["fed"] == st["fed"] and st2["row_nfe"] == st["row_nfe"]
+    assert all(torch.equal(a.get_state(), b.get_state()) for a, b in zip(eager_gens, graph_gens))
+    assert len(g.graphs) == len({w for w in st["fed"] if st["fed"].count(w) > 1}) and check_captures(g, model) > 4
+    assert all(len(graph.inputs) == 8 for graph in g.graphs.values())      # the loop's four, and DiffusionGemma's
 
 
 def test_guided_and_dreams_own_sampler_too(dream, qwen2):

@@ -1,10 +1,13 @@
 """The decoding loop for a person using it: early stop at end of text, left-padded batches for both
 families (every row as it would be alone), and Fast-dLLM's Dream threshold over the whole canvas."""
+import os
+
 import pytest
 import torch
 
-from conftest import ROOT, rows_as_alone
-from fastdllm import generate
+from conftest import GOLDEN, ROOT, rows_as_alone
+from fastdllm import generate, pad_prompts
+from model import load_model
 from reference import reference_dream_canvas
 from test_flashdlm import eos_bias
 
@@ -114,6 +117,25 @@ def test_one_host_sync_per_cached_step(family, cache, batch):
     prompt = torch.randint(0, 3000, (batch, 12), generator=torch.Generator().manual_seed(batch))
     steps, _ = counted(model, prompt, cache=cache, threshold=0.9, gen_length=32, block_length=8, steps=32)
     assert steps and max(c["syncs"] for _, c in steps) == 1
+
+
+@pytest.mark.parametrize("cache", ["none", "prefix"])
+def test_diffusiongemma_reads_the_host_once_a_step(cache):
+    """DiffusionGemma's step (its draws, the entropy bound, the renoise, adaptive stopping, the end of text) reads the
+    device once, as the others'. With a generator per row it reads which rows still draw, once more a step and once
+    at a canvas's start (each row draws from its own as it would alone, and a generator advances on the host:
+    docs/fork.md)."""
+    import sys
+    sys.path.insert(0, ROOT)
+    from tools.step_count import counted
+    model = load_model(os.path.join(GOLDEN, "diffusiongemma", "tiny_dg_seed1234"), device="cpu", dtype=torch.float32)
+    ids, am = pad_prompts([[2, 45, 300, 17, 999], [2, 811, 64, 3, 520, 77, 913, 402, 11]], 0)
+    for per_row in (False, True):
+        generator = [torch.Generator() for _ in range(2)] if per_row else torch.Generator()
+        steps, _ = counted(model, ids, attention_mask=am, generator=generator, cache=cache, gen_length=48, steps=4)
+        fed = [w for w, _ in steps]
+        starts = [i > 0 and w > fed[i - 1] if cache == "none" else w > 16 for i, w in enumerate(fed)]   # a canvas's
+        assert len(steps) > 4 and [c["syncs"] for _, c in steps] == [1 + per_row * (1 + s) for s in starts]
 
 
 @pytest.mark.parametrize("cache", ["prefix", "free"])

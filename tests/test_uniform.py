@@ -103,6 +103,21 @@ def test_end_tokens_end_a_row_and_pad_what_follows(dg, cache):
     assert stats["nfe"] < 3 * 6 if (ref["ids"] == eos).any(-1).all() else stats["nfe"] == 3 * 6
 
 
+def test_each_step_shows_its_argmax_canvas(dg):
+    """on_step (Parts.view, what a stream shows): after each call, that step's argmax on the canvas it denoises, as
+    the naive decode's trace has it (not the sampled canvas with its renoise, which the commit writes), the
+    committed canvases before it; the last one is generate()'s ids, which only pad after the first end token."""
+    model, rows, seen, trace = dg[torch.float32], [PROMPTS[1]], [], []
+    out, stats, _ = ours(model, rows, 48, 5, steps=6, on_step=lambda x, st: seen.append(x.clone()))
+    ref, _ = theirs(model, rows, 48, 5, steps=6, trace=trace)
+    assert len(seen) == len(trace) == stats["nfe"] > 6 and out.tolist() == ref["ids"].tolist()
+    for x, step in zip(seen, trace):
+        s = len(rows[0]) + 16 * step["canvas"]
+        assert x[0, s:s + 16].tolist() == step["argmax"][0].tolist() and torch.equal(x[:, :s], seen[-1][:, :s])
+    end = next((p for p in range(len(rows[0]), out.shape[1]) if out[0, p] in (1, 106, 50)), out.shape[1] - 1)
+    assert seen[-1][0, :end + 1].tolist() == out[0, :end + 1].tolist()
+
+
 def test_bf16_is_the_naive_decode_in_bf16(dg):
     model = dg[torch.bfloat16]
     out, stats, fingerprint = ours(model, [PROMPTS[1]], 32, 2, steps=8)

@@ -90,7 +90,8 @@ WALK = """(() => {     // drag the slider over every frame and read the step lin
   for (let k = 1; k <= Number(s.max); k++) {
     s.value = k; s.dispatchEvent(new Event("input"));
     out.push({line: $("step").textContent, new: document.querySelectorAll("#canvas .tok.new").length,
-              edit: document.querySelectorAll("#canvas .tok.edit").length});
+              edit: document.querySelectorAll("#canvas .tok.edit").length,
+              draft: document.querySelectorAll("#canvas .tok.draft").length});
   }
   return out;
 })()"""
@@ -248,13 +249,14 @@ def truth(base: str, prompt: str, **settings) -> dict:
 def step_lines(want: dict) -> list:
     """The step line the page must show at each frame: the stream's own counts of each kind of change."""
     n, out = want["nfe"], []
+    left = "masked" if want["events"][0]["mask"] is not None else "undecided"      # DiffusionGemma has no mask
     for e in want["events"]:
         if e["type"] == "step":
             counts = [f"{len(e['committed'])} committed"] + [f"{len(e[k])} {what}" for k, what in (
-                ("edited", "edited"), ("filled", "filled with end of text")) if e[k]]
-            out.append(" · ".join([f"step {e['step']} of {n}", *counts, f"{e['masks_left']} masked"]))
+                ("drafted", "drafted"), ("edited", "edited"), ("filled", "filled with end of text")) if e.get(k)]
+            out.append(" · ".join([f"step {e['step']} of {n}", *counts, f"{e['masks_left']} {left}"]))
         elif e["type"] == "done" and e["cut"]:
-            out.append(f"after step {n}: cut at the end token · {len(e['cut'])} after it replaced · 0 masked")
+            out.append(f"after step {n}: cut at the end token · {len(e['cut'])} after it replaced · 0 {left}")
     return out
 
 
@@ -262,7 +264,7 @@ def final_ids(events: list) -> list:
     """The answer's ids as the stream's changes leave them, every kind in its order."""
     ids = [None] * events[0]["positions"]
     for e in events[1:]:
-        for kind in ("committed", "edited", "filled", "cut"):
+        for kind in ("committed", "drafted", "edited", "filled", "cut"):
             for c in e.get(kind, []):
                 ids[c["pos"]] = c["id"]
     return ids
@@ -645,6 +647,62 @@ def edits(page, base):
                 out.append(f"frame {k} highlights {f['new']} committed and {f['edit']} edited, the stream's "
                            f"{len(e['committed'])} and {len(e['edited'])}")
                 break
+        ids = [None if i is None else int(i) for i in own.js(CANVAS)]
+        if ids != final_ids(want["events"]):
+            out.append(f"the last frame's ids {ids} are not the stream's {final_ids(want['events'])}")
+        return out + same_run(own, want)
+    finally:
+        server.terminate()
+        server.wait(20)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def drafts(events: list) -> list:
+    """Per step event, how many positions show a draft after it (their last change a `drafted` one)."""
+    last, out = {}, []
+    for e in events[1:]:
+        if e["type"] == "step":
+            last |= {c["pos"]: kind for kind in ("committed", "drafted", "edited", "filled") for c in e[kind]}
+            out.append(sum(kind == "drafted" for kind in last.values()))
+    return out
+
+
+@check("gemma")
+def gemma(page, base):
+    """DiffusionGemma has no mask: each step samples its canvas anew, the page drafts the step's argmax, and a canvas
+    is committed once it ends. On a server of its own (a tiny release, tools/checkpoint.py --release, its steps cut to 3
+    in its generation_config.json; --seed, so that each run draws alike; 300 tokens: two canvases of 256): the
+    threshold control hidden and the entropy bound's shown, a frame per call (then the cut), each frame's step line
+    the stream's counts (committed, drafted, undecided), as many cells drafted as the stream leaves drafted, the last
+    frame the stream's final ids, the answer and NFE the API's."""
+    tmp = tempfile.mkdtemp()
+    folder = os.path.join(tmp, "dg")
+    made = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "checkpoint.py"), folder, "--release",
+                           "google/diffusiongemma-26B-A4B-it"], capture_output=True, text=True, timeout=120)
+    if made.returncode:
+        return [f"tools/checkpoint.py failed: {made.stderr.strip()[-300:]}"]
+    with open(os.path.join(folder, "generation_config.json")) as f:
+        generation = json.load(f) | {"max_denoising_steps": 3}
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump(generation, f)
+    server = serve(folder, "--gen-length", "300", "--seed", "5")
+    own = Page(page.browser, address(server))
+    try:
+        want = truth(own.base, "w5 w6 w7", entropy_bound=0.1)
+        own.load("prompt=w5%20w6%20w7&speed=0")
+        controls = own.js('[$("threshold-box").hidden, $("bound-box").hidden, $("draft-key").hidden]')
+        out = [] if controls == [True, False, False] else [f"threshold, entropy bound, draft key hidden: {controls}"]
+        own.click()
+        s = own.settle()
+        out += [f"the page shows an error: {s['error']!r}"] if s["error"] else []
+        steps = [e for e in want["events"] if e["type"] == "step"]
+        if not any(e["drafted"] for e in steps) or not any(e["committed"] for e in steps):
+            out.append("the stream drafts or commits nothing to check")
+        frames, lines = own.js(WALK), step_lines(want)
+        if [f["line"] for f in frames] != lines:
+            out.append(f"the frames read {[f['line'] for f in frames]}, the stream's {lines}")
+        if [f["draft"] for f in frames[:len(steps)]] != drafts(want["events"]):
+            out.append(f"drafted cells per frame {[f['draft'] for f in frames]}, the stream's {drafts(want['events'])}")
         ids = [None if i is None else int(i) for i in own.js(CANVAS)]
         if ids != final_ids(want["events"]):
             out.append(f"the last frame's ids {ids} are not the stream's {final_ids(want['events'])}")
