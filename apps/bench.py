@@ -34,9 +34,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)     # the method's modules (fastdllm.py, model.py, ...) live at the repository's root
 import cli  # noqa: E402
 import loading  # noqa: E402
-from options import check_settings
 from guided import OWN as GUIDED_OWN
-from fastdllm import generate, settings as settled
+from fastdllm import generate
+from options import check_settings, settings as settled
 from guided import check_guide
 from model import ModelConfig, load_model, read_config, resolve_model_dir
 from quant import active_bytes, int8_quantizer, weight_bytes

@@ -56,9 +56,9 @@ except ImportError as e:
 
 from chat import Chat
 from cli import CLI_DEFAULTS, check_early, pick_device_dtype
-from fastdllm import Compiled, CudaGraphs, Settings, family_of, generate, pad_prompts, settings as settled
+from fastdllm import Compiled, CudaGraphs, generate, pad_prompts
 from guided import check_guide
-from options import check_family, check_prompt
+from options import Settings, check_family, check_prompt, family_of, settings as settled
 from model import load_model, read_config, resolve_model_dir
 from quant import int8_quantizer
 from uniform import OWN as GEMMA_OWN
