@@ -26,14 +26,6 @@ def described(v) -> str:
     return f"a {tuple(v.shape)} {v.dtype} tensor" if isinstance(v, torch.Tensor) else repr(v)
 
 
-def span(wanted, at, cache) -> tuple[int, int]:
-    """A cache policy's span for the step `at`: a pair of ints (a, b) inside the canvas, else one line naming it."""
-    a, b = wanted if isinstance(wanted, (tuple, list)) and len(wanted) == 2 else (None, None)
-    if not (type(a) is int and type(b) is int and 0 <= a < b <= at.x.shape[1]):
-        refuse_span(cache, at, wanted)
-    return a, b
-
-
 def step_rules(x, at, p, take, ended, before, open_, plan) -> torch.Tensor:
     """The rules the hooks' answers of one step keep (fastdllm.Plan.read): the stop rule's shape here, on the host; the
     values as (7,) bool on the device, brought back by the step's one read, for `refuse_step` to name
@@ -42,7 +34,7 @@ def step_rules(x, at, p, take, ended, before, open_, plan) -> torch.Tensor:
     neither open nor the rule's edit of its answer; an ended row with a position still open; a token outside the
     vocabulary (a stop rule's fill). before: the canvas as
     the last step left it; open_: (B, L) the positions still open after this step."""
-    stopped(ended, at, plan.stop)      # the proposal's and the selection's shapes: checked as they came back
+    stopped(ended, at, plan.stop)      # its shape (the proposal's and the selection's: as they came back)
     s, e = at.s, at.e
     edit = torch.zeros_like(take) | p.edit                                # (B, N): the step rule's edits (T2T)
     with_logits = torch.zeros_like(at.masked[0]).index_fill_(0, at.cols, True)       # (N,)

@@ -345,11 +345,14 @@ class Transformer(nn.Module):
         """
         return self.logits(self.hidden(idx, pos, cache, start, mask), logits_range)
 
-    def hidden(self, idx, pos=None, cache=None, start=0, mask=None):
+    def hidden(self, idx, pos=None, cache=None, slots=0, mask=None):
         """The chunk through every layer -> hidden states (B, T, dim), before the final norm (forward's arguments).
-        compile=True compiles this part: its shapes are the fed span's, whatever the block."""
+        Each layer writes the chunk's keys/values into `cache` at `slots` (cache.KVCache.update: an int, the chunk's
+        first canvas position; or the slots, (T,) or per row (B, T)) and attends over all the cache holds.
+        compile=True and the CUDA graphs run this part: its shapes are the fed span's, whatever the block."""
         B, T = idx.shape
-        slots = start if isinstance(start, torch.Tensor) else torch.arange(start, start + T, device=idx.device)
+        start = slots                           # the guide's causal offset (an int; Attention)
+        slots = slots if isinstance(slots, torch.Tensor) else torch.arange(slots, slots + T, device=idx.device)
         if pos is None:
             pos = slots.expand(B, T)
         cos, sin = rope_cos_sin(pos, self.config.rotary_dim, self.config.rope_theta,
