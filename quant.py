@@ -153,10 +153,9 @@ def weight_bytes(model) -> int:
 def active_bytes(model) -> int:
     """The part of weight_bytes one token reads: all but, in each mixture-of-experts block (model.MoE), the experts
     it does not choose (all but its top_k), the "active parameters" of a model card (DiffusionGemma: ~4B of 26B)."""
-    from model import MoE
     unchosen = 0
-    for m in (m for m in model.modules() if isinstance(m, MoE)):
-        stacked = sum(nbytes(t) for n in MoE.stacks for t in (getattr(m, n), getattr(m, n + "_scale", None))
+    for m in (m for m in model.modules() if getattr(m, "stacks", None)):     # an expert stack, told by its attributes
+        stacked = sum(nbytes(t) for n in m.stacks for t in (getattr(m, n), getattr(m, n + "_scale", None))
                       if t is not None)
         unchosen += stacked * (m.w_gate.shape[0] - m.top_k) // m.w_gate.shape[0]
     return weight_bytes(model) - unchosen

