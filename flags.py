@@ -223,3 +223,13 @@ def checked(kind, ok, what: str):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
     return parse
+
+
+def run(main):
+    """A tool's `__main__`: main(), with a bad input one line on stderr and exit status 2, no traceback."""
+    import sys
+    try:
+        main()
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -153,3 +153,17 @@ def without_torchao(monkeypatch):
     already imported (`import` then raises ImportError)."""
     for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")] + ["torchao"]:
         monkeypatch.setitem(sys.modules, name, None)
+
+
+def serving(argv: list):
+    """apps/serve.py's server for `argv` in this process, on a free port: yields (app, port); stopped after."""
+    import serve
+    app = serve.build(serve.parse_args([*argv, "--port", "0", "--quiet"]))
+    httpd = serve.make_server(app, "127.0.0.1", 0)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield app, httpd.server_address[1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        app.engine.stop()

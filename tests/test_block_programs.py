@@ -2,17 +2,15 @@
 at the end token, streaming through
 on_step, one host read per step, the server (batched requests equal to each alone, streamed equal to not) and the
 lm-eval harness, on tiny checkpoints in each release's exact format (tools/checkpoint.py --release)."""
-import threading
 
 import pytest
 import torch
 
 import cli
 import denoise
-import serve
 from chat import Chat
 from terminal import streamer
-from conftest import rows_as_alone
+from conftest import rows_as_alone, serving
 from fastdllm import generate
 from model import load_model
 from test_serve import at_once, events, post, request, solo
@@ -270,16 +268,7 @@ def test_one_host_read_per_step(release, cache):
 def served(release):
     family, d, G, _, _ = release
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in EXTRA.get(family, {}).items()]
-    app = serve.build(serve.parse_args(["--model", d, "--gen-length", "32", "--block-length", str(G), "--port", "0",
-                                        "--quiet", *flags]))
-    httpd = serve.make_server(app, "127.0.0.1", 0)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        yield app, httpd.server_address[1]
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        app.engine.stop()
+    yield from serving(["--model", d, "--gen-length", "32", "--block-length", str(G), *flags])
 
 
 def test_served_answers_equal_each_alone_streamed_or_not(served):

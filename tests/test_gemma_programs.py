@@ -13,6 +13,7 @@ import torch
 
 import cli
 import loading
+from conftest import serving
 from chat import Chat
 from fastdllm import generate
 from model import load_model
@@ -173,17 +174,7 @@ def test_its_flags_reach_generate(release, capsys):
 
 @pytest.fixture(scope="module")
 def served(release):
-    import threading
-    import serve
-    app = serve.build(serve.parse_args(["--model", release[0], "--port", "0", "--quiet"]))
-    httpd = serve.make_server(app, "127.0.0.1", 0)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        yield app, httpd.server_address[1]
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        app.engine.stop()
+    yield from serving(["--model", release[0]])
 
 
 def chat_body(q: str, **kw) -> dict:

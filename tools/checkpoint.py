@@ -21,6 +21,7 @@ sys.path.insert(0, ROOT)   # run as a script from anywhere
 
 import torch  # noqa: E402
 
+import flags  # noqa: E402
 from flags import Parser, nonempty, shape_arguments  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from shapes import (FASTDLLM_V2_GENERATION, MARKER, REAL_VOCAB, SDAR_GENERATION, SHAPES, TOKENIZER_SPECIALS,  # noqa: E402
@@ -341,8 +342,4 @@ def main(argv=None):
 SHAPE_DESTS = {"family", "d_model", "layers", "heads", "kv_heads", "ffn", "vocab", "shards", "gain", "logit_std"}
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    flags.run(main)

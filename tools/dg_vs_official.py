@@ -43,6 +43,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)   # run as a script from anywhere
 
+import flags  # noqa: E402
 from flags import Parser, integer, listing, nonempty  # noqa: E402  (standard library only)
 
 GOLDEN = os.path.join(ROOT, "tests", "golden")
@@ -380,8 +381,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    flags.run(main)

@@ -316,6 +316,14 @@ def problems_after_failure(s: dict, expect: str) -> list:
     return out
 
 
+def last_frame(own: Page, want: dict) -> list:
+    """The page's last frame holds the stream's final ids, and the page ran what the stream did (same_run)."""
+    ids = [None if i is None else int(i) for i in own.js(CANVAS)]
+    out = [] if ids == final_ids(want["events"]) else [
+        f"the last frame's ids {ids} are not the stream's {final_ids(want['events'])}"]
+    return out + same_run(own, want)
+
+
 def same_run(page: Page, want: dict) -> list:
     s, out = page.state(), []
     if s["error"]:
@@ -647,10 +655,7 @@ def edits(page, base):
                 out.append(f"frame {k} highlights {f['new']} committed and {f['edit']} edited, the stream's "
                            f"{len(e['committed'])} and {len(e['edited'])}")
                 break
-        ids = [None if i is None else int(i) for i in own.js(CANVAS)]
-        if ids != final_ids(want["events"]):
-            out.append(f"the last frame's ids {ids} are not the stream's {final_ids(want['events'])}")
-        return out + same_run(own, want)
+        return out + last_frame(own, want)
     finally:
         server.terminate()
         server.wait(20)
@@ -703,10 +708,7 @@ def gemma(page, base):
             out.append(f"the frames read {[f['line'] for f in frames]}, the stream's {lines}")
         if [f["draft"] for f in frames[:len(steps)]] != drafts(want["events"]):
             out.append(f"drafted cells per frame {[f['draft'] for f in frames]}, the stream's {drafts(want['events'])}")
-        ids = [None if i is None else int(i) for i in own.js(CANVAS)]
-        if ids != final_ids(want["events"]):
-            out.append(f"the last frame's ids {ids} are not the stream's {final_ids(want['events'])}")
-        return out + same_run(own, want)
+        return out + last_frame(own, want)
     finally:
         server.terminate()
         server.wait(20)
