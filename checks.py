@@ -17,6 +17,7 @@ def bad(msg):
 
 def name(hook) -> str:
     """A hook as its author wrote it: `Margin`, `<lambda>`, `LeftToRight.propose`."""
+    hook = getattr(hook, "__wrapped__", hook)          # a fork's hook as the loop calls it (Checked)
     if inspect.ismethod(hook):
         return f"{type(hook.__self__).__name__}.{hook.__name__}"
     return hook.__name__ if inspect.isfunction(hook) or isinstance(hook, type) else type(hook).__name__
@@ -26,15 +27,37 @@ def described(v) -> str:
     return f"a {tuple(v.shape)} {v.dtype} tensor" if isinstance(v, torch.Tensor) else repr(v)
 
 
+OURS = ("sampler", "dream", "blockdiff", "llada2", "guided", "uniform")   # the built-in hooks' modules
+
+
+class Checked:
+    """A fork's hook as the loop calls it: its answer's shapes checked as it comes back (`proposal`, `selection`,
+    `stopped`), before anything reads it. The built-in hooks are called as they are: their answers are right by
+    construction (the tests compare them with the official code and the uncached decode)."""
+
+    def __init__(self, hook, call, check):
+        self.__wrapped__, self.call, self.check = hook, call, check
+
+    def __call__(self, *args):                  # propose(logits, at), select(p, at), stop(x, at, p): `at` is second
+        return self.check(self.call(*args), args[1], self.__wrapped__)
+
+
+def guarded(step_rule, select, stop):
+    """The three hooks the loop calls each step, decided once (fastdllm.make_plan) -> (propose, select, stop): a fork's
+    wrapped in `Checked`, a built-in's as it is."""
+    fork = lambda hook: type(getattr(hook, "__self__", hook)).__module__ not in OURS   # noqa: E731
+    return (Checked(step_rule, step_rule.propose, proposal) if fork(step_rule) else step_rule.propose,
+            Checked(select, select, selection) if fork(select) else select,
+            Checked(stop, stop, stopped) if fork(stop) else stop)
+
+
 def step_rules(x, at, p, take, ended, before, open_, plan) -> torch.Tensor:
-    """The rules the hooks' answers of one step keep (fastdllm.Plan.read): the stop rule's shape here, on the host; the
-    values as (7,) bool on the device, brought back by the step's one read, for `refuse_step` to name
-    the hook that broke one: non-finite logits; a proposal that opens a decided position (or edits an open one); one
+    """The rules the hooks' answers of one step keep (fastdllm.Plan.read): their values as (7,) bool on the device,
+    brought back by the step's one read, for `refuse_step` to name the hook that broke one: non-finite logits; a proposal that opens a decided position (or edits an open one); one
     that opens a position without logits this call; a selection outside the proposal; a change to a position that was
     neither open nor the rule's edit of its answer; an ended row with a position still open; a token outside the
     vocabulary (a stop rule's fill). before: the canvas as
     the last step left it; open_: (B, L) the positions still open after this step."""
-    stopped(ended, at, plan.stop)      # its shape (the proposal's and the selection's: as they came back)
     s, e = at.s, at.e
     edit = torch.zeros_like(take) | p.edit                                # (B, N): the step rule's edits (T2T)
     with_logits = torch.zeros_like(at.masked[0]).index_fill_(0, at.cols, True)       # (N,)
@@ -99,6 +122,7 @@ def stopped(ended, at, stop):
     if not (isinstance(ended, torch.Tensor) and ended.shape == (B,) and ended.dtype == torch.bool):
         refuse_answer("stop=", stop, ended, f"a stop rule returns a ({B},) bool tensor, True = the row's answer has "
                       f"ended")
+    return ended
 
 
 def refuse_answer(hook: str, rule, got, what: str):
@@ -168,7 +192,7 @@ def refuse_step(nonfinite, opened, unpredicted, outside, overwrote, unfilled, un
         bad(f"stop= {name(stop)} ended a row that still holds masks {step}: a stop rule fills an ended row's masks "
             f"(e.g. with an end token) before it returns True for it")
     custom = [f"{hook} {name(h)}" for hook, h in (("stop=", stop), ("propose=", step_rule), ("select=", select))
-              if type(h).__module__ not in ("sampler", "guided", "blockdiff", "llada2", "dream")]
+              if type(getattr(h, "__wrapped__", h)).__module__ not in OURS]
     if unknown:
         bad(f"{' or '.join(custom) or 'a hook'} wrote a token id outside the vocabulary [0, "
             f"{at.head.__self__.config.vocab_size}) {step}: a stop rule fills an ended row's masks with one of the "

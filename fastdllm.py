@@ -89,8 +89,9 @@ class Plan:
     cache: CachePolicy        # the cache policy: what each step feeds (cache.py); its optional hooks, keys and slots,
                               #   are None for the built-in policies but FreeCache's and the sub-block cache's slots
     step_rule: S.StepRule     # proposes tokens and confidences (sampler.py, blockdiff.py, guided.py, or a fork's)
-    select: Callable          # the selection rule: which proposals a step commits
-    stop: Callable            # the stop rule: which rows' answers have ended (sampler.NoStop: none; stop_at_eos: EndOfText)
+    propose: Callable         # step_rule.propose. The three hooks the loop calls, a fork's wrapped once so that its
+    select: Callable          #   answers' shapes are checked as they come back (checks.guarded); the selection rule:
+    stop: Callable            #   which proposals a step commits; the stop rule: which rows' answers have ended
     model: torch.nn.Module
     layers: Callable          # layers(ids, pos, kv, slots, mask) -> the fed positions' hidden states: each layer writes
                               #   their keys/values into kv at `slots` (cache.KVCache.update) and attends over all kv
@@ -150,6 +151,8 @@ class Plan:
             mask = keys if mask is None else mask & keys
         # slots: where each row writes the fed keys/values: at the fed positions (a policy's own slots: per row)
         slots = self.cache.slots and checks.slots(self.cache.slots(at, fed), x.shape[0], fed, self.cache)
+        # The model call (model.hidden, or its CUDA graph): every layer writes the fed positions' keys/values into
+        # self.kv at `slots` (cache.KVCache.update: index_copy_ on the slot axis) and attends over all the cache holds.
         at.hidden = self.layers(x[:, chunk], self.canvas.pos[:, chunk], self.kv, fed if slots is None else slots, mask)
         at.cols, at.fed, at.span, at.rows, at.head = cols, fed, span, rows, self.model.logits
         return at, self.model.logits(at.hidden, rows)          # the final norm and the LM head, at those rows only
@@ -228,6 +231,7 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     eos = torch.tensor(sorted(set(st.eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
     c = family.canvas(prompt.to(device), attention_mask, st, cfg, eos)
     step_rule, select, cache, stop, wrap, view = family.parts(model, st, options, generator, c, eos)
+    propose, checked_select, checked_stop = checks.guarded(step_rule, select, stop)     # a fork's: checked
     cache = Refresh(cache) if st.refresh_every_step else cache
     (B, L), blocks = c.x.shape, c.blocks
     layers, kv = model_call(model, st.compile, st.cuda_graphs, cache, B, L, wrap)   # eager, CUDA graphs or compiled
@@ -238,7 +242,8 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     # nothing (patience): the read refuses it rather than loop for ever.
     ar = torch.arange(L, device=device)
     plan = Plan(canvas=c._replace(pos=ar.expand(B, L) if c.pos is None else c.pos, view=view or c.view), cache=cache,
-                step_rule=step_rule, select=select, stop=stop, model=model, layers=layers, kv=kv,
+                step_rule=step_rule, propose=propose, select=checked_select, stop=checked_stop, model=model,
+                layers=layers, kv=kv,
                 undecided=getattr(step_rule, "undecided", None) or (lambda x: x == cfg.mask_id), mask_id=cfg.mask_id,
                 shift=cfg.shift, exact_steps=exact, patience=spb + st.block_length + post,
                 calls_per_block=1 if S.is_parallel(select) else max(spb, 1), eos=eos, ar=ar,
@@ -267,8 +272,8 @@ def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None
         plan.step_rule.start_block(x, s, e)
         for i in itertools.count():
             at, logits = plan.feed(x, seen, i, s, e)                 # 1. feed: what the cache policy names
-            p = checks.proposal(plan.step_rule.propose(logits, at), at, plan.step_rule)  # 2. propose
-            take = checks.selection(plan.select(p, at), at, plan.select)  # 3. select
+            p = plan.propose(logits, at)                             # 2. propose
+            take = plan.select(p, at)                                # 3. select
             x[:, s:e] = p.committed(take, x[:, s:e])                 # 4. commit (and a rule's edits)
             ended = plan.stop(x, at, p)                              # 5. stop
             seen = plan.read(x, at, p, take, ended, seen, stats)     # the one host read

@@ -30,19 +30,14 @@ def model_call(model, compile, cuda_graphs, policy, B: int, L: int, wrap=None):
     which keeps its graphs for the next call). A policy whose feed changes width within a block (fixed_width False)
     stays eager: a graph per step would not pay. wrap: a family's own call around model.hidden (sampler.Parts.layers:
     DiffusionGemma's passes the tensors its model.hidden reads beyond the five, which the runners treat alike)."""
-    layers, kv = runner_call(model, compile, cuda_graphs, policy, B, L)
-    return (layers if wrap is None else wrap(layers)), kv
-
-
-def runner_call(model, compile, cuda_graphs, policy, B: int, L: int):
-    runner = None
+    wrap, runner = wrap or (lambda layers: layers), None
     if policy.fixed_width and compile:
         runner = compile if isinstance(compile, Compiled) else Compiled()
     elif policy.fixed_width and (cuda_graphs if cuda_graphs is not None else model.lm_head.weight.is_cuda):
         runner = cuda_graphs if isinstance(cuda_graphs, CudaGraphs) else CudaGraphs()
     if runner is None:
-        return model.hidden, KVCache.for_model(model, B, L, policy.spare) if policy.keeps_cache else None
-    return partial(runner, model), runner.start(model, B, L, policy)
+        return wrap(model.hidden), KVCache.for_model(model, B, L, policy.spare) if policy.keeps_cache else None
+    return wrap(partial(runner, model)), runner.start(model, B, L, policy)
 
 
 class Captured:

@@ -359,15 +359,6 @@ def stop_rule(st, c: Canvas, eos, mask_id: int, run=None, kind=None):
     return st.stop or ((kind or EndOfText)(c.prompt[:, 1:], eos, mask_id, run, c.fill) if run else NoStop())
 
 
-def llada_defaults(cfg, st, given) -> dict:
-    return dict(remasking=st.remasking or "low_confidence")
-
-
-def check_llada(cfg, st, given: dict, longest: int, name=lambda key: key):
-    """What a LLaDA call refuses is options.py's: its samplers' options (check_family), the other families' own
-    settings (check_readers)."""
-
-
 def llada_parts(model, st, given, generator, c: Canvas, eos):
     """LLaDA's step rule, selection rule, cache policy and stop rule from the call's settings `st`: its schedule
     ranked as the official call ranks at the official width around the block [s, e) (ties decide alike): FlashDLM's
@@ -381,7 +372,10 @@ def llada_parts(model, st, given, generator, c: Canvas, eos):
     return Parts(rule, select, cache, stop_rule(st, c, eos, model.config.mask_id))
 
 
-LLADA = Family(defaults=llada_defaults, check=check_llada, canvas=answer_canvas, parts=llada_parts)
+# LLaDA's part of the set-up (family.Family): its one default, low_confidence remasking; no refusal of its own (every
+# LLaDA refusal is options.py's: its samplers' options, check_family; the other families' settings, check_readers).
+LLADA = Family(defaults=lambda cfg, st, given: dict(remasking=st.remasking or "low_confidence"),
+               check=lambda cfg, st, given, longest, name=None: None, canvas=answer_canvas, parts=llada_parts)
 
 
 def eos_reached(x, P, e: int, eos: torch.Tensor, mask_id: int, run: int | bool):

@@ -428,3 +428,20 @@ def test_a_confidence_within_1e7_of_the_threshold_is_decided_as_in_float64(demo)
             assert torch.equal(ours >= tau, official >= tau)
             checked += tau.numel()
     assert checked >= 60          # every position of every step, both sides
+
+
+def test_only_a_forks_hooks_are_checked_at_the_boundary():
+    """make_plan wraps a fork's propose, select and stop once, so that their answers' shapes are checked as they come
+    back; the built-in hooks are called as they are (a fork subclassing one is still a fork's, and named as written)."""
+    import checks
+    from sampler import NoStop
+    rule, select, stop = LLaDA(steps_per_block=1, mask_id=5), Threshold(0.9), NoStop()
+    assert checks.guarded(rule, select, stop) == (rule.propose, select, stop)
+
+    class Mine(LLaDA):
+        pass
+
+    mine = Mine(steps_per_block=1, mask_id=5)
+    propose, take, ended = checks.guarded(mine, lambda p, at: p.open, stop)
+    assert isinstance(propose, checks.Checked) and isinstance(take, checks.Checked) and ended is stop
+    assert (checks.name(propose), checks.name(take)) == ("Mine", "<lambda>")
