@@ -8,7 +8,7 @@ where it may not commit. Each family's set-up and refusals: sampler.llada_parts 
 clocks: FreeCache's, its whole-canvas sampler's), blockdiff.py, llada2.py, guided.py. Feeds: cache.py.
 """
 import struct
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
