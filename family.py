@@ -1,13 +1,17 @@
 """
 family.py: what a decoding family gives the plan (fastdllm.make_plan), the protocol every family's own file follows:
-`Family` (its defaults, its refusals, its canvas, its parts: sampler.LLADA, dream.DREAM, blockdiff.BLOCK, guided.GUIDED,
+`Family` (its defaults, its refusals, its canvas, its parts: LLADA here, dream.DREAM, blockdiff.BLOCK, guided.GUIDED,
 uniform.GEMMA; options.FAMILIES maps a checkpoint's family to one), `Canvas` (where a call's rows sit), `Parts` (what the
-loop calls), and the canvas LLaDA, Dream and a guided call share (`answer_canvas`).
+loop calls); the canvas LLaDA, Dream and a guided call share (`answer_canvas`); and LLaDA's parts, the simplest family's
+(`llada_parts`: the step rule sampler.LLaDA, a selection rule, a cache policy, a stop rule), which the others vary.
 """
 from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from cache import CACHE_POLICIES, CachePolicy
+from sampler import LLaDA, Schedule, parallel_rule, stop_rule
 
 
 class Canvas(NamedTuple):
@@ -26,7 +30,7 @@ class Canvas(NamedTuple):
 
 
 class Family(NamedTuple):
-    """A decoding family's part of a call's set-up (fastdllm.make_plan), all from the family's own file: LLADA here,
+    """A decoding family's part of a call's set-up (fastdllm.make_plan), all from the family's own file: LLADA below,
     dream.DREAM, blockdiff.BLOCK (Fast-dLLM v2, SDAR, LLaDA2), guided.GUIDED (FlashDLM's guided diffusion)."""
     defaults: Callable   # (cfg, st, given) -> {setting: value}: its own defaults, for the settings left None
     check: Callable      # (cfg, st, given, longest, name) -> None: what it refuses beyond options.py's, in one line
@@ -65,3 +69,22 @@ def answer_canvas(prompt, attention_mask, st, cfg, eos) -> Canvas:
                   prompt=torch.stack([P - lengths, torch.full_like(lengths, P)], -1), pos=pos, mask=mask,
                   sees=lambda b: x.shape[1], ends=torch.full_like(lengths, x.shape[1]),
                   fill=int(eos[0]) if len(eos) else cfg.mask_id, output=same, view=same)
+
+
+def llada_parts(model, st, given, generator, c: Canvas, eos):
+    """LLaDA's step rule, selection rule, cache policy and stop rule from the call's settings `st`: its schedule
+    ranked as the official call ranks at the official width around the block [s, e) (ties decide alike): FlashDLM's
+    topk over the canvas, Fast-dLLM's sort of the fed chunk."""
+    select = parallel_rule(st) or (Schedule(lambda at: (at.s, at.x.shape[1] - at.e), topk=True) if st.cache == "free"
+                                   else Schedule(lambda at: (at.s - at.span[0], at.span[1] - at.e) if at.span else (0, 0)))
+    rule = st.propose or LLaDA(steps_per_block=st.steps // (st.gen_length // st.block_length),
+                               temperature=st.temperature, remasking=st.remasking, generator=generator,
+                               mask_id=model.config.mask_id)
+    cache = st.cache if isinstance(st.cache, CachePolicy) else CACHE_POLICIES[st.cache]()
+    return Parts(rule, select, cache, stop_rule(st, c, eos, model.config.mask_id))
+
+
+# LLaDA's part of the set-up (family.Family): its one default, low_confidence remasking; no refusal of its own (every
+# LLaDA refusal is options.py's: its samplers' options, check_family; the other families' settings, check_readers).
+LLADA = Family(defaults=lambda cfg, st, given: dict(remasking=st.remasking or "low_confidence"),
+               check=lambda cfg, st, given, longest, name=None: None, canvas=answer_canvas, parts=llada_parts)

@@ -17,12 +17,11 @@ from typing import Callable
 
 import torch
 
-import sampler as S
 from blockdiff import BLOCK, FAMILIES as BLOCK_FAMILIES, SDAR_REMASKING
 from cache import CACHE_POLICIES, CachePolicy
 from checks import name
 from dream import DREAM
-from family import Family
+from family import LLADA, Family
 from guided import GUIDED, OWN as GUIDED_OWN
 from llada2 import OWN as LLADA2_OWN
 from sampler import DREAM_REMASKING, LLADA_REMASKING
@@ -333,13 +332,13 @@ def check_call(model, prompt, st, attention_mask, generator, on_step, defaults, 
 
 # ---------------------------------------------------------------------------------------- the call's settings
 # Each family's part of the set-up (its defaults, its refusals, its canvas and its parts), from its own file.
-FAMILIES = {"llada": S.LLADA, "dream": DREAM, **dict.fromkeys(BLOCK_FAMILIES, BLOCK), "diffusion_gemma": GEMMA}
+FAMILIES = {"llada": LLADA, "dream": DREAM, **dict.fromkeys(BLOCK_FAMILIES, BLOCK), "diffusion_gemma": GEMMA}
 
 
 def family_of(cfg, st) -> Family:
     """The family whose parts decode this call: guided diffusion's with a guide, else the model's (a causal LM, which
     check_call refuses, counts as LLaDA until then)."""
-    return GUIDED if st.guide is not None else FAMILIES.get(cfg.family, S.LLADA)
+    return GUIDED if st.guide is not None else FAMILIES.get(cfg.family, LLADA)
 
 
 def settings(cfg, options: dict) -> Settings:

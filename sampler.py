@@ -4,7 +4,7 @@ docs/official.md 2; Dream's sampler, its `alg` scores and float32 schedule as Fa
 docs/official.md 5 and 6.2), which proposals a step commits (selection rules: the schedule, Fast-dLLM's threshold
 and factor decoding, section 3.3), when an answer has ended (stop rules). Randomness only through an explicit
 torch.Generator. Logits (B, n, V) at the block's open columns `at.cols` become a `Proposal` of (B, N) tensors, -inf
-where it may not commit. Each family's set-up and refusals: sampler.llada_parts here, dream.py (with Dream's other
+where it may not commit. Each family's set-up and refusals: family.llada_parts (LLaDA's), dream.py (with Dream's other
 clocks: FreeCache's, its whole-canvas sampler's), blockdiff.py, llada2.py, guided.py. Feeds: cache.py.
 """
 import struct
@@ -13,8 +13,6 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from cache import CACHE_POLICIES, CachePolicy
-from family import Canvas, Family, Parts, answer_canvas
 
 NEG_INF = float("-inf")
 # The remasking rules each step rule implements (LLaDA.propose; dream_sample and Dream.propose, Dream's `alg`):
@@ -351,31 +349,12 @@ def parallel_rule(st):
                          Factor(st.factor) if st.factor is not None else None)
 
 
-# ---------------------------------------------------------------------------------------- LLaDA's set-up
-def stop_rule(st, c: Canvas, eos, mask_id: int, run=None, kind=None):
+# ---------------------------------------------------------------------------------------- stop rules
+def stop_rule(st, c, eos, mask_id: int, run=None, kind=None):
     """A fork's stop= as given, or the end-of-text rule the settings ask for (stop_at_eos; run: a family's own),
     or none."""
     run = st.stop_at_eos if run is None else run
     return st.stop or ((kind or EndOfText)(c.prompt[:, 1:], eos, mask_id, run, c.fill) if run else NoStop())
-
-
-def llada_parts(model, st, given, generator, c: Canvas, eos):
-    """LLaDA's step rule, selection rule, cache policy and stop rule from the call's settings `st`: its schedule
-    ranked as the official call ranks at the official width around the block [s, e) (ties decide alike): FlashDLM's
-    topk over the canvas, Fast-dLLM's sort of the fed chunk."""
-    select = parallel_rule(st) or (Schedule(lambda at: (at.s, at.x.shape[1] - at.e), topk=True) if st.cache == "free"
-                                   else Schedule(lambda at: (at.s - at.span[0], at.span[1] - at.e) if at.span else (0, 0)))
-    rule = st.propose or LLaDA(steps_per_block=st.steps // (st.gen_length // st.block_length),
-                               temperature=st.temperature, remasking=st.remasking, generator=generator,
-                               mask_id=model.config.mask_id)
-    cache = st.cache if isinstance(st.cache, CachePolicy) else CACHE_POLICIES[st.cache]()
-    return Parts(rule, select, cache, stop_rule(st, c, eos, model.config.mask_id))
-
-
-# LLaDA's part of the set-up (family.Family): its one default, low_confidence remasking; no refusal of its own (every
-# LLaDA refusal is options.py's: its samplers' options, check_family; the other families' settings, check_readers).
-LLADA = Family(defaults=lambda cfg, st, given: dict(remasking=st.remasking or "low_confidence"),
-               check=lambda cfg, st, given, longest, name=None: None, canvas=answer_canvas, parts=llada_parts)
 
 
 def eos_reached(x, P, e: int, eos: torch.Tensor, mask_id: int, run: int | bool):
