@@ -27,7 +27,7 @@ def described(v) -> str:
     return f"a {tuple(v.shape)} {v.dtype} tensor" if isinstance(v, torch.Tensor) else repr(v)
 
 
-OURS = ("sampler", "dream", "blockdiff", "llada2", "guided", "uniform")   # the built-in hooks' modules
+OURS = ("sampler", "dream", "blockdiff", "llada2", "guided", "uniform", "cache")   # the built-in hooks' modules
 
 
 class Checked:
@@ -49,6 +49,41 @@ def guarded(step_rule, select, stop):
     return (Checked(step_rule, step_rule.propose, proposal) if fork(step_rule) else step_rule.propose,
             Checked(select, select, selection) if fork(select) else select,
             Checked(stop, stop, stopped) if fork(stop) else stop)
+
+
+class CheckedPolicy:
+    """A fork's cache policy as the feed calls it (`guarded_policy`): its span, key mask and slots checked as they come
+    back, and the keys/values written so far followed, so that no fed query attends to a key no call has written yet
+    (a KV cache starts empty). The built-in policies keep these by construction (tests/test_cache.py). sees: the
+    canvas's (family.Canvas.sees); reads_block: the step rule's (fastdllm.Plan.reads_block)."""
+
+    def __init__(self, policy, sees, reads_block: bool):
+        self.__wrapped__, self.sees, self.reads_block, self.written = policy, sees, reads_block, 0
+        self.keeps_cache, self.spare, self.fixed_width = policy.keeps_cache, policy.spare, policy.fixed_width
+        self.keys = policy.keys and (lambda at: key_mask(policy.keys(at), at.x.shape, policy))
+        self.slots = policy.slots and (lambda at, fed: slots(policy.slots(at, fed), at.x.shape[0], fed, policy))
+
+    def span(self, at):
+        got, L = self.__wrapped__.span(at), at.x.shape[1]
+        if isinstance(got, torch.Tensor):        # a set of positions: fastdllm.Plan.feed checks it (`positions`)
+            self.written = L if got.numel() == L else self.written
+            return got
+        a, b = got if isinstance(got, (tuple, list)) and len(got) == 2 else (None, None)
+        if not (type(a) is int and type(b) is int and 0 <= a < b <= L):
+            refuse_span(self.__wrapped__, at, got)
+        first = 0 if self.reads_block else at.masked_cols[0] if at.masked_cols else None
+        a_fed = a - at.shift if first is not None and a == at.s + first else a     # as the feed shifts it
+        seen_to = self.sees(b)
+        if self.keeps_cache and not (a_fed <= self.written and max(self.written, b) >= seen_to):
+            refuse_unwritten(self.__wrapped__, at, (a_fed, b), self.written, seen_to)
+        self.written = max(self.written, b) if a_fed <= self.written else self.written
+        return got
+
+
+def guarded_policy(cache, sees, reads_block: bool):
+    """The cache policy the feed calls, decided once (fastdllm.make_plan): a fork's wrapped in `CheckedPolicy`, a
+    built-in's as it is."""
+    return cache if type(cache).__module__ in OURS else CheckedPolicy(cache, sees, reads_block)
 
 
 def step_rules(x, at, p, take, ended, before, open_, plan) -> torch.Tensor:

@@ -72,7 +72,6 @@ class Seen(NamedTuple):
     cols: torch.Tensor        # the block's columns still open in some row (at a block's end: the next block's)
     masked_cols: list         # the same on the host
     canvas: torch.Tensor      # the canvas as this step left it (the next step may change only its open positions)
-    written: int              # keys/values [0, written) hold some call's (a KV cache's first call must reach the rest)
     calls: int = 0            # model calls so far in this generation
     answer_ended: bool = False
     block_ended: bool = False
@@ -120,37 +119,33 @@ class Plan:
         at = Step(seen.calls, i, s, e, x, self.undecided(x)[:, s:e], self.shift, self.mask_id, self.canvas.prompt, seen.cols,
                   seen.masked_cols)
         cols, listed = (self.ar[:e - s], range(e - s)) if self.reads_block else (seen.cols, seen.masked_cols)
-        wanted, L = self.cache.span(at), x.shape[1]
+        wanted = self.cache.span(at)               # (a fork's policy: checked as it comes back, checks.CheckedPolicy)
         if isinstance(wanted, torch.Tensor):       # a fork's set of positions: checked with one more host read
             fed, span, chunk = wanted, None, wanted
             rows = checks.positions(wanted, at, cols, self.kv is not None, self.cache)
         else:
-            a, b = wanted if isinstance(wanted, (tuple, list)) and len(wanted) == 2 else (None, None)
-            if not (type(a) is int and type(b) is int and 0 <= a < b <= L):
-                checks.refuse_span(self.cache, at, wanted)
-            # The logits shift: block column c is predicted from position s + c - shift (shift 0: LLaDA's, SDAR's).
-            # A shifted family's span that starts at the first wanted column starts one earlier; the wanted columns
-            # whose predicting position the span holds get logits, at their rows among the fed positions. With shift
-            # 0 and a span covering the block (every built-in policy's), that is every wanted column.
+            a, b = wanted
+            # The logits shift: block column c is predicted from position s + c - shift (shift 0: LLaDA's, SDAR's,
+            # DiffusionGemma's). A shifted family's span that starts at the first wanted column starts one earlier; the
+            # wanted columns whose predicting position the span holds get logits, at their rows among the fed
+            # positions. With shift 0 and a span covering the block (every built-in policy's), that is every wanted
+            # column, at row c + s - a. E.g. LLaDA, DualCache, block [18, 26) at step 1 with columns 0, 1, 3, 4 still
+            # masked: span (18, 26), cols = rows = [0, 1, 3, 4]; Dream there, columns 1, 3, 4 masked: rows = cols - 1.
             a -= self.shift if listed and a == s + listed[0] else 0
             lo, hi = bisect.bisect_left(listed, a - s + self.shift), bisect.bisect_left(listed, b - s + self.shift)
             cols = cols[lo:max(lo, hi)]
             rows = cols + (s - self.shift - a)
-            # Keys a fed query sees must all have been written (a KV cache starts empty).
-            seen_to = self.canvas.sees(b)
-            if self.kv is not None and not (a <= seen.written and max(seen.written, b) >= seen_to):
-                checks.refuse_unwritten(self.cache, at, (a, b), seen.written, seen_to)
             fed, span, chunk = self.ar[a:b], (a, b), slice(a, b)
         # The attention mask: the fed queries' rows of the plan's (padding, a grid) and the policy's key mask, if any;
         # the keys are the canvas when a KV cache holds it, else the fed positions alone.
-        mask, keys = self.canvas.mask, self.cache.keys and checks.key_mask(self.cache.keys(at), x.shape, self.cache)
+        mask, keys = self.canvas.mask, self.cache.keys and self.cache.keys(at)
         if mask is not None:
             mask = mask[:, :, chunk] if self.kv is not None else mask[:, :, chunk][..., chunk]
         if keys is not None:
             keys = (keys if self.kv is not None else keys[:, chunk])[:, None, None, :]
             mask = keys if mask is None else mask & keys
         # slots: where each row writes the fed keys/values: at the fed positions (a policy's own slots: per row)
-        slots = self.cache.slots and checks.slots(self.cache.slots(at, fed), x.shape[0], fed, self.cache)
+        slots = self.cache.slots and self.cache.slots(at, fed)
         # The model call (model.hidden, or its CUDA graph): every layer writes the fed positions' keys/values into
         # self.kv at `slots` (cache.KVCache.update: index_copy_ on the slot axis) and attends over all the cache holds.
         at.hidden = self.layers(x[:, chunk], self.canvas.pos[:, chunk], self.kv, fed if slots is None else slots, mask)
@@ -162,7 +157,7 @@ class Plan:
         stats, empty (generate()'s docstring names them)."""
         s, e = self.canvas.blocks[0]
         lo = max(int(self.canvas.prompt[:, 1].min()) - s, 0)          # the first column any row leaves open
-        return Seen(cols=self.ar[lo:e - s], masked_cols=list(range(lo, e - s)), canvas=x.clone(), written=0), dict(
+        return Seen(cols=self.ar[lo:e - s], masked_cols=list(range(lo, e - s)), canvas=x.clone()), dict(
             nfe=0, row_nfe=0, row_committed=0, fed=[], committed=[], edited=[], filled=[], calls_saved=0, guide_calls=0)
 
     def read(self, x, at: Step, p: S.Proposal, take, ended, seen: Seen, stats: dict) -> Seen:
@@ -199,15 +194,11 @@ class Plan:
         if block_ended:                                  # the next block's open columns (its first feed's logits)
             still, open_cols = [c for c, m in enumerate(after) if m], open_cols[e - s:]
         cols = open_cols[:len(open_cols) if block_ended else e - s].nonzero_static(size=len(still)).squeeze(1)
-        # The keys/values written so far reach `written`: a span extends it if it starts inside; a fork's set of
-        # positions counts only when it is the whole canvas.
-        a, b = at.span or (0, x.shape[1] if at.fed.shape[0] == x.shape[1] else 0)
-        written = max(seen.written, b) if a <= seen.written else seen.written
         # Each row's answer tokens no later call changes: a rule that edits may still rewrite the block's (a stream
         # shows them at its end).
         final = (at.e if block_ended else at.s) if self.edits else x.shape[1]
         stats["final"] = [max(final - a, 0) for a in self.answer_at]
-        return Seen(cols=cols, masked_cols=still, canvas=x.clone(), written=written, calls=seen.calls + 1,
+        return Seen(cols=cols, masked_cols=still, canvas=x.clone(), calls=seen.calls + 1,
                     answer_ended=bool(answer_ended), block_ended=block_ended, post=0 if block_ended else post)
 
     def finish(self, x, stats: dict, t0: float) -> tuple[torch.Tensor, dict]:
@@ -231,13 +222,14 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     eos = torch.tensor(sorted(set(st.eos_ids or cfg.eos_ids or [cfg.eos_id]) - {None}), dtype=torch.long, device=device)
     c = family.canvas(prompt.to(device), attention_mask, st, cfg, eos)
     step_rule, select, cache, stop, wrap, view = family.parts(model, st, options, generator, c, eos)
-    propose, checked_select, checked_stop = checks.guarded(step_rule, select, stop)     # a fork's: checked
-    cache = Refresh(cache) if st.refresh_every_step else cache
-    (B, L), blocks = c.x.shape, c.blocks
-    layers, kv = model_call(model, st.compile, st.cuda_graphs, cache, B, L, wrap)   # eager, CUDA graphs or compiled
     # The step rule's protocol: sampler.StepRule's attributes (a fork's rule may not subclass it: theirs by default).
     spb, exact, post, reads_block, edits = (getattr(step_rule, k, getattr(S.StepRule, k)) for k in (
         "steps_per_block", "exact_steps", "max_post_steps", "reads_block", "edits"))
+    propose, checked_select, checked_stop = checks.guarded(step_rule, select, stop)     # a fork's: checked
+    cache = checks.guarded_policy(cache, c.sees, reads_block)
+    cache = Refresh(cache) if st.refresh_every_step else cache
+    (B, L), blocks = c.x.shape, c.blocks
+    layers, kv = model_call(model, st.compile, st.cuda_graphs, cache, B, L, wrap)   # eager, CUDA graphs or compiled
     # A block still open past its schedule, one step a position and the rule's post steps has a rule that commits
     # nothing (patience): the read refuses it rather than loop for ever.
     ar = torch.arange(L, device=device)

@@ -445,3 +445,12 @@ def test_only_a_forks_hooks_are_checked_at_the_boundary():
     propose, take, ended = checks.guarded(mine, lambda p, at: p.open, stop)
     assert isinstance(propose, checks.Checked) and isinstance(take, checks.Checked) and ended is stop
     assert (checks.name(propose), checks.name(take)) == ("Mine", "<lambda>")
+    from cache import DualCache
+    dual = DualCache()
+
+    class MyDual(DualCache):
+        pass
+
+    assert checks.guarded_policy(dual, lambda b: 64, False) is dual
+    theirs = checks.guarded_policy(MyDual(), lambda b: 64, False)
+    assert isinstance(theirs, checks.CheckedPolicy) and checks.name(theirs) == "MyDual"
