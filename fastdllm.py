@@ -100,7 +100,8 @@ class Plan:
     undecided: Callable       # x -> (B, L) bool: the positions a step may still write: x == mask_id (a step rule's own
                               #   `undecided` where it has one: DiffusionGemma's canvas while it denoises)
     mask_id: int
-    shift: int                # the family's logits shift (Dream, Fast-dLLM v2: position p is predicted from p - 1)
+    shift: int                # the family's logits shift (Dream, Fast-dLLM v2: 1, position p is predicted from p - 1;
+                              #   the others 0)
     exact_steps: int | None   # a block takes exactly these calls (DreamCanvas: diffusion_generate); None: until no mask
     patience: int             # calls after which a block still open is a rule that commits nothing
     calls_per_block: int      # the fewest calls a block takes (for calls_saved)
@@ -116,8 +117,8 @@ class Plan:
     def feed(self, x, seen: Seen, i: int, s: int, e: int) -> tuple[Step, torch.Tensor]:
         """1. feed: where this step stands, what the cache policy feeds, one model call -> (at, logits (B, n, V) at the
         block columns at.cols: those the step wants whose predicting positions were fed)."""
-        at = Step(seen.calls, i, s, e, x, self.undecided(x)[:, s:e], self.shift, self.mask_id, self.canvas.prompt, seen.cols,
-                  seen.masked_cols)
+        at = Step(seen.calls, i, s, e, x, self.undecided(x)[:, s:e], self.shift, self.mask_id, self.canvas.prompt,
+                  seen.cols, seen.masked_cols)
         cols, listed = (self.ar[:e - s], range(e - s)) if self.reads_block else (seen.cols, seen.masked_cols)
         wanted = self.cache.span(at)               # (a fork's policy: checked as it comes back, checks.CheckedPolicy)
         if isinstance(wanted, torch.Tensor):       # a fork's set of positions: checked with one more host read
@@ -182,9 +183,10 @@ class Plan:
                            ("filled", changed - committed - edits)):
             stats[key].append(value)
         stats.update(nfe=stats["nfe"] + 1, guide_calls=getattr(self.step_rule, "guide_calls", 0))
-        # A block ends once none of it is open (for a rule that does not edit, max_post_steps 0: that alone), and for a
-        # rule that edits (LLaDA2.1's T2T) once its last call changed nothing too, or after its max_post_steps calls that
-        # found it all decided; or after exactly exact_steps calls (Dream's own sampler).
+        # A block ends once none of it is open (for a rule that does not edit, max_post_steps 0: that alone; a canvas of
+        # DiffusionGemma's once its step rule stops denoising it, GemmaStep.undecided), and for a rule that edits
+        # (LLaDA2.1's T2T) once its last call changed nothing too, or after its max_post_steps calls that found it all
+        # decided; or after exactly exact_steps calls (Dream's own sampler).
         still = [c for c, m in enumerate(here) if m]
         post = (seen.post if at.i else 0) + (not at.masked_cols)
         block_ended = at.i + 1 == self.exact_steps if self.exact_steps else not still and (
@@ -215,7 +217,19 @@ class Plan:
 
 def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=None):
     """Turn the settings into the parts the loop calls, once: everything here depends only on the call's settings,
-    so the loop has no branch on a setting. -> (the plan, the canvas it starts from: [prompt, MASK x gen_length])."""
+    so the loop has no branch on a setting. -> (the plan, the canvas it starts from: [prompt, MASK x gen_length]).
+    What a built-in call's plan holds (each family's `parts`; cache "none", generate()'s default, is NoCache, Window
+    for LLaDA2, Recompute for DiffusionGemma; stop: NoStop, or with stop_at_eos sampler.EndOfText or the family's):
+      family, shift      step rule             select: threshold | factor | none   cache: prefix | dual | free
+      LLaDA, 0           sampler.LLaDA         Threshold | Factor | Schedule       PrefixCache | DualCache | FreeCache
+      Dream, 1           sampler.Dream         the same                            the same (dream.py: other clocks)
+      Fast-dLLM v2, 1    blockdiff.FastDLLMv2  Threshold(t or 1.0, strict)         BlockPrefix | SubBlockCache
+      SDAR, 0            blockdiff.SDAR        its remasking's (Schedule)          BlockPrefix | SubBlockCache
+      LLaDA2.x, 0        llada2.LLaDA2         DynamicThreshold(t or 0.95)         BlockWindow
+      DiffusionGemma, 0  uniform.GemmaStep     EntropyBound(0.1), stop CanvasEnd   BlockWindow
+      guided             guided.Guided         Schedule (the guide's verdict)      PrefixCache | GuidedFreeCache
+    layers: model.hidden (on CUDA replayed from its CUDA graphs, graphs.py; DiffusionGemma's via uniform.GemmaCall).
+    A fork's hook is wrapped so that its answers are checked (checks.guarded, guarded_policy); a built-in's is not."""
     cfg, device = model.config, model.lm_head.weight.device
     st, family = checked(model, prompt, options, attention_mask, generator, on_step)    # options.py
     generator = generator or torch.Generator(device).manual_seed(0)
