@@ -1,14 +1,11 @@
 """
-fastdllm.py: fast inference for masked-diffusion LLMs (LLaDA, Dream; block diffusion: Fast-dLLM v2, SDAR, LLaDA2):
-generate(), its plan and the one loop.
-
-A diffusion LM generates by denoising: the answer starts as gen_length [MASK] tokens, and each model call ("step",
-counted as NFE) predicts every masked position and commits some. generate() decides once (`make_plan`) four parts a
-fork can replace: the cache policy (cache.py: Fast-dLLM's prefix and DualCache, arXiv 2505.22618 section 3.2;
-FlashDLM's FreeCache, arXiv 2505.21467; a block-causal model's exact prefix cache), the step rule (sampler.py: how
-LLaDA and Dream propose; blockdiff.py: Fast-dLLM v2 and SDAR; guided.py: FlashDLM's guided diffusion), the selection
-rule (Fast-dLLM's threshold and factor decoding, section 3.3) and the stop rule. Then one loop, each step feed ->
-propose -> select -> commit -> stop, with one host read. The CLI is cli.py.
+fastdllm.py: fast inference for diffusion LLMs (LLaDA, Dream; block diffusion: Fast-dLLM v2, SDAR, LLaDA2;
+DiffusionGemma): generate(), its plan and the one loop. A diffusion LM generates by denoising: the answer starts as
+gen_length [MASK] tokens (DiffusionGemma's: random ones), and each model call ("step", counted as NFE) predicts every
+open position and commits some. generate() decides once (`make_plan`, whose docstring lists what each family's plan holds) four parts a fork can
+replace: the cache policy (cache.py: Fast-dLLM's prefix cache and DualCache, arXiv 2505.22618 section 3.2; FlashDLM's
+FreeCache, arXiv 2505.21467), the step rule, the selection rule (Fast-dLLM's threshold and factor decoding, section
+3.3) and the stop rule. Then one loop, each step feed -> propose -> select -> commit -> stop, with one host read.
 """
 import bisect
 import itertools
@@ -137,15 +134,17 @@ class Plan:
             cols = cols[lo:max(lo, hi)]
             rows = cols + (s - self.shift - a)
             fed, span, chunk = self.ar[a:b], (a, b), slice(a, b)
-        # The attention mask: the fed queries' rows of the plan's (padding, a grid) and the policy's key mask, if any;
-        # the keys are the canvas when a KV cache holds it, else the fed positions alone.
+        # The attention mask: the fed queries' rows of the plan's (padding, a grid; None: LLaDA's and Dream's unpadded
+        # canvas) and the policy's key mask (keys: None for every built-in policy; a fork's, DPad's); the keys are the
+        # canvas when a KV cache holds it, else the fed positions alone.
         mask, keys = self.canvas.mask, self.cache.keys and self.cache.keys(at)
         if mask is not None:
             mask = mask[:, :, chunk] if self.kv is not None else mask[:, :, chunk][..., chunk]
         if keys is not None:
             keys = (keys if self.kv is not None else keys[:, chunk])[:, None, None, :]
             mask = keys if mask is None else mask & keys
-        # slots: where each row writes the fed keys/values: at the fed positions (a policy's own slots: per row)
+        # slots: where each row writes the fed keys/values: at the fed positions (a policy's own slots, per row: those
+        # of FreeCache and the sub-block cache in a batch, where a row that must keep its keys writes to a discard slot)
         slots = self.cache.slots and self.cache.slots(at, fed)
         # The model call (model.hidden, or its CUDA graph): every layer writes the fed positions' keys/values into
         # self.kv at `slots` (cache.KVCache.update: index_copy_ on the slot axis) and attends over all the cache holds.
@@ -167,7 +166,10 @@ class Plan:
         row's answer."""
         s, e = at.s, at.e
         open_ = self.undecided(x)                                            # (B, L) after this step
-        broken = checks.step_rules(x, at, p, take, ended, seen.canvas, open_, self)   # (7,) bool: a hook broke a rule
+        # (7,) bool on the device, one per rule a hook may break: non-finite logits; a proposal opening a decided
+        # position; opening one without logits; a selection outside the proposal; a change to a decided position; an
+        # ended row still open; a token outside the vocabulary. refuse_step names the hook.
+        broken = checks.step_rules(x, at, p, take, ended, seen.canvas, open_, self)
         stats["row_nfe"] = stats["row_nfe"] + (at.masked.any(-1) if p.busy is None else p.busy)  # on the device
         stats["row_committed"] = stats["row_committed"] + take.sum(-1)
         counts = torch.stack([p.open.any(), ended.all(), take.sum(), (x != seen.canvas).sum(),
