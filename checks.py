@@ -42,20 +42,10 @@ class Checked:
         return self.check(self.call(*args), args[1], self.__wrapped__)
 
 
-def guarded(step_rule, select, stop):
-    """The three hooks the loop calls each step, decided once (fastdllm.make_plan) -> (propose, select, stop): a fork's
-    wrapped in `Checked`, a built-in's as it is."""
-    fork = lambda hook: type(getattr(hook, "__self__", hook)).__module__ not in OURS   # noqa: E731
-    return (Checked(step_rule, step_rule.propose, proposal) if fork(step_rule) else step_rule.propose,
-            Checked(select, select, selection) if fork(select) else select,
-            Checked(stop, stop, stopped) if fork(stop) else stop)
-
-
 class CheckedPolicy:
-    """A fork's cache policy as the feed calls it (`guarded_policy`): its span, key mask and slots checked as they come
+    """A fork's cache policy as the feed calls it (`guarded`): its span, key mask and slots checked as they come
     back, and the keys/values written so far followed, so that no fed query attends to a key no call has written yet
-    (a KV cache starts empty). The built-in policies keep these by construction (tests/test_cache.py). sees: the
-    canvas's (family.Canvas.sees); reads_block: the step rule's (fastdllm.Plan.reads_block)."""
+    (a KV cache starts empty). The built-in policies keep these by construction (tests/test_cache.py)."""
 
     def __init__(self, policy, sees, reads_block: bool):
         self.__wrapped__, self.sees, self.reads_block, self.written = policy, sees, reads_block, 0
@@ -80,10 +70,15 @@ class CheckedPolicy:
         return got
 
 
-def guarded_policy(cache, sees, reads_block: bool):
-    """The cache policy the feed calls, decided once (fastdllm.make_plan): a fork's wrapped in `CheckedPolicy`, a
-    built-in's as it is."""
-    return cache if type(cache).__module__ in OURS else CheckedPolicy(cache, sees, reads_block)
+def guarded(step_rule, select, stop, cache, sees, reads_block: bool):
+    """The hooks the loop calls, decided once (fastdllm.make_plan) -> (propose, select, stop, cache): a fork's wrapped
+    (`Checked`, `CheckedPolicy`), a built-in's as it is (a class defined in OURS; a fork's subclass of one is a fork's).
+    sees: the canvas's (family.Canvas.sees); reads_block: the step rule's (fastdllm.Plan.reads_block)."""
+    fork = lambda hook: type(hook).__module__ not in OURS   # noqa: E731
+    return (Checked(step_rule, step_rule.propose, proposal) if fork(step_rule) else step_rule.propose,
+            Checked(select, select, selection) if fork(select) else select,
+            Checked(stop, stop, stopped) if fork(stop) else stop,
+            CheckedPolicy(cache, sees, reads_block) if fork(cache) else cache)
 
 
 def step_rules(x, at, p, take, ended, before, open_, plan) -> torch.Tensor:

@@ -49,6 +49,14 @@ class Parts(NamedTuple):
     view: Callable | None = None     # the canvas -> on_step's, if not Canvas.view (DiffusionGemma: the step's argmax)
 
 
+def pad_prompts(rows: list[list[int]], pad_id: int):
+    """Prompts of different lengths -> (ids (B, P), attention_mask (B, P)), left-padded so that every answer
+    starts at the same canvas position."""
+    P = max(len(r) for r in rows)
+    ids = torch.tensor([[pad_id] * (P - len(r)) + list(r) for r in rows])
+    return ids, (torch.arange(P) >= torch.tensor([[P - len(r)] for r in rows])).long()
+
+
 def same(x):
     return x
 

@@ -19,16 +19,8 @@ import checks
 import sampler as S
 from options import Settings, checked, settings  # noqa: F401  (fastdllm.Settings, fastdllm.settings)
 from cache import CachePolicy, KVCache, Refresh
-from family import Canvas
+from family import Canvas, pad_prompts  # noqa: F401  (fastdllm.pad_prompts)
 from graphs import Compiled, CudaGraphs, model_call  # noqa: F401  (fastdllm.Compiled, fastdllm.CudaGraphs)
-
-
-def pad_prompts(rows: list[list[int]], pad_id: int):
-    """Prompts of different lengths -> (ids (B, P), attention_mask (B, P)), left-padded so that every answer
-    starts at the same canvas position."""
-    P = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_id] * (P - len(r)) + list(r) for r in rows])
-    return ids, (torch.arange(P) >= torch.tensor([[P - len(r)] for r in rows])).long()
 
 
 @dataclass(eq=False)
@@ -110,6 +102,13 @@ class Plan:
                               #   DiffusionGemma's; the others False)
     edits: bool               # the step rule may rewrite its block until it ends (LLaDA2.1's, DiffusionGemma's)
     max_post_steps: int       # calls a block may take once it has no mask (LLaDA2.1's; the others 0)
+
+    def __str__(self):
+        """What this call runs, by name: print(plan) (make_plan's table, for one call)."""
+        runs = lambda part: checks.name(getattr(part, "func", part))    # noqa: E731  (a CUDA graph's: partial)
+        return (f"cache {runs(self.cache)}, step rule {runs(self.step_rule)}, select {runs(self.select)}, stop "
+                f"{runs(self.stop)}, layers {runs(self.layers)}, KV cache {self.kv is not None}, shift {self.shift}, "
+                f"blocks {self.canvas.blocks}")
 
     def feed(self, x, seen: Seen, i: int, s: int, e: int) -> tuple[Step, torch.Tensor]:
         """1. feed: where this step stands, what the cache policy feeds, one model call -> (at, logits (B, n, V) at the
@@ -231,7 +230,8 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
       DiffusionGemma, 0  uniform.GemmaStep     EntropyBound(0.1), stop CanvasEnd   BlockWindow
       guided             guided.Guided         Schedule (the guide's verdict)      PrefixCache | GuidedFreeCache
     layers: model.hidden (on CUDA replayed from its CUDA graphs, graphs.py; DiffusionGemma's via uniform.GemmaCall).
-    A fork's hook is wrapped so that its answers are checked (checks.guarded, guarded_policy); a built-in's is not."""
+    A fork's hook is wrapped so that its answers are checked (checks.guarded); a built-in's is not. One call's, by
+    name: print(make_plan(model, prompt, dict(cache="dual", threshold=0.9), None, None)[0])."""
     cfg, device = model.config, model.lm_head.weight.device
     st, family = checked(model, prompt, options, attention_mask, generator, on_step)    # options.py
     generator = generator or torch.Generator(device).manual_seed(0)
@@ -241,8 +241,7 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
     # The step rule's protocol: sampler.StepRule's attributes (a fork's rule may not subclass it: theirs by default).
     spb, exact, post, reads_block, edits = (getattr(step_rule, k, getattr(S.StepRule, k)) for k in (
         "steps_per_block", "exact_steps", "max_post_steps", "reads_block", "edits"))
-    propose, checked_select, checked_stop = checks.guarded(step_rule, select, stop)     # a fork's: checked
-    cache = checks.guarded_policy(cache, c.sees, reads_block)
+    propose, checked_select, checked_stop, cache = checks.guarded(step_rule, select, stop, cache, c.sees, reads_block)
     cache = Refresh(cache) if st.refresh_every_step else cache
     (B, L), blocks = c.x.shape, c.blocks
     layers, kv = model_call(model, st.compile, st.cuda_graphs, cache, B, L, wrap)   # eager, CUDA graphs or compiled

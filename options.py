@@ -301,7 +301,10 @@ def check_hooks(st, on_step=None):
 def check_call(model, prompt, st, attention_mask, generator, on_step, defaults, given):
     """Every check of one generate() call, in the order that names the first real problem. `st` holds the
     call's settings with every default decided (`settings`), `defaults` the defaults (Settings),
-    `given` the settings the caller passed."""
+    `given` the settings the caller passed. Every family's call runs them all: the values and types (check_settings),
+    the prompt and the family's sampler options (check_prompt, check_family), end of text (check_stop), the hooks
+    (check_hooks), guided-only and other families' settings left at their defaults (check_unguided, check_readers);
+    then the family's own (Family.check; LLaDA has none). check_early is the programs', before the weights load."""
     cfg = model.config
     if cfg.causal:
         bad("this is a causal LM (model_type qwen2), not a diffusion LM: pass it as guide= and a "

@@ -435,22 +435,29 @@ def test_only_a_forks_hooks_are_checked_at_the_boundary():
     back; the built-in hooks are called as they are (a fork subclassing one is still a fork's, and named as written)."""
     import checks
     from sampler import NoStop
-    rule, select, stop = LLaDA(steps_per_block=1, mask_id=5), Threshold(0.9), NoStop()
-    assert checks.guarded(rule, select, stop) == (rule.propose, select, stop)
+    from cache import DualCache
+    rule, select, stop, dual, sees = LLaDA(steps_per_block=1, mask_id=5), Threshold(0.9), NoStop(), DualCache(), len
+    assert checks.guarded(rule, select, stop, dual, sees, False) == (rule.propose, select, stop, dual)
 
     class Mine(LLaDA):
         pass
 
-    mine = Mine(steps_per_block=1, mask_id=5)
-    propose, take, ended = checks.guarded(mine, lambda p, at: p.open, stop)
-    assert isinstance(propose, checks.Checked) and isinstance(take, checks.Checked) and ended is stop
-    assert (checks.name(propose), checks.name(take)) == ("Mine", "<lambda>")
-    from cache import DualCache
-    dual = DualCache()
-
     class MyDual(DualCache):
         pass
 
-    assert checks.guarded_policy(dual, lambda b: 64, False) is dual
-    theirs = checks.guarded_policy(MyDual(), lambda b: 64, False)
+    mine = Mine(steps_per_block=1, mask_id=5)
+    propose, take, ended, theirs = checks.guarded(mine, lambda p, at: p.open, stop, MyDual(), sees, False)
+    assert isinstance(propose, checks.Checked) and isinstance(take, checks.Checked) and ended is stop
+    assert (checks.name(propose), checks.name(take)) == ("Mine", "<lambda>")
     assert isinstance(theirs, checks.CheckedPolicy) and checks.name(theirs) == "MyDual"
+
+
+def test_a_plan_names_the_parts_it_runs(llada):
+    """print(plan): the parts make_plan chose, by name (a fork's by its own name, though the loop calls it checked)."""
+    from fastdllm import make_plan
+    prompt, kw = torch.tensor([[815, 723, 294, 53, 204]]), dict(gen_length=16, block_length=8)
+    plan, _ = make_plan(llada, prompt, dict(kw, cache="dual", threshold=0.9), None, None)
+    assert str(plan).startswith("cache DualCache, step rule LLaDA, select Threshold, stop NoStop, layers "
+                                "Transformer.hidden, KV cache True, shift 0, blocks [(5, 13), (13, 21)]")
+    plan, _ = make_plan(llada, prompt, dict(kw, select=lambda p, at: p.open, stop_at_eos=True), None, None)
+    assert "select <lambda>, stop EndOfText" in str(plan)
