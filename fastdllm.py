@@ -2,10 +2,11 @@
 fastdllm.py: fast inference for diffusion LLMs (LLaDA, Dream; block diffusion: Fast-dLLM v2, SDAR, LLaDA2;
 DiffusionGemma): generate(), its plan and the one loop. A diffusion LM generates by denoising: the answer starts as
 gen_length [MASK] tokens (DiffusionGemma's: random ones), and each model call ("step", counted as NFE) predicts every
-open position and commits some. generate() decides once (`make_plan`, whose docstring lists what each family's plan holds) four parts a fork can
-replace: the cache policy (cache.py: Fast-dLLM's prefix cache and DualCache, arXiv 2505.22618 section 3.2; FlashDLM's
-FreeCache, arXiv 2505.21467), the step rule, the selection rule (Fast-dLLM's threshold and factor decoding, section
-3.3) and the stop rule. Then one loop, each step feed -> propose -> select -> commit -> stop, with one host read.
+open position and commits some. generate() decides once (`make_plan`, whose docstring lists what each family's plan
+holds) four parts a fork can replace: the cache policy (cache.py: Fast-dLLM's prefix cache and DualCache, arXiv
+2505.22618 section 3.2; FlashDLM's FreeCache, arXiv 2505.21467), the step rule, the selection rule (Fast-dLLM's
+threshold and factor decoding, section 3.3) and the stop rule. Then one loop, each step feed -> propose -> select ->
+commit -> stop, with one host read.
 """
 import bisect
 import itertools
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 import checks
 import sampler as S
@@ -21,6 +23,11 @@ from options import Settings, checked, settings  # noqa: F401  (fastdllm.Setting
 from cache import CachePolicy, KVCache, Refresh
 from family import Canvas, pad_prompts  # noqa: F401  (fastdllm.pad_prompts)
 from graphs import Compiled, CudaGraphs, model_call  # noqa: F401  (fastdllm.Compiled, fastdllm.CudaGraphs)
+
+
+# generate()'s stats, one entry per model call: positions fed; committed (taken), edited (a rule's rewrite of its
+# block), renewed (a rule's `rest`: DiffusionGemma's renoise, its canvas's last argmax), filled (by the stop rule).
+STATS_PER_CALL = ("fed", "committed", "edited", "renewed", "filled")
 
 
 @dataclass(eq=False)
@@ -81,16 +88,14 @@ class Plan:
     select: Callable          #   answers' shapes are checked as they come back (checks.guarded); the selection rule:
     stop: Callable            #   which proposals a step commits; the stop rule: which rows' answers have ended
     model: torch.nn.Module
-    layers: Callable          # layers(ids, pos, kv, slots, mask) -> the fed positions' hidden states: each layer writes
-                              #   their keys/values into kv at `slots` (cache.KVCache.update) and attends over all kv
-                              #   holds. model.hidden, eager, replayed from CUDA graphs or compiled (graphs.py); a
-                              #   family's own call where it has one (DiffusionGemma's: uniform.GemmaCall)
+    layers: Callable          # layers(ids, pos, kv, slots, mask) -> the fed positions' hidden states (Plan.feed):
+                              #   model.hidden, eager, replayed from CUDA graphs or compiled (graphs.py); a family's
+                              #   own call where it has one (DiffusionGemma's: uniform.GemmaCall)
     kv: KVCache | None        # keys/values of the whole canvas (None: cache "none" attends over what it feeds)
     undecided: Callable       # x -> (B, L) bool: the positions a step may still write: x == mask_id (a step rule's own
                               #   `undecided` where it has one: DiffusionGemma's canvas while it denoises)
     mask_id: int
-    shift: int                # the family's logits shift (Dream, Fast-dLLM v2: 1, position p is predicted from p - 1;
-                              #   the others 0)
+    shift: int                # the logits shift: Dream, Fast-dLLM v2 1 (p is predicted from p - 1), the others 0
     exact_steps: int | None   # a block takes exactly these calls (DreamCanvas: diffusion_generate); None: until no mask
     patience: int             # calls after which a block still open is a rule that commits nothing
     calls_per_block: int      # the fewest calls a block takes (for calls_saved)
@@ -98,13 +103,11 @@ class Plan:
     ar: torch.Tensor          # arange(L): spans and columns as views, no kernel
     next_end: dict            # block start -> the next block's end (a read reports the next block's open columns)
     answer_at: list           # each row's answer start on the canvas, on the host (stats["final"])
-    reads_block: bool         # the step rule reads logits at every block column, not only the masked (LLaDA2.1's,
-                              #   DiffusionGemma's; the others False)
+    reads_block: bool         # the step rule reads logits at every block column (LLaDA2.1's, DiffusionGemma's)
     edits: bool               # the step rule may rewrite its block until it ends (LLaDA2.1's, DiffusionGemma's)
     max_post_steps: int       # calls a block may take once it has no mask (LLaDA2.1's; the others 0)
 
-    def __str__(self):
-        """What this call runs, by name: print(plan) (make_plan's table, for one call)."""
+    def __str__(self):        # what this call runs, by name: print(plan) (make_plan's table, for one call)
         runs = lambda part: checks.name(getattr(part, "func", part))    # noqa: E731  (a CUDA graph's: partial)
         return (f"cache {runs(self.cache)}, step rule {runs(self.step_rule)}, select {runs(self.select)}, stop "
                 f"{runs(self.stop)}, layers {runs(self.layers)}, KV cache {self.kv is not None}, shift {self.shift}, "
@@ -152,12 +155,11 @@ class Plan:
         return at, self.model.logits(at.hidden, rows)          # the final norm and the LM head, at those rows only
 
     def start(self, x) -> tuple[Seen, dict]:
-        """The state before the first step: the first block's columns past the shortest prompt (on the host), and the
-        stats, empty (generate()'s docstring names them)."""
+        """Before the first step: the first block's columns past the shortest prompt, and the stats, empty."""
         s, e = self.canvas.blocks[0]
         lo = max(int(self.canvas.prompt[:, 1].min()) - s, 0)          # the first column any row leaves open
         return Seen(cols=self.ar[lo:e - s], masked_cols=list(range(lo, e - s)), canvas=x.clone()), dict(
-            nfe=0, row_nfe=0, row_committed=0, fed=[], committed=[], edited=[], filled=[], calls_saved=0, guide_calls=0)
+            nfe=0, row_nfe=0, row_committed=0, calls_saved=0, guide_calls=0, **{k: [] for k in STATS_PER_CALL})
 
     def read(self, x, at: Step, p: S.Proposal, take, ended, seen: Seen, stats: dict) -> Seen:
         """The step's one host read: the hooks' answers checked (checks.step_rules), the stats, the open columns of the
@@ -165,23 +167,23 @@ class Plan:
         row's answer."""
         s, e = at.s, at.e
         open_ = self.undecided(x)                                            # (B, L) after this step
-        # (7,) bool on the device, one per rule a hook may break: non-finite logits; a proposal opening a decided
-        # position; opening one without logits; a selection outside the proposal; a change to a decided position; an
-        # ended row still open; a token outside the vocabulary. refuse_step names the hook.
+        # (7,) bool, a rule a hook broke: non-finite logits; a proposal opening a decided position, or one without
+        # logits; a selection outside it; a change to a decided position; an ended row open; a token outside the vocab.
         broken = checks.step_rules(x, at, p, take, ended, seen.canvas, open_, self)
         stats["row_nfe"] = stats["row_nfe"] + (at.masked.any(-1) if p.busy is None else p.busy)  # on the device
         stats["row_committed"] = stats["row_committed"] + take.sum(-1)
-        counts = torch.stack([p.open.any(), ended.all(), take.sum(), (x != seen.canvas).sum(),
-                              (torch.zeros_like(take) | p.edit).sum()])
+        written = torch.zeros_like(take) | p.edit                                # (B, N) the edits
+        renewed = (~(take | written)).sum() * (p.rest is not None)
+        filled = ((x != seen.canvas) & ~F.pad(take | written | (p.rest is not None), (s, x.shape[1] - e))).sum()
+        counts = torch.stack([p.open.any(), ended.all(), take.sum(), written.sum(), renewed, filled])
         open_cols = open_[:, s:self.next_end[s]].any(0)                    # (N + N',) the block's columns, the next's
         got = torch.cat([broken, counts, open_cols]).tolist()              # the one host read
         broken, got = got[:len(broken)], got[len(broken):]
         if any(broken):
             checks.refuse_step(*broken, at, self.step_rule, self.select, self.stop, self.cache)
-        (proposed, answer_ended, committed, changed, edits), got = got[:len(counts)], got[len(counts):]
+        (proposed, answer_ended, committed, edits, renewed, filled), got = got[:len(counts)], got[len(counts):]
         here, after = got[:e - s], got[e - s:]                              # open columns: the block's, the next's
-        for key, value in (("fed", at.fed.shape[0]), ("committed", committed), ("edited", edits),
-                           ("filled", changed - committed - edits)):
+        for key, value in zip(STATS_PER_CALL, (at.fed.shape[0], committed, edits, renewed, filled)):
             stats[key].append(value)
         stats.update(nfe=stats["nfe"] + 1, guide_calls=getattr(self.step_rule, "guide_calls", 0))
         # A block ends once none of it is open (for a rule that does not edit, max_post_steps 0: that alone; a canvas of
@@ -263,9 +265,9 @@ def make_plan(model, prompt, options: dict, attention_mask, generator, on_step=N
 def generate(model, prompt: torch.Tensor, *, attention_mask: torch.Tensor | None = None,
              generator: torch.Generator | None = None, on_step=None, **options):
     """Decode gen_length tokens after `prompt` (B, P) -> (ids (B, P + gen_length), stats: "nfe" (model calls),
-    "row_nfe", "row_committed", "row_length" (per row), "fed", "committed", "filled" (per call), "final" (per row:
-    its answer's tokens no later call changes once unmasked, for a stream), "calls_saved", "guide_calls",
-    "seconds", "answer_tokens", "tokens_per_s": README "Python API"). options: the fields of `Settings`.
+    "row_nfe", "row_committed", "row_length" (per row), STATS_PER_CALL, "final" (per row: its answer's tokens no later
+    call changes once unmasked, for a stream), "calls_saved", "guide_calls", "seconds", "answer_tokens",
+    "tokens_per_s": README "Python API"). options: the fields of `Settings`.
     attention_mask: (B, P) 1/0 for left-padded prompts: each row decodes as it would alone. generator: the only
     source of randomness (default: one seeded 0; DiffusionGemma: or one per row). on_step(x, stats): called after every
     step, the canvas in the layout of the ids it returns, not cut at an end token (Canvas.view; DiffusionGemma's:

@@ -221,3 +221,11 @@ def test_the_others_refuse_its_settings():
         generate(llada, torch.tensor([[1, 2, 3]]), gen_length=8, block_length=8, entropy_bound=0.2)
     with pytest.raises(ValueError, match="one generator per row is DiffusionGemma's"):
         generate(llada, torch.tensor([[1, 2, 3]]), gen_length=8, block_length=8, generator=[torch.Generator()])
+
+
+def test_the_renoise_is_counted_as_renewed_not_filled(dg):
+    """stats per call: a step's renoise (and a canvas's last argmax) is the step rule's `rest`, counted in "renewed";
+    "filled" is the stop rule's alone (none here); committed + renewed cover the canvas each call."""
+    _, st = generate(dg[torch.float32], torch.tensor([[5, 6, 7, 8, 9]]), gen_length=16, steps=6)
+    assert st["filled"] == [0] * st["nfe"] and st["edited"] == [0] * st["nfe"]
+    assert [c + r for c, r in zip(st["committed"], st["renewed"])] == [16] * st["nfe"] and min(st["renewed"]) > 0
