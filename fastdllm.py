@@ -186,10 +186,10 @@ class Plan:
         for key, value in zip(STATS_PER_CALL, (at.fed.shape[0], committed, edits, renewed, filled)):
             stats[key].append(value)
         stats.update(nfe=stats["nfe"] + 1, guide_calls=getattr(self.step_rule, "guide_calls", 0))
-        # A block ends once none of it is open (for a rule that does not edit, max_post_steps 0: that alone; a canvas of
-        # DiffusionGemma's once its step rule stops denoising it, GemmaStep.undecided), and for a rule that edits
-        # (LLaDA2.1's T2T) once its last call changed nothing too, or after its max_post_steps calls that found it all
-        # decided; or after exactly exact_steps calls (Dream's own sampler).
+        # A block ends once none of it is open: `not still` (LLaDA, Dream, v2, SDAR, LLaDA2.0: no edits, no exact steps,
+        # max_post_steps 0; DiffusionGemma: once GemmaStep.undecided empties, its canvas no longer denoising). A rule
+        # that edits (LLaDA2.1's T2T): also once its last call changed nothing, or after its max_post_steps calls that
+        # found it all decided. Dream's own sampler: after exactly exact_steps calls.
         still = [c for c, m in enumerate(here) if m]
         post = (seen.post if at.i else 0) + (not at.masked_cols)
         block_ended = at.i + 1 == self.exact_steps if self.exact_steps else not still and (
