@@ -29,20 +29,18 @@ ACCEPT_READS = {"accept_k": ("topk", "topk_relative"), "accept_ratio": ("topk_re
 
 
 class Guide:
-    """
-    A causal guide model and its KV cache of the committed text, for a batch verified together: one guide
-    forward per verification chunk serves every row, though rows commit different numbers of tokens. Slot i of
-    row b holds the keys/values of canvas position i, so each row's text sits where the canvas has it, whatever
-    its length or left padding; RoPE positions are per row (`pos`: real tokens count from 0) and pads are never
-    attended (`real`), so each row gets the numbers it would get alone.
+    """A causal guide model and its KV cache of the committed text, for a batch verified together: one guide forward per
+    verification chunk serves every row, though rows commit different numbers of tokens. Slot i of row b holds the
+    keys/values of canvas position i, so each row's text sits where the canvas has it, whatever its length or left
+    padding; RoPE positions are per row (`pos`: real tokens count from 0) and pads are never attended (`real`), so each
+    row gets the numbers it would get alone.
 
-    Invariant: row b's slots [0, length[b]) hold its committed text *except its last token*, at slot length[b]
-    (just before the first mask). A verification teacher-forces the drafted canvas from there: the last
-    committed token's slot predicts the first draft, draft i's slot predicts draft i+1, so one forward scores a
-    whole run of drafts (as in speculative decoding). Committed slots were computed on committed text, so
-    committing is moving `length` forward; a replaced draft's slot (speculative) lies past it and is fed again.
-    Finished rows leave the guide's batch (`rows` maps the guide's rows to the batch's).
-    """
+    Invariant: row b's slots [0, length[b]) hold its committed text *except its last token*, at slot length[b] (just
+    before the first mask). A verification teacher-forces the drafted canvas from there: the last committed token's slot
+    predicts the first draft, draft i's slot predicts draft i+1, so one forward scores a whole run of drafts (as in
+    speculative decoding). Committed slots were computed on committed text, so committing is moving `length` forward; a
+    replaced draft's slot (speculative) lies past it and is fed again. Finished rows leave the guide's batch (`rows`
+    maps the guide's rows to the batch's)."""
 
     def __init__(self, model, batch: int, max_len: int, pos=None, real=None):
         if not model.config.causal:
@@ -86,16 +84,14 @@ class Guide:
         return int(P > 1)
 
     def verify(self, drafted: torch.Tensor, accept, chunk: int = 32):
-        """
-        Score each row's drafts. drafted (B, L): the canvas with every open position drafted, row b's drafts at
-        [length[b] + 1, L); accept(logits (R, T, V), tokens (R, T)) -> bool (R, T): the rule (accept_drafts).
-        A row's fed text [last, d0, ..., d_{N-2}] goes in chunks of `chunk` (the official verify_batch_size, 32)
-        up to its first chunk with a rejection: n < N accepted drafts take n // chunk + 1 chunks, all N take
-        ceil(N / chunk). Batched, forward k feeds the span covering every undecided row's chunk k (the guide is
-        causal: re-fed verified slots get the same keys/values), so a step costs the most chunks of any row, one
-        host read each. -> (n (B,), at (B, V), calls): the accepted run from the first draft, the guide's logits
-        at the first rejected draft (zeros elsewhere), guide forwards. Leaves `length` alone (`commit`).
-        """
+        """Score each row's drafts. drafted (B, L): the canvas with every open position drafted, row b's drafts at
+        [length[b] + 1, L); accept(logits (R, T, V), tokens (R, T)) -> bool (R, T): the rule (accept_drafts). A row's
+        fed text [last, d0, ..., d_{N-2}] goes in chunks of `chunk` (the official verify_batch_size, 32) up to its first
+        chunk with a rejection: n < N accepted drafts take n // chunk + 1 chunks, all N take ceil(N / chunk). Batched,
+        forward k feeds the span covering every undecided row's chunk k (the guide is causal: re-fed verified slots get
+        the same keys/values), so a step costs the most chunks of any row, one host read each. -> (n (B,), at (B, V),
+        calls): the accepted run from the first draft, the guide's logits at the first rejected draft (zeros elsewhere),
+        guide forwards. Leaves `length` alone (`commit`)."""
         y = drafted[self.rows]                                      # (R, L)
         R, L = y.shape
         start = self.length                                         # (R,) slot of the last committed token
@@ -139,8 +135,7 @@ class Guide:
 
 def accept_drafts(logits, drafts, rule: str = "deterministic", k: int = 5, ratio: float = 0.95,
                   threshold: float = 0.1):
-    """
-    FlashDLM's verification, the verdicts only (the step commits the accepted run): does the causal guide agree
+    """FlashDLM's verification, the verdicts only (the step commits the accepted run): does the causal guide agree
     with each draft? logits (..., V): the guide's next-token logits at each draft's position; drafts (...) -> bool.
     - deterministic: the draft is the guide's argmax (what greedy decoding with the guide would write).
     - topk: the draft is among the guide's k most likely tokens (the official default k = 5).
@@ -150,8 +145,7 @@ def accept_drafts(logits, drafts, rule: str = "deterministic", k: int = 5, ratio
     - aggressive (the official constants): in the guide's top 5, or p(draft) > 0.05, or in its top-p 0.95 set
       (ids sorted by p, kept while their cumulative probability is <= 0.95).
     Decided on float32 probabilities, as the official code does (softmax, then argmax / topk / sort), so that
-    ties and underflow to 0 fall the same way.
-    """
+    ties and underflow to 0 fall the same way."""
     if rule not in ACCEPT_RULES:
         raise ValueError(f"unknown acceptance rule {rule!r}: use one of {', '.join(ACCEPT_RULES)}")
     p = logits.float().softmax(-1)                                            # (..., V)
@@ -178,15 +172,13 @@ def guide_token(logits, mask_id: int):
 
 
 def guided_commit(drafts, cand, n, fix, speculative: bool, eos):
-    """
-    What a guided step commits, per row. drafts (B, N): the diffusion model's argmax at the open columns cand
+    """What a guided step commits, per row. drafts (B, N): the diffusion model's argmax at the open columns cand
     (B, N), which run to the block's end (guided commits go left to right); n (B,): the accepted run from the
     first draft (Guide.verify); fix (B,): the guide's own token at the first rejected draft (guide_token).
     - assisted (FlashDLM's default): the accepted run, at least one draft: the model's text where the guide agrees.
     - speculative (the diffusion model as the drafter): the accepted run, then the guide's token for the rejected
       draft, so every committed token is one the rule lets the guide write (`deterministic`: its greedy text).
-    Cut after the first end token (eos ids). -> (x0 (B, N), take (B, N), ended (B,)).
-    """
+    Cut after the first end token (eos ids). -> (x0 (B, N), take (B, N), ended (B,))."""
     N = cand.shape[1]
     col = torch.arange(N, device=cand.device)
     rank = col - (N - cand.sum(-1, keepdim=True))           # 0 at each row's first open column
@@ -292,22 +284,13 @@ def check_accept(accept: str, given, name=lambda key: key):
 
 
 def check_guide(model_cfg: ModelConfig, guide_cfg: ModelConfig, model_tok=None, guide_tok=None):
-    """
-    Refuse, in one line that says why, a guide that does not share the diffusion model's token ids: the guide is
-    fed the model's ids as they are and its verdicts are compared id for id (re-tokenising through text, the
-    official fallback, is not one-to-one and is not done here). Rules, on the configs and, when given, the two
-    `tokenizers.Tokenizer`s (the real models need them):
-    - the guide is a causal LM and the model a diffusion LM;
-    - the guide has a row for every id the model can write: all ids of its tokenizer (without one, all its rows)
-      but the mask, never written. Rows past the tokenizer are padding, never text: Dream-7B has 152064 rows
-      and Qwen2.5-1.5B 151936, but both tokenizers end below 151936;
-    - the end-of-text id is the same token to both (the loop ends on the model's eos; the guide must see that
-      token to agree): without tokenizers, one of the guide's special ids (bos or eos); with them, the same
-      token behind the id. Dream ends with <|endoftext|>, 151643 in both tokenizers, which Qwen2.5-1.5B-Instruct's
-      config names as its bos (its eos is <|im_end|>);
-    - with tokenizers, every id both define is the same token, and an id only the diffusion tokenizer defines
-      is one of its special tokens (Dream adds <|beginoftext|> and <|mask|>).
-    """
+    """A guide that does not share the diffusion model's token ids, refused in one line: it is fed the model's ids
+    and its verdicts compared id for id (the official fallback, re-tokenising through text, is not one-to-one). On the
+    configs and, when given, both tokenizers: the guide is causal and the model is not; the guide has a row for every
+    id the model can write (its tokenizer's, but the mask: Dream-7B's 152064 rows and Qwen2.5-1.5B's 151936 are
+    padding past both tokenizers' ends); the end-of-text id is the same token to both (without tokenizers, one of
+    the guide's bos/eos ids: Dream's <|endoftext|> 151643 is Qwen2.5-1.5B-Instruct's bos); every id both tokenizers
+    define is the same token, and one only the model's defines is its special token (Dream's <|mask|>...)."""
     if not guide_cfg.causal:
         raise ValueError(f"the guide is a {guide_cfg.family} model, not a causal LM: pass a Qwen2-format "
                          f"checkpoint (model_type 'qwen2') as the guide")
