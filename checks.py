@@ -83,11 +83,11 @@ def guarded(step_rule, select, stop, cache, sees, reads_block: bool):
 
 def step_rules(x, at, p, take, ended, before, open_, plan) -> torch.Tensor:
     """The rules the hooks' answers of one step keep (fastdllm.Plan.read): their values as (7,) bool on the device,
-    brought back by the step's one read, for `refuse_step` to name the hook that broke one: non-finite logits; a proposal that opens a decided position (or edits an open one); one
-    that opens a position without logits this call; a selection outside the proposal; a change to a position that was
-    neither open nor the rule's edit of its answer; an ended row with a position still open; a token outside the
-    vocabulary (a stop rule's fill). before: the canvas as
-    the last step left it; open_: (B, L) the positions still open after this step."""
+    brought back by the step's one read, for `refuse_step` to name the hook that broke one: non-finite logits; a
+    proposal that opens a decided position (or edits an open one); one that opens a position without logits this call;
+    a selection outside the proposal; a change to a position that was neither open nor the rule's edit of its answer;
+    an ended row with a position still open; a token outside the vocabulary (a stop rule's fill). before: the canvas
+    as the last step left it; open_: (B, L) the positions still open after this step."""
     s, e = at.s, at.e
     edit = torch.zeros_like(take) | p.edit                                # (B, N): the step rule's edits (T2T)
     with_logits = torch.zeros_like(at.masked[0]).index_fill_(0, at.cols, True)       # (N,)

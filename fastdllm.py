@@ -172,10 +172,10 @@ class Plan:
         broken = checks.step_rules(x, at, p, take, ended, seen.canvas, open_, self)
         stats["row_nfe"] = stats["row_nfe"] + (at.masked.any(-1) if p.busy is None else p.busy)  # on the device
         stats["row_committed"] = stats["row_committed"] + take.sum(-1)
-        written = torch.zeros_like(take) | p.edit                                # (B, N) the edits
-        renewed = (~(take | written)).sum() * (p.rest is not None)
-        filled = ((x != seen.canvas) & ~F.pad(take | written | (p.rest is not None), (s, x.shape[1] - e))).sum()
-        counts = torch.stack([p.open.any(), ended.all(), take.sum(), written.sum(), renewed, filled])
+        changed, mine = x != seen.canvas, take | p.edit                      # (B, L); (B, N) the rule's writes
+        renewed = (changed[:, s:e] & ~mine).sum() * (p.rest is not None)    # the rule's rest (a renoise)
+        filled = (changed & ~F.pad(mine | (p.rest is not None), (s, x.shape[1] - e))).sum()   # the stop rule's
+        counts = torch.stack([p.open.any(), ended.all(), take.sum(), (mine & ~take).sum(), renewed, filled])
         open_cols = open_[:, s:self.next_end[s]].any(0)                    # (N + N',) the block's columns, the next's
         got = torch.cat([broken, counts, open_cols]).tolist()              # the one host read
         broken, got = got[:len(broken)], got[len(broken):]

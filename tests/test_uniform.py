@@ -224,8 +224,8 @@ def test_the_others_refuse_its_settings():
 
 
 def test_the_renoise_is_counted_as_renewed_not_filled(dg):
-    """stats per call: a step's renoise (and a canvas's last argmax) is the step rule's `rest`, counted in "renewed";
-    "filled" is the stop rule's alone (none here); committed + renewed cover the canvas each call."""
+    """stats per call: a step's renoise (and a canvas's last argmax) is the step rule's `rest`, counted in "renewed"
+    where it changed a token; "filled" is the stop rule's alone (none here)."""
     _, st = generate(dg[torch.float32], torch.tensor([[5, 6, 7, 8, 9]]), gen_length=16, steps=6)
-    assert st["filled"] == [0] * st["nfe"] and st["edited"] == [0] * st["nfe"]
-    assert [c + r for c, r in zip(st["committed"], st["renewed"])] == [16] * st["nfe"] and min(st["renewed"]) > 0
+    assert st["filled"] == [0] * st["nfe"] and st["edited"] == [0] * st["nfe"] and min(st["renewed"]) > 0
+    assert all(c + r <= 16 for c, r in zip(st["committed"], st["renewed"]))
